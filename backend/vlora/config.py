@@ -1,0 +1,164 @@
+"""Configuration: frozen dataclasses, validated when built, passed down through constructors.
+
+Sources, in order: the defaults below, a YAML file (``configs/serve/*.yaml``), then flat overrides
+``{"section.field": value}`` such as the parameters of ``model_repository/vlora/config.pbtxt`` that
+``vlora serve`` writes. Nothing is read from environment variables.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import yaml
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which LMM to serve. ``path=None`` is the embedded tiny model, generated on first use."""
+
+    path: Optional[str] = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available, else cpu
+    cache_dir: Optional[str] = None  # where the tiny model is generated; default ~/.cache/vlora
+    max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+                 f"model.device must be auto, cpu or cuda[:N], got {self.device!r}")
+        _require(self.max_model_len is None or self.max_model_len >= 16, "model.max_model_len must be >= 16")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Adapters: where they may be loaded from, and how many stay resident."""
+
+    adapter_root: Optional[str] = None  # default: the demo adapters of the tiny model
+    max_gpu_adapters: int = 8  # adapter slots in device memory (per target module buffers)
+    max_cpu_adapters: int = 64  # host-memory LRU tier
+    max_rank: int = 64
+    target_modules: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        _require(self.max_gpu_adapters >= 1, "lora.max_gpu_adapters must be >= 1")
+        _require(self.max_cpu_adapters >= self.max_gpu_adapters, "lora.max_cpu_adapters must be >= lora.max_gpu_adapters")
+        _require(1 <= self.max_rank <= 256, "lora.max_rank must be in [1, 256]")
+        bad = [t for t in self.target_modules if t not in LORA_TARGETS]
+        _require(not bad, f"lora.target_modules: unsupported {bad}; supported: {list(LORA_TARGETS)}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Admission and batching limits of the iteration loop."""
+
+    max_batch_size: int = 32  # MaxBS: running requests per step
+    max_num_batched_tokens: int = 2048  # prefill + decode tokens per step
+    max_waiting: int = 64  # admitted but not yet running; beyond this execute() waits (back-pressure)
+    admission_timeout_s: float = 30.0  # how long execute() waits for room before rejecting
+
+    def __post_init__(self) -> None:
+        _require(self.max_batch_size >= 1, "scheduler.max_batch_size must be >= 1")
+        _require(self.max_num_batched_tokens >= 16, "scheduler.max_num_batched_tokens must be >= 16")
+        _require(self.max_waiting >= 1, "scheduler.max_waiting must be >= 1")
+        _require(self.admission_timeout_s > 0, "scheduler.admission_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache."""
+
+    block_size: int = 16
+    num_blocks: Optional[int] = None  # default: sized from gpu_memory_fraction on CUDA, 4096 on CPU
+    gpu_memory_fraction: float = 0.85
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (8, 16, 32, 64, 128), "cache.block_size must be one of 8, 16, 32, 64, 128")
+        _require(self.num_blocks is None or self.num_blocks >= 1, "cache.num_blocks must be >= 1")
+        _require(0.05 <= self.gpu_memory_fraction <= 0.98, "cache.gpu_memory_fraction must be in [0.05, 0.98]")
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Bounds on what one request may carry. Refused before anything is queued."""
+
+    max_images: int = 8  # several images are video frames
+    max_image_bytes: int = 16 * 1024 * 1024  # encoded size of one image
+    max_image_pixels: int = 4096 * 4096  # decoded width * height; guards against decompression bombs
+    max_prompt_chars: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        _require(self.max_images >= 1, "limits.max_images must be >= 1")
+        _require(self.max_image_bytes >= 1024, "limits.max_image_bytes must be >= 1024")
+        _require(self.max_image_pixels >= 64 * 64, "limits.max_image_pixels must be >= 4096")
+        _require(self.max_prompt_chars >= 1, "limits.max_prompt_chars must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    limits: InputLimits = field(default_factory=InputLimits)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(sections))
+        _require(not unknown, f"unknown config section(s) {unknown}; known: {sorted(sections)}")
+        built = {}
+        for f in dataclasses.fields(cls):
+            sub = d.get(f.name) or {}
+            _require(isinstance(sub, Mapping), f"config section {f.name!r} must be a mapping")
+            built[f.name] = _build(type(getattr(cls(), f.name)), f.name, sub)
+        return cls(**built)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "EngineConfig":
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_dict(yaml.safe_load(fh) or {})
+
+    def with_overrides(self, flat: Mapping[str, Any]) -> "EngineConfig":
+        """Apply ``{"section.field": value}`` overrides; string values are parsed as YAML scalars."""
+        d = self.to_dict()
+        for key, value in flat.items():
+            section, _, name = key.partition(".")
+            _require(section in d and name in d[section], f"unknown config key {key!r}")
+            if isinstance(value, str):
+                value = None if value == "" else yaml.safe_load(value)
+            d[section][name] = value
+        return EngineConfig.from_dict(d)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _build(kind: type, section: str, values: Mapping[str, Any]):
+    names = {f.name: f for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - set(names))
+    _require(not unknown, f"{section}: unknown key(s) {unknown}; known: {sorted(names)}")
+    kw = dict(values)
+    for k, v in kw.items():
+        if isinstance(v, list):
+            kw[k] = tuple(v)
+    return kind(**kw)
+
+
+def default_cache_dir() -> Path:
+    """Where generated artefacts (the tiny model, demo adapters) live: ~/.cache/vlora."""
+    return Path.home() / ".cache" / "vlora"
