@@ -26,15 +26,11 @@ class LoraBatchMapping:
     seg_indptr_host: tuple[int, ...]
     seg_slot_host: tuple[int, ...]
     num_tokens: int
+    has_lora: bool  # False when no token uses an adapter: LoRA layers take the early exit
 
     @property
     def num_segments(self) -> int:
         return len(self.seg_slot_host)
-
-    @property
-    def has_lora(self) -> bool:
-        """False when no token uses an adapter: LoRA layers take the early exit."""
-        return any(s >= 0 and self.seg_indptr_host[i + 1] > self.seg_indptr_host[i] for i, s in enumerate(self.seg_slot_host))
 
     @classmethod
     def from_token_slots(cls, lengths: Sequence[int], slots: Sequence[int], device: torch.device | str = "cpu") -> "LoraBatchMapping":
@@ -65,4 +61,5 @@ class LoraBatchMapping:
             seg_indptr_host=indptr,
             seg_slot_host=slots,
             num_tokens=indptr[-1],
+            has_lora=any(s >= 0 and indptr[i + 1] > indptr[i] for i, s in enumerate(slots)),
         )
