@@ -58,7 +58,7 @@ class ModelRunner:
     """Owns the model on its device, the LoRA slot buffers inside it, and the KV cache."""
 
     def __init__(self, model: nn.Module, *, image_token_id: int, num_slots: int, max_rank: int,
-                 target_modules: tuple[str, ...], num_kv_blocks: int, block_size: int) -> None:
+                 target_modules: tuple[str, ...]) -> None:
         self.model = model
         self.image_token_id = image_token_id
         self.lm, self.lm_head = language_parts(model)
@@ -74,7 +74,7 @@ class ModelRunner:
         self.lora_ctx = LoraContext()
         self.lora_layers: dict[tuple[int, str], LoraLinear] = {}
         self._wrap_lora(target_modules, num_slots, max_rank)
-        self.kv = PagedKVCache(self.num_layers, num_kv_blocks, block_size, self.n_kv, self.head_dim, self.dtype, self.device)
+        self.kv: Optional[PagedKVCache] = None  # allocate_kv() once the weights and LoRA buffers are placed
         vcfg = model.config
         self.vision_feature_layer = vcfg.vision_feature_layer
         self.vision_select = vcfg.vision_feature_select_strategy
@@ -90,6 +90,24 @@ class ModelRunner:
                 wrapper = LoraLinear(base, self.lora_ctx, num_slots, max_rank)
                 setattr(parent, name, wrapper)
                 self.lora_layers[(i, name)] = wrapper
+
+    def allocate_kv(self, num_blocks: Optional[int], block_size: int, memory_fraction: float) -> PagedKVCache:
+        """Allocate the KV pool. ``num_blocks=None``: 4096 blocks on CPU; on CUDA, whatever keeps the
+        device's use under ``memory_fraction`` of its total after the weights and LoRA buffers."""
+        per_block = PagedKVCache.bytes_per_block(self.num_layers, block_size, self.n_kv, self.head_dim, self.dtype)
+        if num_blocks is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = free - (1.0 - memory_fraction) * total
+                num_blocks = int(budget // per_block)
+                if num_blocks < 16:
+                    raise MemoryError(f"KV cache: only {budget / 2**30:.2f} GiB left for the cache on {self.device}; "
+                                      "lower lora.max_gpu_adapters or raise cache.gpu_memory_fraction")
+            else:
+                num_blocks = 4096
+        self.kv = PagedKVCache(self.num_layers, num_blocks, block_size, self.n_kv, self.head_dim, self.dtype, self.device)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, block_size, num_blocks * per_block / 2**30)
+        return self.kv
 
     def module_dims(self) -> dict[str, tuple[int, int]]:
         """(d_in, d_out) of every LoRA-targetable projection."""

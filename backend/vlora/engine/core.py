@@ -1,0 +1,219 @@
+"""The iteration loop: continuous batching of prefill and decode, one packed forward per step.
+
+``LLMEngine`` is synchronous and single-threaded (the engine thread of :mod:`vlora.engine.async_engine`
+drives it; tests drive it directly). Each ``step()``:
+1. finishes cancelled requests;
+2. admits waiting requests FIFO while the batch (MaxBS), the token budget, the KV cache and the
+   adapter slots allow;
+3. runs one packed forward over every running request's new tokens, ordered by adapter slot so that
+   LoRA segments are contiguous;
+4. samples, applies stop conditions, and reports each request's new text through its callback.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from vlora.config import EngineConfig
+from vlora.engine.api import GenerationOutput, OutputCallback, SamplingParams
+from vlora.engine.kv_cache import SequenceBlocks
+from vlora.engine.metrics import EngineMetrics, NullMetrics
+from vlora.engine.model_runner import ModelRunner, SeqInput, StepResult
+from vlora.engine.sampler import make_generator, sample
+from vlora.lora.manager import LoraManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request: token ids, preprocessed images, and everything the loop needs."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    lora_name: Optional[str] = None
+    stream: bool = False
+    pixel_values: Optional[torch.Tensor] = None
+    image_keys: tuple[bytes, ...] = ()
+    task: Optional[str] = None
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Sequence:
+    req: PreparedRequest
+    callback: OutputCallback
+    max_len: int  # prompt + output tokens this request may reach
+    blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
+    slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of text already reported
+    generator: Optional[torch.Generator] = None
+    prefilled: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.req.prompt_ids) + len(self.output_ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, loras: LoraManager, tokenizer,
+                 max_model_len: int, eos_ids: set[int], metrics: Optional[EngineMetrics] = None) -> None:
+        self.config = config
+        self.runner = runner
+        self.loras = loras
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_ids = eos_ids
+        self.metrics = metrics or NullMetrics()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._aborted: set[str] = set()
+        self.last_step: Optional[dict] = None  # what the last step ran; read by tests and benchmarks
+
+    # -- queue -------------------------------------------------------------------------------
+    def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
+        max_len = min(self.max_model_len, len(req.prompt_ids) + req.sampling.max_tokens)
+        self.waiting.append(Sequence(req=req, callback=callback, max_len=max_len, generator=make_generator(req.sampling)))
+        self.metrics.request_admitted(req.lora_name)
+
+    def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> Optional[StepResult]:
+        self._process_aborts()
+        new = self._admit()
+        batch = sorted(self.running, key=lambda s: s.slot)
+        if not batch:
+            return None
+        t0 = time.perf_counter()
+        inputs = []
+        for s in batch:
+            if s.prefilled:
+                inputs.append(SeqInput([s.output_ids[-1]], s.num_tokens - 1, s.blocks, s.slot))
+            else:
+                inputs.append(SeqInput(s.req.prompt_ids, 0, s.blocks, s.slot, s.req.pixel_values, s.req.image_keys))
+        try:
+            result = self.runner.forward(inputs)
+        except Exception as e:  # a failed step fails its requests, not the server
+            log.exception("step failed")
+            for s in list(self.running):
+                self._finish(s, "error", error=f"internal error during inference: {e}")
+            return None
+        tokens = sample(result.logits, [s.req.sampling for s in batch], [s.generator for s in batch])
+        n_prefill = sum(len(s.req.prompt_ids) for s in batch if not s.prefilled)
+        self.last_step = {
+            "request_ids": [s.req.request_id for s in batch],
+            "num_prefill": sum(1 for s in batch if not s.prefilled),
+            "num_decode": sum(1 for s in batch if s.prefilled),
+            "slots": [s.slot for s in batch],
+            "admitted": [s.req.request_id for s in new],
+        }
+        for s, tok in zip(batch, tokens):
+            s.prefilled = True
+            s.output_ids.append(tok)
+            self._advance(s, tok)
+        self.metrics.step(len(batch), n_prefill, len(batch) - len(new), time.perf_counter() - t0)
+        self.metrics.queue_depth(len(self.running), len(self.waiting))
+        return result
+
+    def _admit(self) -> list[Sequence]:
+        sch = self.config.scheduler
+        budget = sch.max_num_batched_tokens - len(self.running)
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) < sch.max_batch_size:
+            s = self.waiting[0]
+            n = len(s.req.prompt_ids)
+            if n > budget and (admitted or self.running):
+                break  # a prompt larger than the whole budget still runs, alone
+            need = self.runner.kv.blocks_for(s.max_len)
+            if need > self.runner.kv.allocator.num_free:
+                if not self.running and not admitted and need > self.runner.kv.num_blocks:
+                    self.waiting.popleft()
+                    self._finish(s, "error", error=f"request needs {need} KV blocks, the cache has {self.runner.kv.num_blocks}")
+                    continue
+                break
+            slot = self.loras.acquire(s.req.lora_name)
+            if slot is None:
+                break  # every adapter slot is pinned by running requests; wait for one to finish
+            self.waiting.popleft()
+            s.slot = slot
+            s.blocks = SequenceBlocks(self.runner.kv.allocator.allocate(need))
+            self.running.append(s)
+            admitted.append(s)
+            budget -= n
+        return admitted
+
+    # -- stopping and reporting ----------------------------------------------------------------
+    def _advance(self, s: Sequence, tok: int) -> None:
+        sp = s.req.sampling
+        reason = None
+        if tok in self.eos_ids and not sp.ignore_eos:
+            reason = "stop"
+        text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+        if sp.stop:
+            cut = min((i for i in (text.find(x, max(0, s.sent - len(x))) for x in sp.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+        if reason is None and len(s.output_ids) >= sp.max_tokens:
+            reason = "length"
+        if reason is None and s.num_tokens >= s.max_len:
+            reason = "length"
+        s.text = text
+        if reason is not None:
+            self._finish(s, reason)
+        elif s.req.stream:
+            hold = max((len(x) for x in sp.stop), default=1) - 1
+            upto = len(text) - hold
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+                upto = min(upto, len(text) - 1)
+            if upto > s.sent:
+                self._emit(s, GenerationOutput(s.req.request_id, text[s.sent:upto], text[:upto], False,
+                                               num_input_tokens=len(s.req.prompt_ids), num_output_tokens=len(s.output_ids)))
+                s.sent = upto
+
+    def _finish(self, s: Sequence, reason: str, error: Optional[str] = None) -> None:
+        if s in self.running:
+            self.running.remove(s)
+        if s.blocks.blocks:
+            self.runner.kv.allocator.free(s.blocks.blocks)
+            s.blocks = SequenceBlocks()
+            self.loras.release(s.slot)
+        out = GenerationOutput(s.req.request_id, s.text[s.sent:], s.text, True, finish_reason=reason,
+                               num_input_tokens=len(s.req.prompt_ids), num_output_tokens=len(s.output_ids), error=error)
+        s.sent = len(s.text)
+        self.metrics.request_finished(s.req.lora_name, reason, len(s.output_ids))
+        self._emit(s, out)
+
+    def _emit(self, s: Sequence, out: GenerationOutput) -> None:
+        try:
+            s.callback(out)
+        except Exception:  # a broken consumer must not stop the loop
+            log.exception("output callback failed for %s", s.req.request_id)
+
+    def _process_aborts(self) -> None:
+        if not self._aborted:
+            return
+        ids, self._aborted = self._aborted, set()
+        for s in [x for x in self.running if x.req.request_id in ids]:
+            self._finish(s, "cancelled")
+        for s in [x for x in self.waiting if x.req.request_id in ids]:
+            self.waiting.remove(s)
+            self._finish(s, "cancelled")
+
+    def fail_all(self, reason: str, error: Optional[str] = None) -> None:
+        for s in list(self.running) + list(self.waiting):
+            if s in self.waiting:
+                self.waiting.remove(s)
+            self._finish(s, reason, error)
