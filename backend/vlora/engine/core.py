@@ -77,6 +77,8 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self._aborted: set[str] = set()
         self.last_step: Optional[dict] = None  # what the last step ran; read by tests and benchmarks
+        self.inputs = None  # the InputProcessor that prepares requests for this engine (set by build_engine)
+        self.model_info: dict = {}
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:

@@ -1,0 +1,89 @@
+"""Build an :class:`LLMEngine` from configuration: device, dtype, model, LoRA slots, KV cache, inputs."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from vlora.config import EngineConfig, default_cache_dir
+from vlora.engine.core import LLMEngine
+from vlora.engine.metrics import EngineMetrics
+from vlora.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device={name} but CUDA is not available here")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def resolve_model_and_adapters(config: EngineConfig) -> tuple[Path, Optional[Path]]:
+    """The model folder and adapter root; with no model given, the tiny model and its demo adapters."""
+    cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else default_cache_dir()
+    if config.model.path:
+        model_dir = Path(config.model.path)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model.path {model_dir} is not a folder")
+        root = Path(config.lora.adapter_root) if config.lora.adapter_root else None
+    else:
+        from vlora.lora.demo import ensure_demo_adapters
+        from vlora.models.tiny import ensure_tiny_model
+
+        model_dir = ensure_tiny_model(cache_dir)
+        root = Path(config.lora.adapter_root) if config.lora.adapter_root else ensure_demo_adapters(model_dir, cache_dir / "demo-adapters")
+    if root is not None and not root.is_dir():
+        raise FileNotFoundError(f"lora.adapter_root {root} is not a folder")
+    return model_dir, root
+
+
+def eos_token_ids(loaded) -> set[int]:
+    ids = set()
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    gen = getattr(loaded.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    return ids
+
+
+def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) -> LLMEngine:
+    from vlora.engine.inputs import InputProcessor
+    from vlora.lora.manager import LoraManager
+    from vlora.models.loader import load_llava
+
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    model_dir, adapter_root = resolve_model_and_adapters(config)
+    t0 = time.perf_counter()
+    loaded = load_llava(model_dir, dtype, device)
+    max_model_len = min(config.model.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    runner = ModelRunner(loaded.model, image_token_id=loaded.image_token_id, num_slots=config.lora.max_gpu_adapters,
+                         max_rank=config.lora.max_rank, target_modules=config.lora.target_modules)
+    runner.allocate_kv(config.cache.num_blocks, config.cache.block_size, config.cache.gpu_memory_fraction)
+    loras = LoraManager(adapter_root, runner.lora_layers, runner.num_layers, runner.module_dims(), config.lora)
+    engine = LLMEngine(config, runner, loras, loaded.tokenizer, max_model_len, eos_token_ids(loaded), metrics)
+    engine.inputs = InputProcessor(loaded, config.limits, loras, max_model_len)
+    engine.model_info = {"name": loaded.name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+                         "max_model_len": max_model_len, "model_dir": str(model_dir),
+                         "adapter_root": str(adapter_root) if adapter_root else None}
+    log.info("engine ready: %s on %s/%s in %.1fs, adapters at %s", loaded.name, device, dtype, time.perf_counter() - t0, adapter_root)
+    return engine
