@@ -1,0 +1,160 @@
+"""The iteration loop and its thread: batching, streaming, stop conditions, cancellation,
+back-pressure, adapter slots and shutdown, on the tiny model (CPU, fp32)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from vlora.config import EngineConfig
+from vlora.engine.api import EngineOverloaded, GenerationRequest, InvalidRequest, SamplingParams
+from vlora.engine.async_engine import AsyncEngine
+from vlora.engine.builder import build_engine
+
+
+def _cfg(tiny_model_dir, demo_adapter_root, **over):
+    base = {"model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cpu",
+            "model.dtype": "float32", "lora.max_rank": "32"}
+    base.update({k: str(v) for k, v in over.items()})
+    return EngineConfig().with_overrides(base)
+
+
+class Collector:
+    def __init__(self):
+        self.events = {}
+        self.done = {}
+        self.cv = threading.Condition()
+
+    def __call__(self, out):
+        with self.cv:
+            self.events.setdefault(out.request_id, []).append(out)
+            if out.finished:
+                self.done[out.request_id] = out
+                self.cv.notify_all()
+
+    def wait(self, n, timeout=60):
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.done) >= n, timeout), f"only {len(self.done)} of {n} finished"
+
+
+def req(rid, prompt="Count the circles.", lora=None, **sp):
+    sp.setdefault("max_tokens", 8)
+    return GenerationRequest(request_id=rid, prompt=prompt, lora_name=lora, sampling=SamplingParams(**sp))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, demo_adapter_root):
+    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root, **{"lora.max_gpu_adapters": 2}))
+    yield eng
+    eng.shutdown()
+
+
+def run_all(engine, reqs, stream=False):
+    col = Collector()
+    for r in reqs:
+        r.stream = stream
+        engine.submit(engine.prepare(r), col)
+    col.wait(len(reqs))
+    return col
+
+
+def test_concurrent_equals_sequential_with_slot_pressure(engine):
+    """Three adapters through two slots, plus base requests: batched answers equal one-at-a-time answers."""
+    names = [None, "demo-r8-qv", "demo-r16-attn", "demo-r32-mlp"]
+    reqs = [req(f"c{i}", prompt=f"Question {i}: how many?", lora=names[i % 4], ignore_eos=True) for i in range(8)]
+    together = run_all(engine, reqs).done
+    for i in range(8):
+        alone = run_all(engine, [req(f"s{i}", prompt=f"Question {i}: how many?", lora=names[i % 4], ignore_eos=True)]).done
+        assert alone[f"s{i}"].text == together[f"c{i}"].text
+        assert together[f"c{i}"].num_output_tokens == 8 and together[f"c{i}"].finish_reason == "length"
+    assert engine.engine.runner.kv.allocator.num_free == engine.engine.runner.kv.num_blocks  # every block came back
+
+
+def test_streaming_deltas_add_up(engine):
+    col = run_all(engine, [req("st", max_tokens=12, ignore_eos=True)], stream=True)
+    events = col.events["st"]
+    assert len(events) >= 2 and events[-1].finished and not any(e.finished for e in events[:-1])
+    assert "".join(e.text_delta for e in events) == events[-1].text
+    plain = run_all(engine, [req("st2", max_tokens=12, ignore_eos=True)]).done["st2"]
+    assert plain.text == events[-1].text
+
+
+def test_stop_string_cuts_text(engine):
+    full = run_all(engine, [req("f", max_tokens=16, ignore_eos=True)]).done["f"].text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("generated text has no usable stop string")
+    cut = run_all(engine, [req("g", max_tokens=16, ignore_eos=True, stop=[stop])]).done["g"]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.find(stop)]
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(engine):
+    a = run_all(engine, [req("t1", temperature=1.0, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)]).done["t1"].text
+    many = run_all(engine, [req(f"t{i}", temperature=1.0, top_p=0.9, seed=7 if i == 2 else i, max_tokens=10, ignore_eos=True)
+                            for i in range(2, 6)]).done
+    assert many["t2"].text == a
+
+
+def test_cancel_mid_generation(engine):
+    col = Collector()
+    engine.submit(engine.prepare(req("long", max_tokens=400, ignore_eos=True)), col)
+    time.sleep(0.2)
+    engine.cancel("long")
+    col.wait(1)
+    assert col.done["long"].finish_reason == "cancelled" and col.done["long"].num_output_tokens < 400
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(lora="no-such-adapter"), "unknown adapter"),
+    (dict(lora="../x"), "adapter"),
+    (dict(prompt="   "), "empty"),
+    (dict(prompt="word " * 5000), "context"),
+])
+def test_bad_requests_are_refused_before_queueing(engine, bad, message):
+    kw = {"prompt": "hi"} | bad
+    with pytest.raises(InvalidRequest, match=message):
+        engine.prepare(req("bad", **{k: v for k, v in kw.items() if k in ("prompt", "lora")}))
+
+
+def test_bad_images_are_refused(engine):
+    with pytest.raises(InvalidRequest, match="image 0"):
+        engine.prepare(GenerationRequest(request_id="img", prompt="<image> what?", images=[b"\x89PNG\r\n\x1a\nnot really"]))
+    with pytest.raises(InvalidRequest, match="too many images"):
+        engine.prepare(GenerationRequest(request_id="img", prompt="what?", images=[b"x"] * 9))
+
+
+def test_back_pressure_rejects_when_full(tiny_model_dir, demo_adapter_root):
+    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root, **{"scheduler.max_batch_size": 1, "scheduler.max_waiting": 1}))
+    try:
+        col = Collector()
+        eng.submit(eng.prepare(req("a", max_tokens=300, ignore_eos=True)), col)  # runs
+        time.sleep(0.1)
+        eng.submit(eng.prepare(req("b", max_tokens=4)), col)  # waits in the engine
+        with pytest.raises(EngineOverloaded):
+            eng.submit(eng.prepare(req("c", max_tokens=4)), col, timeout=0.2)
+        eng.cancel("a")
+        col.wait(2)
+        assert col.done["b"].finish_reason in ("length", "stop")
+    finally:
+        eng.shutdown()
+
+
+def test_shutdown_drains_in_flight(tiny_model_dir, demo_adapter_root):
+    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root))
+    col = Collector()
+    for i in range(4):
+        eng.submit(eng.prepare(req(f"d{i}", max_tokens=20, ignore_eos=True)), col)
+    eng.shutdown(timeout=60)
+    assert len(col.done) == 4 and all(o.finish_reason == "length" for o in col.done.values())
+    with pytest.raises(EngineOverloaded, match="shutting down"):
+        eng.submit(eng.prepare(req("late")), col)
+
+
+def test_prompt_longer_than_budget_still_runs(tiny_model_dir, demo_adapter_root):
+    eng = build_engine(_cfg(tiny_model_dir, demo_adapter_root, **{"scheduler.max_num_batched_tokens": 16}))
+    col = Collector()
+    eng.add_request(eng.inputs.prepare(req("big", prompt="many words " * 20, max_tokens=2)), col)
+    while eng.has_work():
+        eng.step()
+    assert col.done["big"].num_output_tokens == 2
