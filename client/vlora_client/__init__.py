@@ -1,0 +1,11 @@
+"""Client for vlora on Triton: a library (``VloraClient``) and the ``vlora-client`` command."""
+from vlora_client.client import (
+    GenerationResult,
+    StreamDelta,
+    VloraClient,
+    VloraClientError,
+    encode_image,
+    sampling_parameters,
+)
+
+__all__ = ["GenerationResult", "StreamDelta", "VloraClient", "VloraClientError", "encode_image", "sampling_parameters"]

@@ -1,0 +1,432 @@
+"""``vlora serve``: start the real Triton Inference Server on our model repository.
+
+Steps: resolve the engine configuration (defaults, ``--config`` YAML, flags, ``--set``); generate the
+tiny default model and its demo adapters when they are used; copy tritonserver with this Python's
+backend stub and a model repository whose config carries the settings into a workspace; start the
+server, wait until it is ready while reporting progress, print where to send requests, and forward
+SIGINT/SIGTERM so that the server drains in-flight requests before it exits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, TextIO
+
+from vlora.config import ConfigError, EngineConfig, default_cache_dir
+from vlora.server.repository import (
+    MODEL_NAME,
+    flat_overrides,
+    instance_group_for,
+    prepare_repository,
+    render_config,
+    source_repository,
+)
+from vlora.server.triton_dist import TritonDistribution, TritonNotFound
+
+
+class LaunchError(RuntimeError):
+    """The server could not be started; the message says why (and shows the log tail)."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything one launch needs. Engine settings end up in ``engine``; the rest is Triton's."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    host: str = "0.0.0.0"
+    max_queue_size: Optional[int] = None  # None: the committed config.pbtxt's value
+    workspace: Optional[Path] = None  # None: a temporary folder, removed after a clean exit
+    model_repository: Optional[Path] = None  # None: model_repository/ of this checkout
+    log_verbose: int = 0
+    startup_timeout_s: float = 900.0
+    exit_timeout_s: int = 30
+    prepare_defaults: bool = True  # generate the tiny model / demo adapters up front
+
+    def __post_init__(self) -> None:
+        ports = [self.http_port, self.grpc_port, self.metrics_port]
+        for p in ports:
+            if not 0 < p < 65536:
+                raise ConfigError(f"port {p} is out of range")
+        if len(set(ports)) != 3:
+            raise ConfigError(f"--http-port, --grpc-port and --metrics-port must differ, got {ports}")
+        if self.max_queue_size is not None and self.max_queue_size < 1:
+            raise ConfigError("--max-queue-size must be >= 1")
+
+    @property
+    def client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="DIR", help="local Hugging Face LLaVA folder (default: the embedded tiny random model)")
+    parser.add_argument("--adapters", metavar="DIR", help="adapter root: one PEFT folder per adapter (default: the demo adapters)")
+    parser.add_argument("--config", metavar="YAML", help="engine configuration file (see configs/serve/default.yaml)")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="engine setting as section.field=value, e.g. --set scheduler.max_waiting=8 (repeatable)")
+    parser.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights and activations dtype")
+    parser.add_argument("--max-batch-size", type=int, help="requests in one engine step (MaxBS)")
+    parser.add_argument("--max-queue-size", type=int, help="Triton ingress queue; overflow is rejected (default: config.pbtxt's)")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--host", default="0.0.0.0", help="address the three endpoints listen on (default: all)")
+    parser.add_argument("--workspace", metavar="DIR", help="where the server binary, model repository and log go (default: a temporary folder)")
+    parser.add_argument("--model-repository", metavar="DIR", help="model repository to serve (default: model_repository/ of this checkout)")
+    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to become ready")
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
+    flat: dict[str, object] = {}
+    if args.model:
+        flat["model.path"] = str(Path(args.model).expanduser().resolve())
+    if args.adapters:
+        flat["lora.adapter_root"] = str(Path(args.adapters).expanduser().resolve())
+    if args.device:
+        flat["model.device"] = args.device
+    if args.dtype:
+        flat["model.dtype"] = args.dtype
+    if args.max_batch_size is not None:
+        flat["scheduler.max_batch_size"] = args.max_batch_size
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        flat[key.strip()] = value
+    config = config.with_overrides(flat)
+    return ServeOptions(
+        engine=config,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        host=args.host,
+        max_queue_size=args.max_queue_size,
+        workspace=Path(args.workspace).resolve() if args.workspace else None,
+        model_repository=Path(args.model_repository).resolve() if args.model_repository else None,
+        log_verbose=args.log_verbose,
+        startup_timeout_s=args.startup_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``vlora serve``."""
+    out = sys.stdout
+    try:
+        options = options_from_args(args)
+        server = TritonServer(options, out=out)
+        server.start()
+    except (ConfigError, TritonNotFound, LaunchError, FileNotFoundError) as e:
+        print(f"vlora serve: {e}", file=sys.stderr, flush=True)
+        return 2
+    return server.serve_forever()
+
+
+def prepare_default_artifacts(config: EngineConfig, out: TextIO) -> tuple[Optional[str], Optional[str]]:
+    """Generate the tiny model and demo adapters now, with progress, when the config uses them.
+
+    The engine generates them on load too, in the same places; doing it here shows what is
+    happening before the server starts. Returns (model folder, adapter root) as the engine will see them.
+    """
+    if config.model.path is not None:
+        return config.model.path, config.lora.adapter_root
+    try:
+        from vlora.lora.demo import ensure_demo_adapters
+        from vlora.models.tiny import ensure_tiny_model
+    except ImportError:  # the engine reports it when it loads
+        return None, config.lora.adapter_root
+    cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else default_cache_dir()
+    _say(out, f"preparing the embedded tiny model in {cache_dir} (first run only) ...")
+    t0 = time.monotonic()
+    model_dir = ensure_tiny_model(cache_dir)
+    _say(out, f"  tiny model: {model_dir} ({time.monotonic() - t0:.1f}s)")
+    if config.lora.adapter_root is not None:
+        return str(model_dir), config.lora.adapter_root
+    t0 = time.monotonic()
+    root = ensure_demo_adapters(model_dir, cache_dir / "demo-adapters")
+    _say(out, f"  demo adapters: {root} ({time.monotonic() - t0:.1f}s)")
+    return str(model_dir), str(root)
+
+
+def list_adapter_names(adapter_root: Optional[str]) -> list[str]:
+    if not adapter_root or not Path(adapter_root).is_dir():
+        return []
+    return sorted(p.name for p in Path(adapter_root).iterdir() if (p / "adapter_config.json").is_file())
+
+
+class TritonServer:
+    """One tritonserver process serving the vlora model."""
+
+    def __init__(self, options: ServeOptions, out: TextIO = sys.stdout) -> None:
+        self.options = options
+        self._out = out
+        self._proc: Optional[subprocess.Popen] = None
+        self._workspace: Optional[Path] = None
+        self._temporary_workspace = options.workspace is None
+        self._log_path: Optional[Path] = None
+        self._stopping = False
+        self.engine_config = options.engine
+        self.model_dir: Optional[str] = options.engine.model.path
+        self.adapter_root: Optional[str] = options.engine.lora.adapter_root
+
+    @property
+    def log_path(self) -> Optional[Path]:
+        return self._log_path
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.options.client_host}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.options.client_host}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.options.client_host}:{self.options.metrics_port}/metrics"
+
+    def start(self) -> None:
+        """Prepare everything, start tritonserver, and return once it is ready (or raise LaunchError)."""
+        opts = self.options
+        dist = TritonDistribution.locate()
+        for port in (opts.http_port, opts.grpc_port, opts.metrics_port):
+            _check_port_free(opts.host, port)
+        source = opts.model_repository or source_repository()
+        template_path = source / MODEL_NAME / "config.pbtxt"
+        if not template_path.is_file():
+            raise LaunchError(
+                f"model repository not found at {source} (expected {template_path}); "
+                "run from a source checkout or pass --model-repository"
+            )
+        if opts.prepare_defaults:
+            self.model_dir, self.adapter_root = prepare_default_artifacts(opts.engine, self._out)
+
+        if opts.workspace is None:
+            self._workspace = Path(tempfile.mkdtemp(prefix="vlora-serve-"))
+        else:
+            self._workspace = opts.workspace
+            self._workspace.mkdir(parents=True, exist_ok=True)
+        ws = self._workspace
+        binary, backends = dist.install(ws / "tritonserver")
+        device = self.engine_config.model.device
+        config_text = render_config(
+            template_path.read_text(encoding="utf-8"),
+            parameters=flat_overrides(self.engine_config),
+            max_queue_size=opts.max_queue_size,
+            instance_group=instance_group_for(device),
+        )
+        repo = prepare_repository(source, ws / "model_repository", config_text)
+        self._log_path = ws / "tritonserver.log"
+
+        cmd = [
+            str(binary),
+            f"--model-repository={repo}",
+            f"--backend-directory={backends}",
+            f"--http-port={opts.http_port}",
+            f"--grpc-port={opts.grpc_port}",
+            f"--metrics-port={opts.metrics_port}",
+            f"--http-address={opts.host}",
+            f"--grpc-address={opts.host}",
+            f"--metrics-address={opts.host}",
+            f"--log-verbose={opts.log_verbose}",
+            f"--exit-timeout-secs={opts.exit_timeout_s}",
+            "--allow-gpu-metrics=false",
+        ]
+        _say(self._out, f"starting tritonserver (workspace {ws}, log {self._log_path})")
+        log = open(self._log_path, "wb")
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dist.environment(dict(os.environ)),
+                cwd=str(ws),
+                start_new_session=True,  # a terminal's Ctrl-C reaches us; we forward it once
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            log.close()
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        opts = self.options
+        t0 = time.monotonic()
+        last_report = t0
+        url = f"{self.http_url}/v2/models/{MODEL_NAME}/ready"
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise LaunchError(f"tritonserver exited with code {code} before it was ready.\n{self.failure_report()}")
+            if _http_ok(url):
+                break
+            now = time.monotonic()
+            if now - t0 > opts.startup_timeout_s:
+                self.stop()
+                raise LaunchError(f"tritonserver was not ready after {opts.startup_timeout_s:.0f}s.\n{self.failure_report()}")
+            if now - last_report >= 5.0:
+                last_report = now
+                _say(self._out, f"  waiting for the model to load ({now - t0:.0f}s) {self._progress_line()}")
+            time.sleep(0.25)
+        _say(self._out, f"tritonserver is ready ({time.monotonic() - t0:.1f}s)")
+
+    def _progress_line(self) -> str:
+        """The newest vlora line of the server log, to show what loading is doing."""
+        for line in reversed(self.log_tail(200).splitlines()):
+            if "vlora" in line:
+                return "| " + line.split('] ', 1)[-1].strip().strip('"')[:160]
+        return ""
+
+    def failure_report(self) -> str:
+        """The log's error lines (the cause, usually) and its last lines."""
+        text = self.log_tail(2000)
+        errors = [ln for ln in text.splitlines() if ln.startswith("E") and ln[1:5].isdigit() or "Error:" in ln]
+        parts = []
+        if errors:
+            parts.append(f"--- errors in {self._log_path} ---")
+            parts.extend(e[:800] for e in errors[-8:])
+        parts.append(f"--- last lines of {self._log_path} ---")
+        parts.append(self.log_tail(25))
+        return "\n".join(parts)
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        with open(self._log_path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 256 * 1024))
+            text = fh.read().decode("utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def banner(self) -> str:
+        adapters = list_adapter_names(self.adapter_root)
+        model = self.model_dir or "the embedded tiny model"
+        if self.engine_config.model.path is None:
+            model += " (the embedded tiny RANDOM model: its answers are meaningless text)"
+        example_lora = adapters[0] if adapters else None
+        body = {"text_input": "Describe the image.", "sampling_parameters": json.dumps({"max_tokens": 16})}
+        if example_lora:
+            body["lora_name"] = example_lora
+        lines = [
+            "",
+            f"vlora is serving model '{MODEL_NAME}': {model}",
+            f"  adapters: {', '.join(adapters) if adapters else '(none found)'}",
+            f"  HTTP     {self.http_url}/v2/models/{MODEL_NAME}/generate   (streaming: .../generate_stream)",
+            f"  gRPC     {self.grpc_url}   (tritonclient streaming RPC, model '{MODEL_NAME}')",
+            f"  metrics  {self.metrics_url}",
+            f"  log      {self._log_path}",
+            "  try:",
+            f"    curl -s -X POST {self.http_url}/v2/models/{MODEL_NAME}/generate -d '{json.dumps(body)}'",
+            f"    vlora-client --url {self.grpc_url} --prompt 'Describe the image.'"
+            + (f" --lora {example_lora}" if example_lora else "") + " --stream",
+            "Press Ctrl-C to stop (in-flight requests are drained first).",
+            "",
+        ]
+        return "\n".join(lines)
+
+    def serve_forever(self) -> int:
+        """Print the banner, then wait for the server; SIGINT/SIGTERM drain and stop it."""
+        _say(self._out, self.banner())
+
+        def forward(signum, _frame):
+            if not self._stopping:
+                self._stopping = True
+                _say(self._out, f"received {signal.Signals(signum).name}: draining in-flight requests and stopping ...")
+                self._signal(signal.SIGTERM)
+            else:
+                _say(self._out, "second signal: killing tritonserver")
+                self._signal(signal.SIGKILL)
+
+        signal.signal(signal.SIGINT, forward)
+        signal.signal(signal.SIGTERM, forward)
+        code = self._proc.wait()
+        if code != 0 and not self._stopping:
+            _say(self._out, f"tritonserver exited with code {code}.\n{self.failure_report()}")
+        elif code != 0:
+            _say(self._out, f"tritonserver stopped with code {code} (log: {self._log_path})")
+        else:
+            _say(self._out, "tritonserver stopped")
+        self._cleanup(code == 0)
+        return 0 if self._stopping and code in (0, -signal.SIGTERM) else code
+
+    def _signal(self, sig: int) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                self._proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """Drain and stop the server (SIGTERM, then SIGKILL after ``timeout``). Returns its exit code."""
+        if self._proc is None:
+            return 0
+        self._stopping = True
+        self._signal(signal.SIGTERM)
+        try:
+            code = self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            code = self._proc.wait()
+        self._cleanup(code == 0)
+        return code
+
+    def _cleanup(self, clean: bool) -> None:
+        if clean and self._temporary_workspace and self._workspace is not None:
+            shutil.rmtree(self._workspace, ignore_errors=True)
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _say(out: TextIO, text: str) -> None:
+    out.write(text + "\n")
+    out.flush()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host if host not in ("", "::") else "0.0.0.0", port))
+        except OSError as e:
+            raise LaunchError(f"port {port} on {host} is not free ({e.strerror}); choose another with the port flags") from None
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launcher dies, so no server outlives it (Linux only)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

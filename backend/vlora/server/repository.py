@@ -1,0 +1,99 @@
+"""Prepare a runnable copy of ``model_repository/`` whose config carries this launch's settings.
+
+The committed ``config.pbtxt`` runs unchanged with defaults. A launch writes a copy with
+``parameters`` holding the flat ``section.field`` engine overrides (read back by ``model.py`` through
+``EngineConfig.with_overrides``), the ingress queue size, and the instance placement.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from vlora.config import EngineConfig
+
+MODEL_NAME = "vlora"
+
+_QUEUE_RE = re.compile(r"max_queue_size:\s*\d+")
+_INSTANCE_RE = re.compile(r"instance_group\s*\[\s*\{[^}]*\}\s*\]")
+
+
+def source_repository() -> Path:
+    """``model_repository/`` of the source checkout this package is installed from."""
+    return Path(__file__).resolve().parents[3] / "model_repository"
+
+
+def flat_overrides(config: EngineConfig, base: Optional[EngineConfig] = None) -> dict[str, str]:
+    """The ``section.field`` values where ``config`` differs from ``base``, as YAML scalars.
+
+    Values are JSON-encoded (JSON is YAML), so a path such as ``2024`` stays a string when read back.
+    ``None`` is written as the empty string, which ``with_overrides`` reads as ``None``.
+    """
+    base = base or EngineConfig()
+    mine, theirs = config.to_dict(), base.to_dict()
+    out: dict[str, str] = {}
+    for section, fields in mine.items():
+        for name, value in fields.items():
+            if theirs[section][name] != value:
+                out[f"{section}.{name}"] = "" if value is None else json.dumps(_plain(value))
+    return out
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def instance_group_for(device: str) -> Optional[str]:
+    """The ``instance_group`` block for a device setting; None keeps the committed one (auto)."""
+    if device == "cpu":
+        return "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]"
+    if device == "cuda":
+        return "instance_group [\n  {\n    count: 1\n    kind: KIND_GPU\n  }\n]"
+    if device.startswith("cuda:"):
+        index = int(device.split(":", 1)[1])
+        return f"instance_group [\n  {{\n    count: 1\n    kind: KIND_GPU\n    gpus: [ {index} ]\n  }}\n]"
+    return None
+
+
+def render_config(
+    template: str,
+    parameters: Mapping[str, str],
+    max_queue_size: Optional[int] = None,
+    instance_group: Optional[str] = None,
+) -> str:
+    """``template`` (config.pbtxt text) with the queue size, instance group and parameters applied."""
+    text = template
+    if max_queue_size is not None:
+        text, n = _QUEUE_RE.subn(f"max_queue_size: {int(max_queue_size)}", text)
+        if n != 1:
+            raise ValueError("config.pbtxt must contain exactly one max_queue_size setting")
+    if instance_group is not None:
+        text, n = _INSTANCE_RE.subn(instance_group, text)
+        if n != 1:
+            raise ValueError("config.pbtxt must contain exactly one single-entry instance_group block")
+    if parameters:
+        lines = ["", "# Written by `vlora serve`."]
+        for key, value in parameters.items():
+            lines.append(f"parameters {{ key: {_pbtxt_string(key)} value: {{ string_value: {_pbtxt_string(value)} }} }}")
+        text = text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+    return text
+
+
+def _pbtxt_string(s: str) -> str:
+    escaped = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def prepare_repository(source: Path, dest: Path, config_text: str) -> Path:
+    """Copy the ``vlora`` model of ``source`` into ``dest`` with ``config_text`` as its config."""
+    src_model = source / MODEL_NAME
+    if not (src_model / "config.pbtxt").is_file() or not (src_model / "1" / "model.py").is_file():
+        raise FileNotFoundError(f"{src_model} is not a vlora model (config.pbtxt and 1/model.py expected)")
+    dst_model = dest / MODEL_NAME
+    if dst_model.exists():
+        shutil.rmtree(dst_model)
+    shutil.copytree(src_model, dst_model, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (dst_model / "config.pbtxt").write_text(config_text, encoding="utf-8")
+    return dest

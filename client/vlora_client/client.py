@@ -1,0 +1,283 @@
+"""A client for the vlora model on Triton: gRPC streaming through tritonclient, or HTTP generate.
+
+Only the documented wire names are used (the Triton vLLM backend's): inputs ``text_input``,
+``image`` (base64), ``stream``, ``sampling_parameters`` (JSON, carrying ``lora_name`` too);
+outputs ``text_output``, ``finish_reason``, ``num_input_tokens``, ``num_output_tokens``.
+Anything that speaks KServe v2 to Triton can send the same requests.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import queue
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+ImageInput = Union[str, os.PathLike, bytes]
+DEFAULT_MODEL = "vlora"
+DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
+
+
+class VloraClientError(RuntimeError):
+    """The server refused or failed a request; the message is the server's."""
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    finish_reason: Optional[str]
+    num_input_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """One streamed piece. ``finish_reason`` is set on the last one."""
+
+    text: str
+    finish_reason: Optional[str] = None
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+def encode_image(image: ImageInput) -> str:
+    """A path or encoded image bytes (PNG, JPEG...) -> base64 text, as the ``image`` input expects."""
+    data = image if isinstance(image, (bytes, bytearray)) else Path(image).read_bytes()
+    return base64.b64encode(bytes(data)).decode("ascii")
+
+
+def sampling_parameters(
+    max_tokens: Optional[int] = None,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
+    seed: Optional[int] = None,
+    stop: Optional[Union[str, Sequence[str]]] = None,
+    lora_name: Optional[str] = None,
+) -> dict:
+    """The ``sampling_parameters`` JSON object, with vLLM's names; unset values are left out."""
+    params: dict = {}
+    for key, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            params[key] = value
+    if stop:
+        params["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if lora_name:
+        params["lora_name"] = lora_name
+    return params
+
+
+class VloraClient:
+    """``VloraClient("localhost:8001")`` (gRPC) or ``VloraClient("localhost:8000", protocol="http")``.
+
+    Each call opens its own stream or HTTP request, so one client may be used from several threads.
+    """
+
+    def __init__(self, url: Optional[str] = None, protocol: str = "grpc", model: str = DEFAULT_MODEL,
+                 timeout_s: float = 300.0) -> None:
+        if protocol not in DEFAULT_URLS:
+            raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+        self.protocol = protocol
+        self.url = url or DEFAULT_URLS[protocol]
+        self.model = model
+        self.timeout_s = timeout_s
+        if protocol == "grpc":
+            import tritonclient.grpc  # noqa: F401  (fail early with a clear ImportError)
+
+    # -- public API ----------------------------------------------------------------------------
+    def generate(self, prompt: str, images: Sequence[ImageInput] = (), lora_name: Optional[str] = None,
+                 max_tokens: Optional[int] = None, temperature: Optional[float] = None, top_p: Optional[float] = None,
+                 seed: Optional[int] = None, stop: Optional[Union[str, Sequence[str]]] = None,
+                 stream: bool = False) -> GenerationResult:
+        """One answer. ``stream=True`` asks the server to stream and joins the pieces here."""
+        params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name)
+        encoded = [encode_image(i) for i in images]
+        if stream:
+            return _join(self._stream(prompt, encoded, params, stream=True))
+        if self.protocol == "http":
+            return self._http_generate(prompt, encoded, params)
+        return _join(self._stream(prompt, encoded, params, stream=False))
+
+    def generate_stream(self, prompt: str, images: Sequence[ImageInput] = (), lora_name: Optional[str] = None,
+                        max_tokens: Optional[int] = None, temperature: Optional[float] = None,
+                        top_p: Optional[float] = None, seed: Optional[int] = None,
+                        stop: Optional[Union[str, Sequence[str]]] = None) -> Iterator[StreamDelta]:
+        """Stream the answer as it is generated. Closing the iterator early cancels the request."""
+        params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name)
+        return self._stream(prompt, [encode_image(i) for i in images], params, stream=True)
+
+    def is_ready(self) -> bool:
+        try:
+            if self.protocol == "http":
+                with urllib.request.urlopen(f"{self._http_base()}/v2/models/{self.model}/ready", timeout=5) as r:
+                    return r.status == 200
+            import tritonclient.grpc as grpcclient
+
+            with grpcclient.InferenceServerClient(self.url) as c:
+                return bool(c.is_model_ready(self.model))
+        except Exception:
+            return False
+
+    # -- transports ----------------------------------------------------------------------------
+    def _stream(self, prompt: str, images: list[str], params: dict, stream: bool) -> Iterator[StreamDelta]:
+        if self.protocol == "http":
+            return self._http_stream(prompt, images, params, stream)
+        return self._grpc_stream(prompt, images, params, stream)
+
+    def _grpc_stream(self, prompt: str, images: list[str], params: dict, stream: bool) -> Iterator[StreamDelta]:
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        inputs = build_grpc_inputs(prompt, images, params, stream)
+        events: "queue.Queue" = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.url)
+        finished = False
+        try:
+            client.start_stream(callback=lambda result, error: events.put((result, error)))
+            client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex,
+                                      enable_empty_final_response=True)
+            while True:
+                try:
+                    result, error = events.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    raise VloraClientError(f"no response within {self.timeout_s}s") from None
+                if error is not None:
+                    finished = True
+                    message = error.message() if isinstance(error, InferenceServerException) else str(error)
+                    raise VloraClientError(message)
+                response = result.get_response()
+                final = response.parameters["triton_final_response"].bool_param
+                if response.outputs:
+                    yield _delta_from(result.as_numpy)
+                if final:
+                    finished = True
+                    return
+        finally:
+            try:
+                client.stop_stream(cancel_requests=not finished)
+            finally:
+                client.close()
+
+    def _http_base(self) -> str:
+        return self.url if self.url.startswith(("http://", "https://")) else f"http://{self.url}"
+
+    def _http_body(self, prompt: str, images: list[str], params: dict, stream: bool) -> bytes:
+        body: dict = {"text_input": prompt, "stream": stream}
+        if images:
+            body["image"] = images
+        if params:
+            body["sampling_parameters"] = json.dumps(params)
+        return json.dumps(body).encode("utf-8")
+
+    def _http_generate(self, prompt: str, images: list[str], params: dict) -> GenerationResult:
+        url = f"{self._http_base()}/v2/models/{self.model}/generate"
+        req = urllib.request.Request(url, data=self._http_body(prompt, images, params, False),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                payload = json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            raise VloraClientError(_http_error_message(e)) from None
+        if "error" in payload:
+            raise VloraClientError(payload["error"])
+        d = _delta_from_json(payload)
+        return GenerationResult(d.text, d.finish_reason, d.num_input_tokens, d.num_output_tokens)
+
+    def _http_stream(self, prompt: str, images: list[str], params: dict, stream: bool) -> Iterator[StreamDelta]:
+        url = f"{self._http_base()}/v2/models/{self.model}/generate_stream"
+        req = urllib.request.Request(url, data=self._http_body(prompt, images, params, stream),
+                                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+        try:
+            resp = urllib.request.urlopen(req, timeout=self.timeout_s)
+        except urllib.error.HTTPError as e:
+            raise VloraClientError(_http_error_message(e)) from None
+        with resp:
+            for raw in resp:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = json.loads(line[5:].strip())
+                if "error" in payload:
+                    raise VloraClientError(payload["error"])
+                delta = _delta_from_json(payload)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+
+
+def build_grpc_inputs(prompt: str, images: Sequence[str], params: dict, stream: bool) -> list:
+    """tritonclient.grpc InferInputs for one request (images already base64)."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name: str, array: np.ndarray, dtype: str):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+
+    inputs = [
+        tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
+        tensor("stream", np.array([stream], dtype=bool), "BOOL"),
+    ]
+    if images:
+        inputs.append(tensor("image", np.array([i.encode("ascii") for i in images], dtype=np.object_), "BYTES"))
+    if params:
+        inputs.append(tensor("sampling_parameters", np.array([json.dumps(params).encode("utf-8")], dtype=np.object_), "BYTES"))
+    return inputs
+
+
+def _scalar(value, default=None):
+    if value is None:
+        return default
+    arr = np.asarray(value).reshape(-1)
+    if arr.size == 0:
+        return default
+    item = arr[0]
+    return item.decode("utf-8") if isinstance(item, bytes) else item.item() if isinstance(item, np.generic) else item
+
+
+def _delta_from(as_numpy) -> StreamDelta:
+    text = _scalar(as_numpy("text_output"), "")
+    return StreamDelta(
+        text=text,
+        finish_reason=_scalar(as_numpy("finish_reason")),
+        num_input_tokens=int(_scalar(as_numpy("num_input_tokens"), 0)),
+        num_output_tokens=int(_scalar(as_numpy("num_output_tokens"), 0)),
+    )
+
+
+def _delta_from_json(payload: dict) -> StreamDelta:
+    def first(key, default=None):
+        value = payload.get(key, default)
+        return value[0] if isinstance(value, list) and value else value
+
+    return StreamDelta(
+        text=first("text_output", "") or "",
+        finish_reason=first("finish_reason"),
+        num_input_tokens=int(first("num_input_tokens", 0) or 0),
+        num_output_tokens=int(first("num_output_tokens", 0) or 0),
+    )
+
+
+def _join(deltas: Iterator[StreamDelta]) -> GenerationResult:
+    parts, finish, n_in, n_out = [], None, 0, 0
+    for d in deltas:
+        parts.append(d.text)
+        n_in = d.num_input_tokens or n_in
+        n_out += d.num_output_tokens
+        if d.finish_reason is not None:
+            finish = d.finish_reason
+    return GenerationResult("".join(parts), finish, n_in, n_out)
+
+
+def _http_error_message(e: urllib.error.HTTPError) -> str:
+    body = e.read().decode("utf-8", errors="replace")
+    try:
+        return json.loads(body).get("error", body)
+    except (json.JSONDecodeError, AttributeError):
+        return body or str(e)

@@ -1,0 +1,420 @@
+"""The Triton model: a thin adapter between Triton's request objects and the vlora engine.
+
+execute() validates each request and submits it to the engine, which runs on its own thread. The
+engine reports every event through a callback that only enqueues; a response thread sends the
+responses and watches for cancelled requests. finalize() drains the engine and joins the threads.
+
+Wire format (the Triton vLLM backend's): inputs text_input, image (base64, one or more), stream,
+sampling_parameters (JSON), exclude_input_in_output; lora_name in the request parameters or in
+sampling_parameters. Outputs text_output, finish_reason, num_input_tokens, num_output_tokens.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from vlora.config import EngineConfig
+from vlora.engine import AsyncEngine
+from vlora.engine.api import (
+    EngineOverloaded,
+    GenerationOutput,
+    GenerationRequest,
+    InvalidRequest,
+    SamplingParams,
+)
+
+BASE_LABEL = "__base__"  # the lora_name label of requests without an adapter
+CANCEL_POLL_S = 0.25  # how often in-flight requests are checked for client cancellation
+# Request parameters that are not sampling options; accepted and ignored (clients of the vLLM
+# backend send "stream" there, and the input tensor decides).
+IGNORED_PARAMETERS = ("stream",)
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos") + SamplingParams.EXTRA_KEYS
+
+
+class TritonModelMetrics:
+    """EngineMetrics on Triton's metrics endpoint through pb_utils.MetricFamily.
+
+    The engine calls these from its own thread; every update is queued and applied on a metrics
+    thread, so the engine never waits on the stub's IPC to the server.
+    """
+
+    BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+
+    def __init__(self, model_name: str, version: str) -> None:
+        self._labels = {"model": model_name, "version": version}
+        fam = pb_utils.MetricFamily
+        # Families must stay referenced: Triton drops a family's metrics when it is collected.
+        self._families = {
+            "requests": fam("vlora_requests_total", "Requests admitted by the engine, per adapter", fam.COUNTER),
+            "finished": fam("vlora_requests_finished_total", "Requests finished, per adapter and finish reason", fam.COUNTER),
+            "output_tokens": fam("vlora_output_tokens_total", "Generated tokens, per adapter", fam.COUNTER),
+            "steps": fam("vlora_engine_steps_total", "Engine iterations (one packed decoder forward each)", fam.COUNTER),
+            "prefill": fam("vlora_prefill_tokens_total", "Prompt tokens processed in engine steps", fam.COUNTER),
+            "decode": fam("vlora_decode_tokens_total", "Decode tokens processed in engine steps", fam.COUNTER),
+            "batch_last": fam("vlora_batch_size", "Requests in the most recent engine step", fam.GAUGE),
+            "batch_hist": fam("vlora_batch_size_per_step", "Requests per engine step", fam.HISTOGRAM),
+            "step_hist": fam("vlora_step_duration_seconds", "Duration of one engine step", fam.HISTOGRAM),
+            "running": fam("vlora_running_requests", "Requests in the running batch", fam.GAUGE),
+            "waiting": fam("vlora_waiting_requests", "Requests admitted and waiting for the running batch", fam.GAUGE),
+        }
+        f = self._families
+        self._steps = f["steps"].Metric(labels=self._labels)
+        self._prefill = f["prefill"].Metric(labels=self._labels)
+        self._decode = f["decode"].Metric(labels=self._labels)
+        self._batch_last = f["batch_last"].Metric(labels=self._labels)
+        self._batch_hist = f["batch_hist"].Metric(labels=self._labels, buckets=self.BATCH_BUCKETS)
+        self._step_hist = f["step_hist"].Metric(labels=self._labels, buckets=self.STEP_BUCKETS)
+        self._running = f["running"].Metric(labels=self._labels)
+        self._waiting = f["waiting"].Metric(labels=self._labels)
+        self._per_label: dict[tuple[str, ...], Any] = {}  # touched only by the metrics thread
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="vlora-metrics", daemon=True)
+        self._thread.start()
+
+    # EngineMetrics, called on the engine thread.
+    def request_admitted(self, lora_name: Optional[str]) -> None:
+        self._queue.put(("requests", (lora_name or BASE_LABEL,), 1))
+
+    def request_finished(self, lora_name: Optional[str], finish_reason: str, num_output_tokens: int) -> None:
+        name = lora_name or BASE_LABEL
+        self._queue.put(("finished", (name, finish_reason or "unknown"), 1))
+        if num_output_tokens:
+            self._queue.put(("output_tokens", (name,), num_output_tokens))
+
+    def step(self, batch_size: int, num_prefill_tokens: int, num_decode_tokens: int, duration_s: float) -> None:
+        self._queue.put(("step", batch_size, num_prefill_tokens, num_decode_tokens, duration_s))
+
+    def queue_depth(self, running: int, waiting: int) -> None:
+        self._queue.put(("depth", running, waiting))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _labelled(self, family: str, values: tuple[str, ...]):
+        key = (family,) + values
+        metric = self._per_label.get(key)
+        if metric is None:
+            names = ("lora_name",) if family != "finished" else ("lora_name", "finish_reason")
+            metric = self._families[family].Metric(labels={**self._labels, **dict(zip(names, values))})
+            self._per_label[key] = metric
+        return metric
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                kind = item[0]
+                if kind == "step":
+                    _, bs, prefill, decode, duration = item
+                    self._steps.increment(1)
+                    if prefill:
+                        self._prefill.increment(prefill)
+                    if decode:
+                        self._decode.increment(decode)
+                    self._batch_last.set(bs)
+                    self._batch_hist.observe(bs)
+                    self._step_hist.observe(duration)
+                elif kind == "depth":
+                    self._running.set(item[1])
+                    self._waiting.set(item[2])
+                else:
+                    self._labelled(kind, item[1]).increment(item[2])
+            except Exception:  # a metric must never take the server down
+                pb_utils.Logger.log_warn(f"vlora: metrics update failed: {traceback.format_exc()}")
+
+
+@dataclass
+class _InFlight:
+    """What the response thread needs to answer one request."""
+
+    request_id: str
+    sender: Any
+    stream: bool
+    prefix: str  # prepended to a non-streaming answer when exclude_input_in_output is false
+    sent_output_tokens: int = 0
+    cancel_requested: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        self._model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self._model_config):
+            raise pb_utils.TritonModelException(
+                "vlora: config.pbtxt must set model_transaction_policy { decoupled: true }"
+            )
+        config = self._engine_config(args)
+        pb_utils.Logger.log_info(f"vlora: engine config {json.dumps(config.to_dict(), default=str)}")
+        self._metrics = TritonModelMetrics(args["model_name"], args["model_version"])
+        self._engine = AsyncEngine(config, metrics=self._metrics)
+        pb_utils.Logger.log_info(
+            f"vlora: model {self._engine.model_info}; adapters {self._engine.list_adapters()}"
+        )
+        self._responses: "queue.Queue[Any]" = queue.Queue()
+        self._response_thread = threading.Thread(target=self._response_loop, name="vlora-responses", daemon=True)
+        self._response_thread.start()
+
+    @staticmethod
+    def _engine_config(args: dict[str, str]) -> EngineConfig:
+        """Defaults, then `config_file` (YAML), then flat `section.field` parameters; Triton places the device."""
+        params = {
+            key: value.get("string_value", "")
+            for key, value in json.loads(args["model_config"]).get("parameters", {}).items()
+        }
+        config_file = params.pop("config_file", "")
+        config = EngineConfig.from_yaml(config_file) if config_file else EngineConfig()
+        config = config.with_overrides(params)
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{int(args['model_instance_device_id'])}"
+            if config.model.device not in ("auto", device):
+                pb_utils.Logger.log_warn(
+                    f"vlora: model.device={config.model.device} ignored; Triton placed this instance on {device}"
+                )
+            config = config.with_overrides({"model.device": device})
+        return config
+
+    def execute(self, requests):
+        for request in requests:
+            self._admit(request)
+        return None
+
+    def _admit(self, request) -> None:
+        sender = request.get_response_sender()
+        request_id = uuid.uuid4().hex
+        try:
+            gen, exclude_input = self._parse(request, request_id)
+            prepared = self._engine.prepare(gen)
+        except InvalidRequest as e:
+            self._send_error(sender, str(e))
+            return
+        except Exception as e:
+            pb_utils.Logger.log_error(f"vlora: request refused by an internal error: {traceback.format_exc()}")
+            self._send_error(sender, f"internal error: {type(e).__name__}: {e}")
+            return
+        state = _InFlight(
+            request_id=request_id,
+            sender=sender,
+            stream=gen.stream,
+            prefix="" if exclude_input or gen.stream else gen.prompt,
+        )
+        # Registered before submit: the queue is FIFO, so the response thread knows the request
+        # before its first output arrives.
+        self._responses.put(("open", state))
+        try:
+            # Blocks while the engine is full: that is what pushes back into Triton's queue.
+            self._engine.submit(prepared, self._responses.put)
+        except EngineOverloaded as e:
+            self._responses.put(("close", request_id))
+            self._send_error(sender, str(e) or "server overloaded", unavailable=True)
+        except InvalidRequest as e:
+            self._responses.put(("close", request_id))
+            self._send_error(sender, str(e))
+        except Exception as e:
+            self._responses.put(("close", request_id))
+            pb_utils.Logger.log_error(f"vlora: submit failed: {traceback.format_exc()}")
+            self._send_error(sender, f"internal error: {type(e).__name__}: {e}")
+
+    def _parse(self, request, request_id: str) -> tuple[GenerationRequest, bool]:
+        """Triton tensors and parameters -> GenerationRequest. Raises InvalidRequest naming the problem."""
+        text = _single(request, "text_input")
+        if text is None:
+            raise InvalidRequest("text_input is required")
+        try:
+            prompt = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+        except UnicodeDecodeError:
+            raise InvalidRequest("text_input is not valid UTF-8") from None
+
+        # Base64 as sent (the vLLM backend's convention); engine.prepare decodes and checks them.
+        tensor = pb_utils.get_input_tensor_by_name(request, "image")
+        images = [bytes(item) for item in tensor.as_numpy().reshape(-1)] if tensor is not None else []
+
+        stream = bool(_single(request, "stream") or False)
+        exclude = _single(request, "exclude_input_in_output")
+        exclude_input = True if exclude is None else bool(exclude)
+
+        # Request parameters first, then the sampling_parameters input over them.
+        options = _request_parameters(request)
+        raw = _single(request, "sampling_parameters")
+        if raw is not None and raw.strip():
+            try:
+                given = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
+            if not isinstance(given, dict):
+                raise InvalidRequest("sampling_parameters must be a JSON object")
+            options.update(given)
+        extras = {k: options.pop(k) for k in SamplingParams.EXTRA_KEYS if k in options}
+        sampling = SamplingParams.from_dict(options)
+        lora_name = extras.get("lora_name")
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise InvalidRequest(f"lora_name must be a string, got {lora_name!r}")
+        apply_chat_template = extras.get("apply_chat_template", False)
+        if not isinstance(apply_chat_template, bool):
+            raise InvalidRequest("apply_chat_template must be true or false")
+        task = extras.get("task")
+        if task is not None and not isinstance(task, str):
+            raise InvalidRequest("task must be a string")
+        return (
+            GenerationRequest(
+                request_id=request_id,
+                prompt=prompt,
+                images=images,
+                lora_name=lora_name or None,
+                sampling=sampling,
+                stream=stream,
+                apply_chat_template=apply_chat_template,
+                task=task,
+            ),
+            exclude_input,
+        )
+
+    def _response_loop(self) -> None:
+        """Send what the engine produced; cancel requests whose clients went away."""
+        inflight: dict[str, _InFlight] = {}
+        last_poll = time.monotonic()
+        while True:
+            try:
+                item = self._responses.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                break
+            if isinstance(item, GenerationOutput):
+                state = inflight.get(item.request_id)
+                if state is not None:
+                    self._send_output(state, item)
+                    if item.finished:
+                        del inflight[item.request_id]
+            elif isinstance(item, tuple):
+                if item[0] == "open":
+                    inflight[item[1].request_id] = item[1]
+                elif item[0] == "close":
+                    inflight.pop(item[1], None)
+            now = time.monotonic()
+            if inflight and now - last_poll >= CANCEL_POLL_S:
+                last_poll = now
+                self._poll_cancelled(inflight)
+        for state in inflight.values():
+            self._send_error(state.sender, "server shutting down", unavailable=True)
+
+    def _poll_cancelled(self, inflight: dict[str, _InFlight]) -> None:
+        for state in inflight.values():
+            if state.cancel_requested:
+                continue
+            try:
+                cancelled = state.sender.is_cancelled()
+            except Exception:
+                cancelled = False
+            if cancelled:
+                state.cancel_requested = True
+                self._engine.cancel(state.request_id)
+
+    def _send_output(self, state: _InFlight, out: GenerationOutput) -> None:
+        try:
+            if out.finished and (out.error or out.finish_reason == "error"):
+                self._send_error(state.sender, out.error or "generation failed")
+                return
+            if out.finished and out.finish_reason == "cancelled" and state.cancel_requested:
+                self._send_cancelled(state.sender)
+                return
+            if state.stream:
+                if not out.finished and not out.text_delta:
+                    return
+                tensors = [
+                    _string_tensor("text_output", out.text_delta),
+                    pb_utils.Tensor("num_input_tokens", np.array([out.num_input_tokens], dtype=np.uint32)),
+                    pb_utils.Tensor(
+                        "num_output_tokens",
+                        np.array([max(out.num_output_tokens - state.sent_output_tokens, 0)], dtype=np.uint32),
+                    ),
+                ]
+                state.sent_output_tokens = out.num_output_tokens
+            elif out.finished:
+                tensors = [
+                    _string_tensor("text_output", state.prefix + out.text),
+                    pb_utils.Tensor("num_input_tokens", np.array([out.num_input_tokens], dtype=np.uint32)),
+                    pb_utils.Tensor("num_output_tokens", np.array([out.num_output_tokens], dtype=np.uint32)),
+                ]
+            else:
+                return
+            flags = 0
+            if out.finished:
+                tensors.append(_string_tensor("finish_reason", out.finish_reason or "stop"))
+                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            state.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+        except Exception:
+            pb_utils.Logger.log_error(f"vlora: sending a response failed: {traceback.format_exc()}")
+
+    @staticmethod
+    def _send_error(sender, message: str, unavailable: bool = False) -> None:
+        code = getattr(pb_utils.TritonError, "UNAVAILABLE" if unavailable else "INVALID_ARG", None)
+        error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+        try:
+            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:
+            pb_utils.Logger.log_error(f"vlora: sending an error failed: {traceback.format_exc()}")
+
+    @staticmethod
+    def _send_cancelled(sender) -> None:
+        code = getattr(pb_utils.TritonError, "CANCELLED", None)
+        error = pb_utils.TritonError("request cancelled") if code is None else pb_utils.TritonError("request cancelled", code)
+        try:
+            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:
+            pb_utils.Logger.log_warn(f"vlora: sending a cancellation failed: {traceback.format_exc()}")
+
+    def finalize(self) -> None:
+        pb_utils.Logger.log_info("vlora: draining the engine")
+        try:
+            self._engine.shutdown()
+        finally:
+            self._responses.put(_STOP)
+            self._response_thread.join(timeout=30)
+            self._metrics.close()
+        pb_utils.Logger.log_info("vlora: stopped")
+
+
+_STOP = object()
+
+
+def _single(request, name: str):
+    """The first element of an optional input tensor, or None when the client did not send it."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    values = tensor.as_numpy().reshape(-1)
+    if values.size == 0:
+        return None
+    value = values[0]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _request_parameters(request) -> dict[str, Any]:
+    """Request parameters (JSON keys of /generate that are not inputs, or gRPC parameters)."""
+    raw = request.parameters()
+    params = json.loads(raw) if raw else {}
+    for key in IGNORED_PARAMETERS:
+        params.pop(key, None)
+    unknown = sorted(set(params) - set(SAMPLING_KEYS))
+    if unknown:
+        raise InvalidRequest(
+            f"unknown request parameter(s) {unknown}; accepted: {sorted(SAMPLING_KEYS)}"
+        )
+    return params
+
+
+def _string_tensor(name: str, text: str):
+    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=np.object_))
