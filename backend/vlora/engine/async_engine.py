@@ -95,6 +95,7 @@ class AsyncEngine:
                     self._cond.wait()
                 while self._inbox:
                     eng.add_request(*self._inbox.popleft())
+                self._backlog = len(eng.waiting)  # moved from inbox to waiting: still counted against max_waiting
                 for rid in self._cancels:
                     eng.abort(rid)
                 self._cancels.clear()

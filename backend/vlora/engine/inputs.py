@@ -37,10 +37,7 @@ class InputProcessor:
             self.loras.validate(req.lora_name)
         images, keys = [], []
         for i, data in enumerate(req.images):
-            try:
-                images.append(decode_base64_image(data, limits))
-            except InvalidRequest as e:
-                raise InvalidRequest(f"image {i}: {e}") from None
+            images.append(decode_base64_image(data, limits, index=i))
             keys.append(hashlib.sha256(data if isinstance(data, bytes) else str(data).encode()).digest())
         ids = build_prompt_ids(self.loaded, req.prompt, len(images), req.apply_chat_template)
         if len(ids) >= self.max_model_len:

@@ -15,7 +15,7 @@ from typing import Optional
 
 from vlora.config import LoraConfig
 from vlora.engine.api import InvalidRequest
-from vlora.lora.adapter import AdapterWeights, load_adapter, resolve_adapter_dir
+from vlora.lora.adapter import AdapterWeights, list_adapters, load_adapter, resolve_adapter_dir
 from vlora.lora.layers import LoraLinear
 
 log = logging.getLogger(__name__)
@@ -39,9 +39,7 @@ class LoraManager:
 
     # -- registry (any thread) -----------------------------------------------------------------
     def list_adapters(self) -> list[str]:
-        if self.root is None or not self.root.is_dir():
-            return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and (p / "adapter_config.json").is_file())
+        return list_adapters(self.root) if self.root is not None else []
 
     def validate(self, name: str) -> AdapterWeights:
         """Resolve, load and check ``name`` into the host tier. Raises InvalidRequest/AdapterError."""
@@ -94,11 +92,11 @@ class LoraManager:
         if old is not None:
             del self._slot_of[old]
         for (layer, module), wrapper in self.layers.items():
-            ab = w.tensors.get((layer, module))
-            if ab is None:
+            pair = w.pairs.get((layer, module))
+            if pair is None:
                 wrapper.set_slot(slot, None, None, 0.0)
             else:
-                wrapper.set_slot(slot, ab[0], ab[1], w.scales[module])
+                wrapper.set_slot(slot, pair.a, pair.b, pair.scale)
         self._name_in[slot] = name
         self._slot_of[name] = slot
         self.swaps_in += 1

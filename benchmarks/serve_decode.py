@@ -1,0 +1,175 @@
+"""Decode throughput of the real server: tokens/s at batch 1 and 32, base model and mixed LoRA batch.
+
+Starts ``vlora serve`` (the real tritonserver) on a model folder, streams requests through Triton's
+HTTP ``/generate_stream`` endpoint from client threads, and measures decode throughput in the window
+where every request of the batch is decoding (after the last first token, before the first finish).
+
+    python benchmarks/serve_decode.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench
+
+With ``--preset`` it first writes a random-weight model of that size and ``--num-adapters`` random
+rank-``--rank`` adapters (q/k/v/o). Without it, it serves the tiny default model (a smoke run).
+Writes ``benchmarks/results/serve-decode-<device>.json`` and a line in ``benchmarks/RESULTS.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import device_name, git_commit, record_result  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_request(url: str, body: dict, out: dict) -> None:
+    """POST to /generate_stream and record the arrival time of every token event."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    times, error = [], None
+    try:
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                ev = json.loads(line[5:])
+                if "error" in ev:
+                    error = ev["error"]
+                    break
+                times.append(time.perf_counter())
+                out["final"] = ev
+    except Exception as e:  # recorded, and the run fails loudly below
+        error = str(e)
+    out["times"], out["error"] = times, error
+
+
+def run_batch(base_url: str, model: str, n: int, max_tokens: int, adapters: list[str | None]) -> dict:
+    results = [dict() for _ in range(n)]
+    threads = []
+    prompt = "Describe the scene in detail, listing every object you can see and where it is."
+    for i in range(n):
+        sp = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        body = {"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(sp)}
+        if adapters[i % len(adapters)] is not None:
+            body["lora_name"] = adapters[i % len(adapters)]
+        t = threading.Thread(target=stream_request, args=(f"{base_url}/v2/models/{model}/generate_stream", body, results[i]))
+        threads.append(t)
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [r["error"] for r in results if r.get("error")]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    firsts = [r["times"][0] for r in results]
+    lasts = [r["times"][-1] for r in results]
+    lo, hi = max(firsts), min(lasts)  # every request is decoding inside [lo, hi]
+    tokens = sum(sum(1 for t in r["times"] if lo < t <= hi) for r in results)
+    if hi <= lo or tokens == 0:
+        raise RuntimeError("no window where the whole batch decodes; raise --max-tokens")
+    return {"batch": n, "decode_tokens_per_s": tokens / (hi - lo), "window_s": hi - lo,
+            "ttft_s_median": sorted(f - t0 for f in firsts)[n // 2], "wall_s": max(lasts) - t0,
+            "tokens_in_window": tokens}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", help="configs/models/*.yaml; omit to serve the tiny default model")
+    ap.add_argument("--work", default="/tmp/vlora-bench")
+    ap.add_argument("--num-adapters", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--name", default="serve-decode")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    serve = [sys.executable, "-m", "vlora.cli", "serve"]
+    overrides = {"scheduler": {"max_batch_size": max(batches), "max_waiting": 4 * max(batches)},
+                 "lora": {"max_gpu_adapters": max(args.num_adapters, 1), "max_cpu_adapters": max(args.num_adapters, 1) * 2,
+                          "max_rank": args.rank, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}}
+    if args.preset:
+        import torch
+
+        from vlora.lora.demo import write_random_adapter
+        from vlora.models.random_init import make_random_llava
+
+        t = time.perf_counter()
+        model_dir = make_random_llava(args.preset, work / Path(args.preset).stem)
+        print(f"model ready in {time.perf_counter() - t:.0f}s: {model_dir}", flush=True)
+        cfg = json.loads((model_dir / "config.json").read_text())["text_config"]
+        adapters_dir = work / f"adapters-r{args.rank}"
+        for i in range(args.num_adapters):
+            write_random_adapter(adapters_dir / f"r{args.rank}-{i:03d}", model_dir=model_dir, rank=args.rank,
+                                 alpha=2 * args.rank, targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=1000 + i,
+                                 num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+                                 intermediate=cfg["intermediate_size"])
+        adapter_names = [f"r{args.rank}-{i:03d}" for i in range(args.num_adapters)]
+        serve += ["--model", str(model_dir), "--adapters", str(adapters_dir), "--dtype", "bfloat16"]
+        del torch
+    else:
+        adapter_names = ["demo-r8-qv", "demo-r16-attn", "demo-r32-mlp"]
+        overrides["lora"] = {"max_gpu_adapters": 4}
+    cfg_path = work / "serve.yaml"
+    import yaml
+
+    cfg_path.write_text(yaml.safe_dump(overrides))
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    serve += ["--config", str(cfg_path), "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+              "--workspace", str(work / "triton-ws")]
+    log = open(work / "server.log", "w")
+    print("starting:", " ".join(serve), flush=True)
+    proc = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.time() + 900
+        while True:
+            try:
+                if urllib.request.urlopen(f"{base}/v2/models/vlora/ready", timeout=2).status == 200:
+                    break
+            except Exception:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server did not become ready; see {work / 'server.log'}:\n" + (work / "server.log").read_text()[-4000:])
+            time.sleep(2)
+        run_batch(base, "vlora", 2, 8, [None])  # warm-up
+        rows = []
+        for n in batches:
+            for label, names in (("base", [None]), ("lora", adapter_names)):
+                use = names if label == "base" else names[:n] if n > 1 else names[:1]
+                r = run_batch(base, "vlora", n, args.max_tokens, use)
+                r |= {"workload": label, "distinct_adapters": 0 if label == "base" else len(set(use[:n]))}
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    dev = device_name()
+    result = {"benchmark": args.name, "device": dev, "commit": git_commit(), "preset": args.preset or "tiny",
+              "rank": args.rank, "max_tokens": args.max_tokens, "rows": rows}
+    summary = "; ".join(f"bs{r['batch']} {r['workload']}: {r['decode_tokens_per_s']:.0f} tok/s" for r in rows)
+    record_result(args.name, dev, result, summary)
+
+
+if __name__ == "__main__":
+    main()
