@@ -108,7 +108,7 @@ def main() -> None:
     if args.preset:
         import torch
 
-        from vlora.lora.demo import write_random_adapter
+        from vlora.lora.demo import DemoAdapter, _write
         from vlora.models.random_init import make_random_llava
 
         t = time.perf_counter()
@@ -116,11 +116,13 @@ def main() -> None:
         print(f"model ready in {time.perf_counter() - t:.0f}s: {model_dir}", flush=True)
         cfg = json.loads((model_dir / "config.json").read_text())["text_config"]
         adapters_dir = work / f"adapters-r{args.rank}"
-        for i in range(args.num_adapters):
-            write_random_adapter(adapters_dir / f"r{args.rank}-{i:03d}", model_dir=model_dir, rank=args.rank,
-                                 alpha=2 * args.rank, targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=1000 + i,
-                                 num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
-                                 intermediate=cfg["intermediate_size"])
+        for i in range(args.num_adapters):  # random PEFT adapters in the demo adapters' format
+            spec = DemoAdapter(f"r{args.rank}-{i:03d}", r=args.rank, alpha=2 * args.rank, seed=1000 + i,
+                               modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+            out = adapters_dir / spec.name
+            if not (out / "adapter_config.json").is_file():
+                out.mkdir(parents=True, exist_ok=True)
+                _write(spec, model_dir, cfg, out)
         adapter_names = [f"r{args.rank}-{i:03d}" for i in range(args.num_adapters)]
         serve += ["--model", str(model_dir), "--adapters", str(adapters_dir), "--dtype", "bfloat16"]
         del torch

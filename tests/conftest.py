@@ -1,7 +1,12 @@
 """Shared fixtures: the generated tiny model and its demo adapters, built once per test session."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # shared test helpers (engine_parity) import from here
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,137 @@
+"""Parity of the engine with transformers + PEFT on the same weights; used by tests/unit (CPU) and
+tests/gpu (CUDA).
+
+One engine step holds a mixed batch: three adapters of different ranks and target modules, a
+base-model request, prefills and decodes together, prompts of different lengths, with and without
+images. Every request's logits must match transformers + PEFT run one request at a time, and greedy
+generations must be token-identical.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+
+import torch
+from PIL import Image
+
+from vlora.config import EngineConfig
+from vlora.engine.api import GenerationRequest, SamplingParams
+from vlora.engine.builder import build_engine
+
+ADAPTERS = ("demo-r8-qv", "demo-r16-attn", "demo-r32-mlp")
+MAX_NEW = 6
+
+
+def _png(seed: int, size: int = 80) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    arr = (torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def make_engine(tiny_model_dir, demo_adapter_root, device: str, dtype: str):
+    cfg = EngineConfig().with_overrides({
+        "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root),
+        "model.device": device, "model.dtype": dtype, "lora.max_gpu_adapters": "4", "lora.max_rank": "32",
+    })
+    return build_engine(cfg)
+
+
+def make_reference(tiny_model_dir, demo_adapter_root, device: str, dtype: torch.dtype):
+    """transformers LlavaForConditionalGeneration with every demo adapter loaded through PEFT."""
+    import peft
+    from transformers import LlavaForConditionalGeneration
+
+    base = LlavaForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=dtype, local_files_only=True).to(device).eval()
+    model = peft.PeftModel.from_pretrained(base, demo_adapter_root / ADAPTERS[0], adapter_name=ADAPTERS[0]).eval()
+    for name in ADAPTERS[1:]:
+        model.load_adapter(demo_adapter_root / name, adapter_name=name)
+    return model.to(device)
+
+
+def _ref_logits(ref, adapter, ids, pixel_values):
+    dev = next(ref.parameters()).device
+    kw = {"input_ids": torch.tensor([ids], device=dev)}
+    if pixel_values is not None:
+        kw["pixel_values"] = pixel_values.to(dev, next(ref.parameters()).dtype)
+    with torch.no_grad():
+        if adapter is None:
+            with ref.disable_adapter():
+                return ref(**kw).logits[0, -1].float()
+        ref.set_adapter(adapter)
+        return ref(**kw).logits[0, -1].float()
+
+
+def _requests(engine, specs):
+    out = []
+    for rid, (adapter, prompt, n_images) in specs.items():
+        req = GenerationRequest(request_id=rid, prompt=prompt, images=[_png(hash(rid) % 1000 + i) for i in range(n_images)],
+                                lora_name=adapter, sampling=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        out.append(engine.inputs.prepare(req))
+    return out
+
+
+def check_mixed_batch(engine, reference, rtol: float, exact_tokens: bool = True):
+    """Run the mixed step and the whole generation; compare with the reference one request at a time."""
+    first = {"base-img": (None, "<image>\nWhat is in the picture?", 1),
+             "r8-short": ("demo-r8-qv", "Count the circles.", 0)}
+    second = {"r16-img": ("demo-r16-attn", "Describe <image> briefly, please, in a few words.", 1),
+              "r32-long": ("demo-r32-mlp", "A much longer prompt that goes on for a while so the lengths differ a lot " * 3, 0),
+              "r8-again": ("demo-r8-qv", "Is there a red triangle?", 0),
+              "base-text": (None, "Hello there", 0)}
+    prepared = {p.request_id: p for p in _requests(engine, first) + _requests(engine, second)}
+    adapter_of = {rid: spec[0] for rid, spec in itertools.chain(first.items(), second.items())}
+    finals = {}
+
+    def cb(out):
+        if out.finished:
+            finals[out.request_id] = out
+
+    seq_of = {}
+    for rid in first:
+        engine.add_request(prepared[rid], cb)
+        seq_of[rid] = engine.waiting[-1]
+    engine.step()  # prefill of the first two
+    engine.step()  # first decode
+    for rid in second:
+        engine.add_request(prepared[rid], cb)
+        seq_of[rid] = engine.waiting[-1]
+    result = engine.step()  # decode of the first two, prefill of four more: one mixed step
+    info = engine.last_step
+    assert info["num_prefill"] == 4 and info["num_decode"] == 2
+    assert len({engine.loras.resident[a] for a in ADAPTERS}) == 3  # three adapters resident in one step
+    assert -1 in info["slots"] and len(set(info["slots"])) == 4
+
+    seqs = {s.req.request_id: s for s in engine.running}
+    for row, rid in enumerate(info["request_ids"]):
+        s = seqs[rid]
+        ids = s.req.prompt_ids + s.output_ids[:-1]  # the logits of this step predicted output_ids[-1]
+        ref = _ref_logits(reference, adapter_of[rid], ids, s.req.pixel_values)
+        rel = (result.logits[row] - ref).abs().max() / ref.abs().max()
+        assert rel <= rtol, f"{rid}: relative error {rel:.2e} > {rtol:.0e}"
+
+    while engine.has_work():
+        engine.step()
+    assert set(finals) == set(prepared)
+
+    if not exact_tokens:
+        return
+    for rid, p in prepared.items():  # greedy continuation, one request at a time, in transformers + PEFT
+        ids = list(p.prompt_ids)
+        for _ in range(MAX_NEW):
+            ids.append(int(_ref_logits(reference, adapter_of[rid], ids, p.pixel_values).argmax()))
+        ref_out = ids[len(p.prompt_ids):]
+        assert seq_of[rid].output_ids == ref_out, rid
+        assert finals[rid].num_output_tokens == MAX_NEW
+        assert finals[rid].finish_reason == "length"
+        assert finals[rid].text == engine.tokenizer.decode(ref_out, skip_special_tokens=True), rid
+
+
+def check_adapters_matter(engine, reference):
+    """Guards the parity check: the demo adapters must move the logits, or matching would prove nothing."""
+    p = _requests(engine, {"probe": (None, "Count the circles.", 0)})[0]
+    base = _ref_logits(reference, None, p.prompt_ids, None)
+    for name in ADAPTERS:
+        delta = (_ref_logits(reference, name, p.prompt_ids, None) - base).abs().max() / base.abs().max()
+        assert delta > 1e-3, f"{name} barely changes the logits ({delta:.1e})"
