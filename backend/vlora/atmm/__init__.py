@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from vlora.atmm.dispatch import AtmmKernels, default_kernels, set_default_kernels
+from vlora.atmm.merge import merge_lora, merge_lora_reference
 from vlora.atmm.reference import atmm_reference
 from vlora.lora.mapping import LoraBatchMapping
 
-__all__ = ["atmm", "atmm_reference"]
+__all__ = ["atmm", "atmm_reference", "AtmmKernels", "default_kernels", "set_default_kernels", "merge_lora",
+           "merge_lora_reference"]
 
 
 def atmm(
@@ -35,7 +38,13 @@ def atmm(
         ranks   n_slots ints            rank of each slot for this layer (0: slot does not target it)
         scales  n_slots floats          lora_alpha / r (or the rsLoRA scale) of each slot
         mapping LoraBatchMapping        segments of this step, shared by every layer
+    The CUDA path (fp16/bf16, widths and r_max multiples of 8) relies on the zero padding past each
+    rank: it rounds ranks up to a multiple of 8.
     """
     if not mapping.has_lora:
         return y
+    if y.is_cuda:
+        kernels = default_kernels()
+        if not kernels.unsupported(y, x, lora_a, lora_b, ranks, scales, mapping):
+            return kernels.run(y, x, lora_a, lora_b, ranks, scales, mapping)
     return atmm_reference(y, x, lora_a, lora_b, ranks, scales, mapping)

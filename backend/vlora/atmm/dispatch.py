@@ -1,0 +1,168 @@
+"""Dispatch from :func:`vlora.atmm.atmm` to the CUDA extension ``vlora_atmm_ext`` when it can serve.
+
+The extension is optional (``pip install ./csrc`` on a CUDA machine). Without it, or for inputs it
+does not support (CPU tensors, fp32, widths not multiples of 8, ...), the PyTorch reference runs.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from vlora.atmm.tiling import read_table, table_path
+from vlora.lora.mapping import LoraBatchMapping
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+PHASE_PREP, PHASE_SHRINK, PHASE_EXPAND, PHASE_ALL = 1, 2, 4, 7
+
+
+def load_extension() -> tuple[ModuleType | None, str]:
+    """Import the compiled module: (module or None, why not)."""
+    try:
+        return importlib.import_module("vlora_atmm_ext"), ""
+    except ImportError as e:
+        return None, f"vlora_atmm_ext not importable: {e}"
+
+
+class AtmmKernels:
+    """The extension, its tiling table, and the checks that decide whether a call can use them.
+
+    One instance per process serves every LoRA layer (see :func:`default_kernels`); the engine may
+    build its own and install it with :func:`set_default_kernels`. The table can be swapped while
+    serving (the tuner sidecar does this); lookups take a lock.
+    """
+
+    def __init__(self, ext: ModuleType | None = None, table_dir: Path | None = None, load_table: bool = True) -> None:
+        if ext is None:
+            ext, self.unavailable_reason = load_extension()
+        else:
+            self.unavailable_reason = ""
+        self.ext = ext
+        self._lock = threading.Lock()
+        self._table: Any = ext.TilingTable() if ext is not None else None
+        self.table_source = "built-in default rule"
+        self._table_dir = table_dir
+        if ext is not None and load_table and torch.cuda.is_available():
+            path = table_path(torch.cuda.get_device_name(), table_dir)
+            if path.exists():
+                self.load_table(path)
+
+    @property
+    def available(self) -> bool:
+        return self.ext is not None
+
+    @property
+    def config_names(self) -> list[str]:
+        return [c["name"] for c in self.ext.configs()] if self.ext is not None else []
+
+    def load_table(self, path: Path) -> int:
+        """Load ``path`` into a fresh table and swap it in. Raises ValueError naming a refused entry."""
+        _, entries = read_table(Path(path))
+        table = self.ext.TilingTable()
+        for e in entries:
+            table.add(e.direction, e.dtype, e.tokens, e.width, e.rank, e.segments, e.config, e.split_k)
+        with self._lock:
+            self._table = table
+            self.table_source = str(path)
+        log.info("atmm: tiling table %s loaded (%d entries)", path, len(entries))
+        return len(entries)
+
+    def lookup(self, direction: str, dtype: str, tokens: int, width: int, rank: int, segments: int) -> dict:
+        with self._lock:
+            hit = self._table.lookup(direction, dtype, tokens, width, rank, segments)
+        if not hit["exact"]:
+            log.debug("atmm: no tiling entry for %s %s T=%d width=%d rank=%d segments=%d; %s %s (split_k=%d)",
+                      direction, dtype, tokens, width, rank, segments,
+                      "default rule" if hit["default"] else f"nearest {hit['matched']}", hit["config"], hit["split_k"])
+        return hit
+
+    def unsupported(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    ranks: tuple[int, ...], scales: tuple[float, ...], mapping: LoraBatchMapping) -> str:
+        """Why the extension cannot serve this call ("" when it can)."""
+        if self.ext is None:
+            return self.unavailable_reason
+        if not (y.is_cuda and x.is_cuda and lora_a.is_cuda and lora_b.is_cuda and mapping.seg_indptr.is_cuda):
+            return "inputs not all on CUDA"
+        if y.dtype not in _DTYPES or not (x.dtype == lora_a.dtype == lora_b.dtype == y.dtype):
+            return f"dtypes {x.dtype}/{lora_a.dtype}/{lora_b.dtype}/{y.dtype}: need one of fp16, bf16"
+        if len({t.device for t in (y, x, lora_a, lora_b, mapping.seg_indptr, mapping.seg_slot)}) != 1:
+            return "inputs on different devices"
+        if x.dim() != 2 or y.dim() != 2 or lora_a.dim() != 3 or lora_b.dim() != 3:
+            return "x, y must be 2-D and lora_a, lora_b 3-D"
+        n_slots, r_max, d_in = lora_a.shape
+        d_out = y.shape[1]
+        if x.shape[1] != d_in or tuple(lora_b.shape) != (n_slots, d_out, r_max) or x.shape[0] != y.shape[0]:
+            return f"shapes x{tuple(x.shape)} y{tuple(y.shape)} A{tuple(lora_a.shape)} B{tuple(lora_b.shape)} disagree"
+        if d_in % 8 or d_out % 8 or r_max % 8:
+            return f"d_in={d_in} d_out={d_out} r_max={r_max}: need multiples of 8"
+        if not (x.is_contiguous() and lora_a.is_contiguous() and lora_b.is_contiguous()):
+            return "x, lora_a, lora_b must be contiguous"
+        if y.stride(1) != 1 or y.stride(0) % 8:
+            return "y rows must be contiguous with a stride that is a multiple of 8"
+        if any(t.data_ptr() % 16 for t in (y, x, lora_a, lora_b)):
+            return "operands must be 16-byte aligned"
+        if len(ranks) != n_slots or len(scales) != n_slots or n_slots > self.ext.MAX_SLOTS:
+            return f"{len(ranks)} ranks, {len(scales)} scales for {n_slots} slots (max {self.ext.MAX_SLOTS})"
+        if any(r < 0 or r > r_max for r in ranks):
+            return f"ranks {ranks} outside [0, {r_max}]"
+        if mapping.seg_indptr.dtype != torch.int32 or mapping.seg_slot.dtype != torch.int32:
+            return "mapping tensors must be int32"
+        if mapping.num_tokens != x.shape[0]:
+            return f"mapping covers {mapping.num_tokens} tokens, x has {x.shape[0]}"
+        return ""
+
+    def run(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+            ranks: tuple[int, ...], scales: tuple[float, ...], mapping: LoraBatchMapping, *,
+            shrink: tuple[str, int] | None = None, expand: str | None = None, phases: int = PHASE_ALL,
+            workspace: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the kernels (checked by :meth:`unsupported` first). ``shrink=(config, split_k)`` and
+        ``expand=config`` force configurations (tuner, benchmarks); otherwise the table decides."""
+        dtype = _DTYPES[y.dtype]
+        n_slots, r_max, d_in = lora_a.shape
+        d_out = y.shape[1]
+        T, S = x.shape[0], mapping.num_segments
+        used = [ranks[s] for s in mapping.seg_slot_host if s >= 0]
+        rank = max(((r + 7) // 8 * 8 for r in used), default=8) or 8
+        if shrink is None:
+            hit = self.lookup("shrink", dtype, T, d_in, rank, S)
+            shrink = (hit["config"], hit["split_k"])
+        if expand is None:
+            expand = self.lookup("expand", dtype, T, d_out, rank, S)["config"]
+        names = self.config_names
+        split_k = int(shrink[1])
+        need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
+        if workspace is None or workspace.numel() < need:
+            workspace = torch.empty(need, dtype=torch.uint8, device=y.device)
+        self.ext.forward(
+            y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
+            mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), workspace.data_ptr(), workspace.numel(),
+            T, d_in, d_out, r_max, x.stride(0), y.stride(0), S, list(ranks), [float(s) for s in scales], dtype,
+            names.index(shrink[0]), split_k, names.index(expand), torch.cuda.current_stream(y.device).cuda_stream,
+            phases)
+        return y
+
+
+class _Default:
+    """Holder of the process's default :class:`AtmmKernels`, created on first use."""
+
+    lock = threading.Lock()
+    kernels: AtmmKernels | None = None
+
+
+def default_kernels() -> AtmmKernels:
+    with _Default.lock:
+        if _Default.kernels is None:
+            _Default.kernels = AtmmKernels()
+        return _Default.kernels
+
+
+def set_default_kernels(kernels: AtmmKernels) -> None:
+    with _Default.lock:
+        _Default.kernels = kernels

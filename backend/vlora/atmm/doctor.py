@@ -1,0 +1,25 @@
+"""What ``vlora doctor`` reports about ATMM: is the extension active, and which tiling table serves."""
+from __future__ import annotations
+
+import torch
+
+from vlora.atmm.dispatch import default_kernels
+
+
+def doctor_report() -> dict:
+    """A JSON-able summary. Prints nothing: the CLI renders it."""
+    kernels = default_kernels()
+    cuda = torch.cuda.is_available()
+    report: dict = {
+        "cuda_available": cuda,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "extension_importable": kernels.available,
+        "extension_reason": kernels.unavailable_reason or None,
+        "atmm_backend": "cutlass" if kernels.available and cuda else "pytorch-reference",
+        "tiling_table": kernels.table_source if kernels.available else None,
+    }
+    if kernels.available:
+        report["extension_archs"] = kernels.ext.CUDA_ARCHS
+        report["configs"] = kernels.config_names
+        report["extension_file"] = getattr(kernels.ext, "__file__", None)
+    return report

@@ -1,0 +1,74 @@
+"""The tiling table's data side: where ``configs/tiling/<gpu>.json`` lives and how it is read.
+
+The table itself (128-bit keys, nearest-key fallback, validation against the compiled kernels) is
+the C++ ``TilingTable`` of the extension; this module turns the JSON file into its entries.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TABLE_FORMAT = 1
+
+
+def gpu_slug(name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``: the table's file name."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def default_table_dir() -> Path:
+    """``configs/tiling`` of the source tree this package was loaded from."""
+    return Path(__file__).resolve().parents[3] / "configs" / "tiling"
+
+
+def table_path(gpu_name: str, table_dir: Path | None = None) -> Path:
+    return (table_dir or default_table_dir()) / f"{gpu_slug(gpu_name)}.json"
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """One shape -> configuration pair. ``width`` is d_in for shrink and d_out for expand."""
+
+    direction: str
+    dtype: str
+    tokens: int
+    width: int
+    rank: int
+    segments: int
+    config: str
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("shrink", "expand"):
+            raise ValueError(f"tiling entry {self}: direction must be shrink or expand")
+        if self.dtype not in ("fp16", "bf16"):
+            raise ValueError(f"tiling entry {self}: dtype must be fp16 or bf16")
+        if min(self.tokens, self.width, self.rank, self.segments, self.split_k) < 1:
+            raise ValueError(f"tiling entry {self}: sizes must be positive")
+
+
+def read_table(path: Path) -> tuple[dict[str, Any], list[TableEntry]]:
+    """Read a table file: (its header fields, its entries). Raises ValueError naming a bad entry."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("format") != TABLE_FORMAT:
+        raise ValueError(f"{path}: tiling table format {doc.get('format')!r}, expected {TABLE_FORMAT}")
+    fields = {"direction", "dtype", "tokens", "width", "rank", "segments", "config", "split_k"}
+    entries = []
+    for i, raw in enumerate(doc.get("entries", [])):
+        try:
+            entries.append(TableEntry(**{k: raw[k] for k in fields if k in raw}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: entry {i} {raw}: {e}") from e
+    header = {k: v for k, v in doc.items() if k != "entries"}
+    return header, entries
+
+
+def write_table(path: Path, header: dict[str, Any], entries: list[dict[str, Any]]) -> None:
+    doc = {"format": TABLE_FORMAT, **header, "entries": entries}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)

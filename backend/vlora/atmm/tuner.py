@@ -1,0 +1,222 @@
+"""Profile-based tiling search: time every feasible compiled configuration per shape, keep the fastest.
+
+Run as a sidecar process at model load (``TunerSidecar``): serving starts at once on the default
+rule or the committed table, and the tuned table is swapped in when the process finishes.
+
+    python -m vlora.atmm.tuner --widths 4096 --ranks 8,16,32,64,128 --dtype bf16 --max-tokens 8192
+
+Results are cached per (GPU, dtype, widths, ranks, token and segment grids, compiled configs) in
+``--cache-dir``; the table is written to ``configs/tiling/<gpu>.json`` (or ``--out``).
+On a machine without CUDA it does nothing and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from vlora.atmm.dispatch import PHASE_EXPAND, PHASE_PREP, PHASE_SHRINK, AtmmKernels
+from vlora.atmm.tiling import default_table_dir, gpu_slug, table_path, write_table
+from vlora.atmm.timing import graph_time_us, sets_needed
+from vlora.lora.mapping import LoraBatchMapping
+
+SPLITS = (1, 2, 4, 8, 16)
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def feasible_configs(kernels: AtmmKernels, direction: str, smem_limit: int) -> list[dict]:
+    """Compiled configs that can run here: tile sides powers of two >= 16, stages fit in shared memory."""
+    out = []
+    for c in kernels.ext.configs():
+        if direction == "shrink" and not c["shrink"]:
+            continue
+        sides = (c["tb_m"], c["tb_n"], c["tb_k"], c["warp_m"], c["warp_n"], c["warp_k"])
+        if any(s < 16 or s & (s - 1) for s in sides):
+            continue
+        smem = c["stages"] * (c["tb_m"] + c["tb_n"]) * c["tb_k"] * 2
+        if smem > smem_limit:
+            continue
+        out.append(c)
+    return out
+
+
+@dataclass
+class Problem:
+    """Rotated input sets for one shape: S equal segments over T tokens, one slot of rank r each."""
+
+    mapping: LoraBatchMapping
+    ranks: tuple[int, ...]
+    scales: tuple[float, ...]
+    sets: list[tuple[torch.Tensor, ...]]  # (y, x, lora_a, lora_b, workspace)
+
+
+def make_problem(kernels: AtmmKernels, T: int, d_in: int, d_out: int, seg_ranks: list[int], dtype: str,
+                 max_split: int = max(SPLITS), min_bytes: int = 256 << 20) -> Problem:
+    S = len(seg_ranks)
+    lengths = [T // S + (1 if i < T % S else 0) for i in range(S)]
+    mapping = LoraBatchMapping.from_segments([sum(lengths[:i]) for i in range(S + 1)], list(range(S)), "cuda")
+    r_max = max(8, max(seg_ranks))
+    tdt = _TORCH_DTYPES[dtype]
+    ws_bytes = kernels.ext.workspace_size(S, max_split, T, r_max, dtype)
+    per_set = 2 * (T * d_in + 2 * T * d_out + S * r_max * (d_in + d_out))
+    sets = []
+    for _ in range(sets_needed(per_set, min_bytes)):
+        a = torch.randn(S, r_max, d_in, device="cuda", dtype=tdt) / d_in ** 0.5
+        b = torch.randn(S, d_out, r_max, device="cuda", dtype=tdt) / r_max ** 0.5
+        for s, r in enumerate(seg_ranks):
+            a[s, r:] = 0
+            b[s, :, r:] = 0
+        sets.append((torch.randn(T, d_out, device="cuda", dtype=tdt), torch.randn(T, d_in, device="cuda", dtype=tdt),
+                     a, b, torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")))
+    return Problem(mapping, tuple(seg_ranks), tuple(1.0 for _ in seg_ranks), sets)
+
+
+def time_option(kernels: AtmmKernels, p: Problem, shrink: tuple[str, int], expand: str, phases: int) -> float:
+    """Microseconds per call of the given phases, graph-replayed over the problem's input sets."""
+    def call(s, ph):
+        y, x, a, b, ws = s
+        return lambda: kernels.run(y, x, a, b, p.ranks, p.scales, p.mapping, shrink=shrink, expand=expand,
+                                   phases=ph, workspace=ws)
+    if not phases & PHASE_PREP:
+        for s in p.sets:  # the later phases read the metadata a full call leaves in the workspace
+            call(s, PHASE_PREP | PHASE_SHRINK | PHASE_EXPAND)()
+    return graph_time_us([call(s, phases) for s in p.sets])
+
+
+def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], expand_cfgs: list[dict],
+                  splits=SPLITS) -> dict:
+    """Every feasible option of both directions: {"shrink": {(cfg, split): us}, "expand": {cfg: us}}."""
+    base_expand = expand_cfgs[0]["name"]
+    shrink = {}
+    for c in shrink_cfgs:
+        for k in splits:
+            shrink[(c["name"], k)] = time_option(kernels, p, (c["name"], k), base_expand, PHASE_PREP | PHASE_SHRINK)
+    best_shrink = min(shrink, key=shrink.get)
+    expand = {c["name"]: time_option(kernels, p, best_shrink, c["name"], PHASE_EXPAND) for c in expand_cfgs}
+    return {"shrink": shrink, "expand": expand}
+
+
+def shape_grid(widths: list[int], ranks: list[int], tokens: list[int], segments: list[int]):
+    for d in widths:
+        for r in ranks:
+            for T in tokens:
+                for S in segments:
+                    if S <= T:
+                        yield d, r, T, S
+
+
+def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], tokens: list[int],
+         segments: list[int], progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """Profile the grid; return table entries (both directions) with their measured times."""
+    smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    shrink_cfgs = feasible_configs(kernels, "shrink", smem)
+    expand_cfgs = feasible_configs(kernels, "expand", smem)
+    grid = list(shape_grid(widths, ranks, tokens, segments))
+    entries = []
+    t0 = time.monotonic()
+    for i, (d, r, T, S) in enumerate(grid):
+        p = make_problem(kernels, T, d, d, [r] * S, dtype)
+        res = profile_shape(kernels, p, shrink_cfgs, expand_cfgs)
+        (sc, sk), st = min(res["shrink"].items(), key=lambda kv: kv[1])
+        ec, et = min(res["expand"].items(), key=lambda kv: kv[1])
+        common = dict(dtype=dtype, tokens=T, width=d, rank=r, segments=S)
+        entries.append(dict(direction="shrink", **common, config=sc, split_k=sk, time_us=round(st, 2)))
+        entries.append(dict(direction="expand", **common, config=ec, split_k=1, time_us=round(et, 2)))
+        progress(f"[{i + 1}/{len(grid)}] {dtype} d={d} r={r} T={T} S={S}: shrink {sc}/{sk} {st:.1f} us, "
+                 f"expand {ec} {et:.1f} us ({time.monotonic() - t0:.0f} s)")
+        del p
+    return entries
+
+
+def cache_key(gpu: str, dtype: str, widths, ranks, tokens, segments, configs) -> str:
+    blob = json.dumps([gpu, dtype, sorted(widths), sorted(ranks), sorted(tokens), sorted(segments), configs])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vlora.atmm.tuner", description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", type=_ints, default=[4096], help="model widths (d_in of shrink, d_out of expand)")
+    ap.add_argument("--ranks", type=_ints, default=[8, 16, 32, 64, 128])
+    ap.add_argument("--dtype", choices=sorted(_TORCH_DTYPES), default="bf16")
+    ap.add_argument("--max-tokens", type=int, default=8192, help="largest batch in tokens")
+    ap.add_argument("--token-step", type=int, default=32)
+    ap.add_argument("--tokens", type=_ints, default=None, help="explicit token counts (overrides the 32-step grid)")
+    ap.add_argument("--segments", type=_ints, default=[1, 4, 16, 64])
+    ap.add_argument("--out", type=Path, default=None, help="table file (default configs/tiling/<gpu>.json)")
+    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "vlora" / "tiling")
+    args = ap.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("vlora.atmm.tuner: no CUDA device here; nothing to tune (the PyTorch reference serves ATMM)",
+              file=sys.stderr)
+        return 0
+    kernels = AtmmKernels(load_table=False)
+    if not kernels.available:
+        print(f"vlora.atmm.tuner: {kernels.unavailable_reason}; nothing to tune", file=sys.stderr)
+        return 0
+    gpu = torch.cuda.get_device_name()
+    tokens = args.tokens or list(range(args.token_step, args.max_tokens + 1, args.token_step))
+    out = args.out or table_path(gpu, default_table_dir())
+    key = cache_key(gpu, args.dtype, args.widths, args.ranks, tokens, args.segments, kernels.config_names)
+    cached = args.cache_dir / f"{gpu_slug(gpu)}-{args.dtype}-{key}.json"
+    if cached.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(cached, out)
+        print(f"vlora.atmm.tuner: cached table {cached} -> {out}", file=sys.stderr)
+        return 0
+    entries = tune(kernels, args.dtype, args.widths, args.ranks, tokens, args.segments,
+                   progress=lambda s: print(s, file=sys.stderr, flush=True))
+    header = {"gpu": gpu, "cuda_archs": kernels.ext.CUDA_ARCHS, "dtype": args.dtype, "widths": args.widths,
+              "ranks": args.ranks, "segments": args.segments, "token_grid": [min(tokens), max(tokens), len(tokens)],
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timing": "CUDA-graph replay, >256 MB rotated inputs"}
+    write_table(out, header, entries)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out, cached)
+    print(f"vlora.atmm.tuner: wrote {len(entries)} entries to {out}", file=sys.stderr)
+    return 0
+
+
+class TunerSidecar:
+    """Runs the tuner in a child process and swaps its table into ``kernels`` when it finishes."""
+
+    def __init__(self, kernels: AtmmKernels, out: Path, tuner_args: list[str]) -> None:
+        self.kernels = kernels
+        self.out = Path(out)
+        self.args = tuner_args
+        self.proc: subprocess.Popen | None = None
+        self.swapped = False
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "vlora.atmm.tuner", "--out", str(self.out), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def poll(self) -> bool:
+        """True once the tuned table is in use; call from the engine loop between steps."""
+        if self.swapped or self.proc is None or self.proc.poll() is None:
+            return self.swapped
+        if self.proc.returncode == 0 and self.out.exists() and self.kernels.available:
+            self.kernels.load_table(self.out)
+            self.swapped = True
+        return self.swapped
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call: build (or take the prebuilt) ATMM extension, run tests/gpu, run the ATMM benchmark.
+# Run from the repository root on the GPU machine; writes logs and results under $OUT (default ./out).
+#   ATMM_PREBUILT=dir : a folder holding a vlora_atmm_ext*.so built elsewhere (skips the build)
+#   ATMM_WHEELS=dir   : wheels to install first (pytest; nvidia-cutlass and pybind11 for the build)
+#   ATMM_STEPS="build test bench" (default all three); ATMM_BENCH_ARGS="--quick"
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+STEPS=${ATMM_STEPS:-"build test bench"}
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if [ -n "${ATMM_WHEELS:-}" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ATMM_WHEELS"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+EXT_DIR=${ATMM_PREBUILT:-/tmp/atmm-build}
+if [[ " $STEPS " == *" build "* && -z "${ATMM_PREBUILT:-}" ]]; then
+  t0=$(date +%s)
+  cmake -S csrc -B /tmp/atmm-build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v $PY)" \
+        -DATMM_CUDA_ARCHS="${ATMM_CUDA_ARCHS:-90a}" > "$OUT/build.log" 2>&1 &&
+  cmake --build /tmp/atmm-build -j "$(nproc)" >> "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
+export PYTHONPATH=$PWD/backend:$EXT_DIR${PYTHONPATH:+:$PYTHONPATH}
+$PY -c "import vlora_atmm_ext as m, torch; print('ext', m.__file__, m.CUDA_ARCHS, len(m.configs()), 'configs; torch', torch.__version__)" || exit 1
+rc=0
+if [[ " $STEPS " == *" test "* ]]; then
+  t0=$(date +%s)
+  $PY -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+  rc=${PIPESTATUS[0]}
+  echo "tests/gpu: rc=$rc, $(( $(date +%s) - t0 )) s"
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
+  $PY benchmarks/atmm.py ${ATMM_BENCH_ARGS:-} --out-dir "$OUT" --table-out "$OUT/tiling-table.json" 2>&1 | tee "$OUT/bench.log" | tail -40
+  rc=$(( rc | PIPESTATUS[0] ))
+fi
+exit $rc

@@ -1,0 +1,356 @@
+// ATMM host driver and the small kernels around the grouped GEMMs:
+//   prep   : segment table -> grouped-GEMM problem arrays (sizes, pointers, strides, alphas), on device
+//   reduce : sums the shrink's split-K fp32 partials into v (activation dtype)
+// and the registry of compiled configurations.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <sstream>
+
+#include "cutlass/gemm_coord.h"
+
+#include "atmm/atmm.h"
+#include "atmm/driver.h"
+
+namespace atmm {
+
+// ---------------------------------------------------------------------------------------------
+// Registry
+// ---------------------------------------------------------------------------------------------
+#define ATMM_BOTH true
+#define ATMM_EXPAND_ONLY false
+
+#define ATMM_DECLARE_BOTH(NAME)                                               \
+  cudaError_t atmm_run_##NAME##_f16_shrink(GroupedLaunch const&, cudaStream_t);  \
+  cudaError_t atmm_run_##NAME##_bf16_shrink(GroupedLaunch const&, cudaStream_t); \
+  cudaError_t atmm_run_##NAME##_f16_expand(GroupedLaunch const&, cudaStream_t);  \
+  cudaError_t atmm_run_##NAME##_bf16_expand(GroupedLaunch const&, cudaStream_t);
+#define ATMM_DECLARE_EXPAND_ONLY(NAME)                                       \
+  cudaError_t atmm_run_##NAME##_f16_expand(GroupedLaunch const&, cudaStream_t); \
+  cudaError_t atmm_run_##NAME##_bf16_expand(GroupedLaunch const&, cudaStream_t);
+#define ATMM_CONFIG(NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS) ATMM_DECLARE_##DIRS(NAME)
+#define ATMM_DECLARE_ATMM_BOTH(NAME) ATMM_DECLARE_BOTH(NAME)
+#define ATMM_DECLARE_ATMM_EXPAND_ONLY(NAME) ATMM_DECLARE_EXPAND_ONLY(NAME)
+#include "atmm/tile_configs.def"
+#undef ATMM_CONFIG
+
+#define ATMM_FNS_ATMM_BOTH(NAME) \
+  atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
+#define ATMM_FNS_ATMM_EXPAND_ONLY(NAME) nullptr, nullptr, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
+
+const std::vector<KernelConfig>& kernel_configs() {
+  static const std::vector<KernelConfig> configs = {
+#define ATMM_CONFIG(NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS) \
+  KernelConfig{#NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS, ATMM_FNS_##DIRS(NAME)},
+#include "atmm/tile_configs.def"
+#undef ATMM_CONFIG
+  };
+  return configs;
+}
+
+GroupedFn KernelConfig::fn(Direction d, DType t) const {
+  if (d == Direction::kShrink) return t == DType::kF16 ? shrink_f16 : shrink_bf16;
+  return t == DType::kF16 ? expand_f16 : expand_bf16;
+}
+
+int find_config(const std::string& name) {
+  const auto& c = kernel_configs();
+  for (size_t i = 0; i < c.size(); ++i)
+    if (name == c[i].name) return int(i);
+  return -1;
+}
+
+const char* direction_name(Direction d) { return d == Direction::kShrink ? "shrink" : "expand"; }
+const char* dtype_name(DType t) { return t == DType::kF16 ? "fp16" : "bf16"; }
+
+int sm_count() {
+  static std::atomic<int> cached{0};
+  int v = cached.load();
+  if (v == 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    if (v <= 0) v = 1;
+    cached.store(v);
+  }
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workspace
+// ---------------------------------------------------------------------------------------------
+namespace {
+size_t carve(size_t& cursor, size_t bytes) {
+  size_t at = (cursor + 255) & ~size_t(255);
+  cursor = at + bytes;
+  return at;
+}
+}  // namespace
+
+WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_tokens, int r_max, DType) {
+  WorkspaceLayout w{};
+  size_t c = 0;
+  size_t p1 = size_t(num_segments) * size_t(split_k), p2 = size_t(num_segments);
+  w.shrink_problems = carve(c, p1 * sizeof(cutlass::gemm::GemmCoord));
+  w.shrink_ptr_a = carve(c, p1 * sizeof(void*));
+  w.shrink_ptr_b = carve(c, p1 * sizeof(void*));
+  w.shrink_ptr_c = carve(c, p1 * sizeof(void*));
+  w.shrink_ld_ab = carve(c, p1 * sizeof(int64_t));
+  w.shrink_ld_c = carve(c, p1 * sizeof(int64_t));
+  w.expand_problems = carve(c, p2 * sizeof(cutlass::gemm::GemmCoord));
+  w.expand_ptr_a = carve(c, p2 * sizeof(void*));
+  w.expand_ptr_b = carve(c, p2 * sizeof(void*));
+  w.expand_ptr_c = carve(c, p2 * sizeof(void*));
+  w.expand_ld_ab = carve(c, p2 * sizeof(int64_t));
+  w.expand_ld_c = carve(c, p2 * sizeof(int64_t));
+  w.alpha = carve(c, p2 * sizeof(float));
+  w.alpha_ptrs = carve(c, p2 * sizeof(float*));
+  w.seg_rank = carve(c, p2 * sizeof(int));
+  w.partial = carve(c, size_t(split_k) * size_t(num_tokens) * size_t(r_max) * sizeof(float));
+  w.v = carve(c, size_t(num_tokens) * size_t(r_max) * 2);
+  w.total = (c + 255) & ~size_t(255);
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prep: one thread per segment writes its split_k shrink problems and its expand problem.
+// ---------------------------------------------------------------------------------------------
+struct SlotTable {
+  int rank_padded[kMaxSlots];  // rank rounded up to kAlignment (lora_a/lora_b are zero past the rank)
+  float scale[kMaxSlots];
+};
+
+struct PrepParams {
+  const int32_t* seg_indptr;
+  const int32_t* seg_slot;
+  int num_segments, n_slots, split_k, k_chunk, d_in, d_out, r_max, elem_bytes;
+  int64_t ld_x, ld_y, num_tokens;
+  const char* x; const char* lora_a; const char* lora_b; char* y;
+  char* ws;
+  WorkspaceLayout w;
+};
+
+__global__ void prep_kernel(PrepParams p, SlotTable slots) {
+  using cutlass::gemm::GemmCoord;
+  auto* sp = reinterpret_cast<GemmCoord*>(p.ws + p.w.shrink_problems);
+  auto** sa = reinterpret_cast<const char**>(p.ws + p.w.shrink_ptr_a);
+  auto** sb = reinterpret_cast<const char**>(p.ws + p.w.shrink_ptr_b);
+  auto** sc = reinterpret_cast<char**>(p.ws + p.w.shrink_ptr_c);
+  auto* sld_ab = reinterpret_cast<int64_t*>(p.ws + p.w.shrink_ld_ab);
+  auto* sld_c = reinterpret_cast<int64_t*>(p.ws + p.w.shrink_ld_c);
+  auto* ep = reinterpret_cast<GemmCoord*>(p.ws + p.w.expand_problems);
+  auto** ea = reinterpret_cast<const char**>(p.ws + p.w.expand_ptr_a);
+  auto** eb = reinterpret_cast<const char**>(p.ws + p.w.expand_ptr_b);
+  auto** ec = reinterpret_cast<char**>(p.ws + p.w.expand_ptr_c);
+  auto* eld_ab = reinterpret_cast<int64_t*>(p.ws + p.w.expand_ld_ab);
+  auto* eld_c = reinterpret_cast<int64_t*>(p.ws + p.w.expand_ld_c);
+  auto* alpha = reinterpret_cast<float*>(p.ws + p.w.alpha);
+  auto** alpha_ptrs = reinterpret_cast<const float**>(p.ws + p.w.alpha_ptrs);
+  auto* seg_rank = reinterpret_cast<int*>(p.ws + p.w.seg_rank);
+  auto* partial = reinterpret_cast<char*>(p.ws + p.w.partial);
+  auto* v = reinterpret_cast<char*>(p.ws + p.w.v);
+  const int64_t eb_ = p.elem_bytes;
+
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.num_segments; i += gridDim.x * blockDim.x) {
+    int lo = p.seg_indptr[i], hi = p.seg_indptr[i + 1];
+    int slot = p.seg_slot[i];
+    int rp = (slot >= 0 && slot < p.n_slots) ? slots.rank_padded[slot] : 0;
+    int m = (rp > 0 && hi > lo) ? hi - lo : 0;
+    if (m == 0) rp = 0;
+    int s_safe = rp > 0 ? slot : 0;
+    seg_rank[i] = rp;
+    for (int k = 0; k < p.split_k; ++k) {
+      int j = i * p.split_k + k;
+      int k0 = k * p.k_chunk;
+      int kk = min(p.k_chunk, p.d_in - k0);
+      sp[j] = GemmCoord(m, rp, kk > 0 ? kk : 0);
+      if (kk <= 0) sp[j] = GemmCoord(0, 0, 0);
+      sa[j] = p.x + (int64_t(lo) * p.ld_x + k0) * eb_;
+      sb[j] = p.lora_a + (int64_t(s_safe) * p.r_max * p.d_in + k0) * eb_;
+      sc[j] = partial + (int64_t(k) * p.num_tokens + lo) * p.r_max * int64_t(sizeof(float));
+      sld_ab[j] = p.d_in;
+      sld_c[j] = p.r_max;
+    }
+    ep[i] = GemmCoord(m, m > 0 ? p.d_out : 0, rp);
+    ea[i] = v + int64_t(lo) * p.r_max * eb_;
+    eb[i] = p.lora_b + int64_t(s_safe) * p.d_out * p.r_max * eb_;
+    ec[i] = p.y + int64_t(lo) * p.ld_y * eb_;
+    eld_ab[i] = p.r_max;
+    eld_c[i] = p.ld_y;
+    alpha[i] = rp > 0 ? slots.scale[slot] : 0.0f;
+    alpha_ptrs[i] = alpha + i;
+  }
+}
+
+// Note on the shrink's B stride: lora_a[slot] is [r_max, d_in] row-major, read as column-major
+// [K=d_in, N=r] with leading dimension d_in; A (x) has leading dimension ld_x. sld_ab carries d_in
+// for B, so x must have ld_x == d_in for the shared stride array; forward() checks it.
+
+cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, int k_chunk, int splits_used, cudaStream_t stream) {
+  PrepParams p{};
+  p.seg_indptr = a.seg_indptr;
+  p.seg_slot = a.seg_slot;
+  p.num_segments = a.num_segments;
+  p.n_slots = int(a.ranks.size());
+  p.split_k = splits_used;
+  p.k_chunk = k_chunk;
+  p.d_in = a.d_in;
+  p.d_out = a.d_out;
+  p.r_max = a.r_max;
+  p.elem_bytes = 2;
+  p.ld_x = a.ld_x;
+  p.ld_y = a.ld_y;
+  p.num_tokens = a.num_tokens;
+  p.x = static_cast<const char*>(a.x);
+  p.lora_a = static_cast<const char*>(a.lora_a);
+  p.lora_b = static_cast<const char*>(a.lora_b);
+  p.y = static_cast<char*>(a.y);
+  p.ws = static_cast<char*>(a.workspace);
+  p.w = w;
+  SlotTable t{};
+  for (size_t s = 0; s < a.ranks.size(); ++s) {
+    int r = a.ranks[s];
+    t.rank_padded[s] = (r + kAlignment - 1) / kAlignment * kAlignment;
+    t.scale[s] = a.scales[s];
+  }
+  int threads = 128;
+  int blocks = std::max(1, std::min(64, (a.num_segments + threads - 1) / threads));
+  prep_kernel<<<blocks, threads, 0, stream>>>(p, t);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reduce: v[t, c] = sum_k partial[k, t, c] for c < the padded rank of t's segment.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+__device__ inline T from_float(float f);
+template <>
+__device__ inline __half from_float<__half>(float f) { return __float2half_rn(f); }
+template <>
+__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float f) { return __float2bfloat16_rn(f); }
+
+template <typename T>
+__global__ void reduce_kernel(const int32_t* __restrict__ seg_indptr, const int* __restrict__ seg_rank,
+                              int num_segments, const float* __restrict__ partial, T* __restrict__ v,
+                              int64_t num_tokens, int r_max, int split_k) {
+  const int groups = r_max / 8;
+  const int64_t total = num_tokens * groups;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * blockDim.x) {
+    int64_t t = idx / groups;
+    int c = int(idx - t * groups) * 8;
+    // Segment of row t: the last i with seg_indptr[i] <= t (empty segments are skipped over).
+    int lo = 0, hi = num_segments;  // answer in [lo, hi)
+    while (hi - lo > 1) {
+      int mid = (lo + hi) >> 1;
+      if (seg_indptr[mid] <= t) lo = mid; else hi = mid;
+    }
+    if (c >= seg_rank[lo]) continue;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int k = 0; k < split_k; ++k) {
+      const float4* src = reinterpret_cast<const float4*>(partial + (int64_t(k) * num_tokens + t) * r_max + c);
+      float4 u = src[0], w = src[1];
+      acc[0] += u.x; acc[1] += u.y; acc[2] += u.z; acc[3] += u.w;
+      acc[4] += w.x; acc[5] += w.y; acc[6] += w.z; acc[7] += w.w;
+    }
+    alignas(16) T out[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = from_float<T>(acc[e]);
+    *reinterpret_cast<uint4*>(v + t * r_max + c) = *reinterpret_cast<uint4*>(out);
+  }
+}
+
+cudaError_t launch_reduce(ForwardArgs const& a, WorkspaceLayout const& w, int splits_used, cudaStream_t stream) {
+  char* ws = static_cast<char*>(a.workspace);
+  int64_t total = a.num_tokens * (a.r_max / 8);
+  if (total == 0) return cudaSuccess;
+  int threads = 256;
+  int64_t want = (total + threads - 1) / threads;
+  int blocks = int(std::min<int64_t>(want, int64_t(sm_count()) * 8));
+  const auto* indptr = a.seg_indptr;
+  const auto* seg_rank = reinterpret_cast<const int*>(ws + w.seg_rank);
+  const auto* partial = reinterpret_cast<const float*>(ws + w.partial);
+  if (a.dtype == DType::kF16)
+    reduce_kernel<__half><<<blocks, threads, 0, stream>>>(indptr, seg_rank, a.num_segments, partial,
+                                                          reinterpret_cast<__half*>(ws + w.v), a.num_tokens, a.r_max, splits_used);
+  else
+    reduce_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(indptr, seg_rank, a.num_segments, partial,
+                                                                 reinterpret_cast<__nv_bfloat16*>(ws + w.v), a.num_tokens, a.r_max, splits_used);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// forward
+// ---------------------------------------------------------------------------------------------
+namespace {
+std::string shape_of(ForwardArgs const& a) {
+  std::ostringstream s;
+  s << "dtype=" << dtype_name(a.dtype) << " T=" << a.num_tokens << " d_in=" << a.d_in << " d_out=" << a.d_out
+    << " r_max=" << a.r_max << " segments=" << a.num_segments;
+  return s.str();
+}
+}  // namespace
+
+std::string forward(ForwardArgs const& a, cudaStream_t stream) { return forward_phases(a, kPhaseAll, stream); }
+
+std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream) {
+  const auto& cfgs = kernel_configs();
+  if (a.num_segments <= 0 || a.num_tokens <= 0) return "";
+  if (a.d_in % kAlignment || a.d_out % kAlignment || a.r_max % kAlignment || a.ld_y % kAlignment || a.ld_x != a.d_in)
+    return "atmm: unsupported layout (widths, r_max and ld_y must be multiples of 8; x contiguous): " + shape_of(a);
+  if (int(a.ranks.size()) > kMaxSlots || a.ranks.size() != a.scales.size())
+    return "atmm: ranks and scales must have equal length <= 256: " + shape_of(a);
+  for (int r : a.ranks)
+    if (r < 0 || r > a.r_max) return "atmm: a rank is outside [0, r_max]: " + shape_of(a);
+  if (a.shrink_config < 0 || a.shrink_config >= int(cfgs.size()) || a.expand_config < 0 || a.expand_config >= int(cfgs.size()))
+    return "atmm: config index out of range: " + shape_of(a);
+  const KernelConfig& cs = cfgs[a.shrink_config];
+  const KernelConfig& ce = cfgs[a.expand_config];
+  GroupedFn fs = cs.fn(Direction::kShrink, a.dtype), fe = ce.fn(Direction::kExpand, a.dtype);
+  if (!fs) return std::string("atmm: config ") + cs.name + " is not built for shrink: " + shape_of(a);
+  if (!fe) return std::string("atmm: config ") + ce.name + " is not built for expand: " + shape_of(a);
+  if (a.split_k < 1) return "atmm: split_k must be >= 1: " + shape_of(a);
+
+  // Split d_in into chunks that are multiples of the tile K, so every chunk stays aligned.
+  int k_chunk = (a.d_in + a.split_k - 1) / a.split_k;
+  k_chunk = (k_chunk + 63) / 64 * 64;
+  int splits_used = (a.d_in + k_chunk - 1) / k_chunk;
+  WorkspaceLayout w = workspace_layout(a.num_segments, a.split_k, a.num_tokens, a.r_max, a.dtype);
+  if (a.workspace_bytes < w.total) return "atmm: workspace too small: " + shape_of(a);
+
+  cudaError_t e = cudaSuccess;
+  if (phases & kPhasePrep) e = launch_prep(a, w, k_chunk, splits_used, stream);
+  if (e != cudaSuccess) return std::string("atmm: prep kernel: ") + cudaGetErrorString(e) + ": " + shape_of(a);
+
+  int r_pad_max = 0;
+  for (int r : a.ranks) r_pad_max = std::max(r_pad_max, (r + kAlignment - 1) / kAlignment * kAlignment);
+  char* ws = static_cast<char*>(a.workspace);
+  auto tiles = [&](int tb_m, int tb_n, int n, int groups) -> int {
+    int64_t t = (a.num_tokens / tb_m + a.num_segments) * int64_t((n + tb_n - 1) / tb_n) * groups;
+    return int(std::min<int64_t>(t, 1 << 30));
+  };
+  GroupedLaunch ls{ws + w.shrink_problems, a.num_segments * splits_used, tiles(cs.tb_m, cs.tb_n, r_pad_max, splits_used),
+                   reinterpret_cast<void**>(ws + w.shrink_ptr_a), reinterpret_cast<void**>(ws + w.shrink_ptr_b),
+                   reinterpret_cast<void**>(ws + w.shrink_ptr_c), reinterpret_cast<int64_t*>(ws + w.shrink_ld_ab),
+                   reinterpret_cast<int64_t*>(ws + w.shrink_ld_ab), reinterpret_cast<int64_t*>(ws + w.shrink_ld_c),
+                   nullptr, 0.0f};
+  if (phases & kPhaseShrink) {
+    e = fs(ls, stream);
+    if (e != cudaSuccess) return std::string("atmm: shrink ") + cs.name + ": " + cudaGetErrorString(e) + ": " + shape_of(a);
+    e = launch_reduce(a, w, splits_used, stream);
+  }
+  if (e != cudaSuccess) return std::string("atmm: reduce: ") + cudaGetErrorString(e) + ": " + shape_of(a);
+  GroupedLaunch le{ws + w.expand_problems, a.num_segments, tiles(ce.tb_m, ce.tb_n, a.d_out, 1),
+                   reinterpret_cast<void**>(ws + w.expand_ptr_a), reinterpret_cast<void**>(ws + w.expand_ptr_b),
+                   reinterpret_cast<void**>(ws + w.expand_ptr_c), reinterpret_cast<int64_t*>(ws + w.expand_ld_ab),
+                   reinterpret_cast<int64_t*>(ws + w.expand_ld_ab), reinterpret_cast<int64_t*>(ws + w.expand_ld_c),
+                   reinterpret_cast<float const* const*>(ws + w.alpha_ptrs), 1.0f};
+  if (phases & kPhaseExpand) e = fe(le, stream);
+  if (e != cudaSuccess) return std::string("atmm: expand ") + ce.name + ": " + cudaGetErrorString(e) + ": " + shape_of(a);
+  return "";
+}
+
+}  // namespace atmm

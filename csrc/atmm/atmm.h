@@ -1,0 +1,85 @@
+// ATMM: shared declarations between the kernels (nvcc) and the bindings (host compiler).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+namespace atmm {
+
+enum class Direction : int { kShrink = 0, kExpand = 1 };
+enum class DType : int { kF16 = 0, kBF16 = 1 };
+
+const char* direction_name(Direction d);
+const char* dtype_name(DType t);
+
+// Most adapter slots one call may address: ranks and scales travel by value in a kernel parameter.
+constexpr int kMaxSlots = 256;
+// Operand alignment in elements (16 bytes of fp16/bf16): widths, strides and padded ranks are multiples.
+constexpr int kAlignment = 8;
+
+// One grouped GEMM launch. The arrays live in device memory and are written by the prep kernel.
+// problems points to cutlass::gemm::GemmCoord[count]; the element pointers are typed by the kernel.
+struct GroupedLaunch {
+  void* problems;
+  int count;
+  int threadblock_upper_bound;  // tiles that can exist: the kernel launches min(this, occupancy) CTAs
+  void** ptr_a;
+  void** ptr_b;
+  void** ptr_c;  // also D: every kernel here updates in place or writes a fresh buffer
+  int64_t* ld_a;
+  int64_t* ld_b;
+  int64_t* ld_c;
+  float const* const* alpha_ptrs;  // per-group alpha (expand: the adapter's scale); null: alpha = 1
+  float beta;                       // 0: overwrite (shrink partials); 1: accumulate into y (expand)
+};
+
+// A compiled grouped GEMM: returns a CUDA error, or cudaErrorNotSupported when CUTLASS refuses it.
+using GroupedFn = cudaError_t (*)(GroupedLaunch const&, cudaStream_t);
+
+struct KernelConfig {
+  const char* name;
+  int tb_m, tb_n, tb_k, warp_m, warp_n, warp_k, stages;
+  bool shrink;  // built for the shrink direction
+  GroupedFn shrink_f16, shrink_bf16, expand_f16, expand_bf16;
+  GroupedFn fn(Direction d, DType t) const;
+};
+
+// Every compiled configuration, in the order of tile_configs.def.
+const std::vector<KernelConfig>& kernel_configs();
+// Index of a configuration by name, or -1.
+int find_config(const std::string& name);
+
+// Workspace carved into the per-call metadata and intermediates (see forward()).
+struct WorkspaceLayout {
+  size_t shrink_problems, shrink_ptr_a, shrink_ptr_b, shrink_ptr_c, shrink_ld_ab, shrink_ld_c;
+  size_t expand_problems, expand_ptr_a, expand_ptr_b, expand_ptr_c, expand_ld_ab, expand_ld_c;
+  size_t alpha, alpha_ptrs, seg_rank, partial, v;
+  size_t total;
+};
+WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_tokens, int r_max, DType dtype);
+
+struct ForwardArgs {
+  void* y; const void* x; const void* lora_a; const void* lora_b;
+  const int32_t* seg_indptr; const int32_t* seg_slot;
+  void* workspace; size_t workspace_bytes;
+  int64_t num_tokens; int d_in; int d_out; int r_max; int64_t ld_x; int64_t ld_y;
+  int num_segments;
+  std::vector<int> ranks; std::vector<float> scales;
+  DType dtype;
+  int shrink_config; int split_k; int expand_config;
+};
+
+// Launches prep, shrink, split-K reduction and expand on `stream`. Returns "" or an error message.
+std::string forward(ForwardArgs const& a, cudaStream_t stream);
+
+// Launch helpers defined in prep.cu.
+cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, int k_chunk, int splits_used, cudaStream_t stream);
+cudaError_t launch_reduce(ForwardArgs const& a, WorkspaceLayout const& w, int splits_used, cudaStream_t stream);
+
+int sm_count();
+
+}  // namespace atmm

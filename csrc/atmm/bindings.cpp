@@ -1,0 +1,125 @@
+// pybind11 bindings for vlora_atmm_ext: thin. They validate, then launch on the stream the caller
+// passes (an integer cudaStream_t). Device memory travels as integer pointers: no libtorch here.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+
+#include "atmm/atmm.h"
+#include "atmm/driver.h"
+#include "atmm/table.h"
+
+namespace py = pybind11;
+using namespace atmm;
+
+namespace {
+DType parse_dtype(std::string const& s) {
+  if (s == "fp16" || s == "float16") return DType::kF16;
+  if (s == "bf16" || s == "bfloat16") return DType::kBF16;
+  throw std::invalid_argument("atmm: unknown dtype '" + s + "' (fp16 or bf16)");
+}
+Direction parse_direction(std::string const& s) {
+  if (s == "shrink") return Direction::kShrink;
+  if (s == "expand") return Direction::kExpand;
+  throw std::invalid_argument("atmm: unknown direction '" + s + "' (shrink or expand)");
+}
+template <typename T>
+T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+py::dict key_dict(ShapeKey const& k) {
+  py::dict d;
+  d["direction"] = direction_name(k.direction);
+  d["dtype"] = dtype_name(k.dtype);
+  d["tokens"] = k.tokens;
+  d["width"] = k.width;
+  d["rank"] = k.rank;
+  d["segments"] = k.segments;
+  return d;
+}
+}  // namespace
+
+PYBIND11_MODULE(vlora_atmm_ext, m) {
+  m.doc() = "ATMM CUTLASS grouped-GEMM kernels for batches of LoRA adapters (see vlora.atmm)";
+  m.attr("MAX_SLOTS") = kMaxSlots;
+  m.attr("ALIGNMENT") = kAlignment;
+#ifdef ATMM_CUDA_ARCHS
+  m.attr("CUDA_ARCHS") = ATMM_CUDA_ARCHS;
+#else
+  m.attr("CUDA_ARCHS") = "";
+#endif
+
+  m.def("configs", [] {
+    py::list out;
+    for (auto const& c : kernel_configs()) {
+      py::dict d;
+      d["name"] = c.name;
+      d["tb_m"] = c.tb_m; d["tb_n"] = c.tb_n; d["tb_k"] = c.tb_k;
+      d["warp_m"] = c.warp_m; d["warp_n"] = c.warp_n; d["warp_k"] = c.warp_k;
+      d["stages"] = c.stages;
+      d["shrink"] = c.shrink;
+      d["expand"] = true;
+      out.append(d);
+    }
+    return out;
+  }, "Every compiled tiling configuration, in the order of tile_configs.def.");
+
+  m.def("workspace_size", [](int num_segments, int split_k, int64_t num_tokens, int r_max, std::string const& dtype) {
+    if (num_segments < 0 || split_k < 1 || num_tokens < 0 || r_max < 0)
+      throw std::invalid_argument("atmm.workspace_size: negative size or split_k < 1");
+    return workspace_layout(num_segments, split_k, num_tokens, r_max, parse_dtype(dtype)).total;
+  }, py::arg("num_segments"), py::arg("split_k"), py::arg("num_tokens"), py::arg("r_max"), py::arg("dtype"),
+     "Bytes of device workspace one forward() call needs.");
+
+  m.def("forward",
+        [](uintptr_t y, uintptr_t x, uintptr_t lora_a, uintptr_t lora_b, uintptr_t seg_indptr, uintptr_t seg_slot,
+           uintptr_t workspace, size_t workspace_bytes, int64_t num_tokens, int d_in, int d_out, int r_max,
+           int64_t ld_x, int64_t ld_y, int num_segments, std::vector<int> ranks, std::vector<float> scales,
+           std::string const& dtype, int shrink_config, int split_k, int expand_config, uintptr_t stream, int phases) {
+          for (uintptr_t p : {y, x, lora_a, lora_b, workspace})
+            if (p % 16) throw std::invalid_argument("atmm: operand pointers must be 16-byte aligned");
+          ForwardArgs a{ptr<void>(y), ptr<const void>(x), ptr<const void>(lora_a), ptr<const void>(lora_b),
+                        ptr<const int32_t>(seg_indptr), ptr<const int32_t>(seg_slot), ptr<void>(workspace),
+                        workspace_bytes, num_tokens, d_in, d_out, r_max, ld_x, ld_y, num_segments,
+                        std::move(ranks), std::move(scales), parse_dtype(dtype), shrink_config, split_k, expand_config};
+          if (phases < 1 || phases > kPhaseAll) throw std::invalid_argument("atmm: phases must be a mask of 1 (prep), 2 (shrink), 4 (expand)");
+          std::string err = forward_phases(a, phases, reinterpret_cast<cudaStream_t>(stream));
+          if (!err.empty()) throw std::runtime_error(err);
+        },
+        py::arg("y"), py::arg("x"), py::arg("lora_a"), py::arg("lora_b"), py::arg("seg_indptr"), py::arg("seg_slot"),
+        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("num_tokens"), py::arg("d_in"), py::arg("d_out"),
+        py::arg("r_max"), py::arg("ld_x"), py::arg("ld_y"), py::arg("num_segments"), py::arg("ranks"), py::arg("scales"),
+        py::arg("dtype"), py::arg("shrink_config"), py::arg("split_k"), py::arg("expand_config"), py::arg("stream"), py::arg("phases") = int(kPhaseAll),
+        "y += segment-wise x @ A^T @ B^T * scale: prep, shrink (split-K), reduce and expand on `stream`.");
+
+  py::class_<TilingTable>(m, "TilingTable")
+      .def(py::init<>())
+      .def("add",
+           [](TilingTable& t, std::string const& direction, std::string const& dtype, int64_t tokens, int width, int rank,
+              int segments, std::string const& config, int split_k) {
+             t.add(ShapeKey{parse_direction(direction), parse_dtype(dtype), tokens, width, rank, segments}, config, split_k);
+           },
+           py::arg("direction"), py::arg("dtype"), py::arg("tokens"), py::arg("width"), py::arg("rank"),
+           py::arg("segments"), py::arg("config"), py::arg("split_k") = 1)
+      .def("lookup",
+           [](TilingTable const& t, std::string const& direction, std::string const& dtype, int64_t tokens, int width,
+              int rank, int segments) {
+             LookupResult r = t.lookup(ShapeKey{parse_direction(direction), parse_dtype(dtype), tokens, width, rank, segments});
+             if (r.config < 0) throw std::runtime_error("atmm: default configuration is not compiled");
+             py::dict d;
+             d["config"] = kernel_configs()[r.config].name;
+             d["config_index"] = r.config;
+             d["split_k"] = r.split_k;
+             d["exact"] = r.exact;
+             d["default"] = r.from_default;
+             d["matched"] = key_dict(r.matched);
+             return d;
+           },
+           py::arg("direction"), py::arg("dtype"), py::arg("tokens"), py::arg("width"), py::arg("rank"),
+           py::arg("segments"))
+      .def("__len__", &TilingTable::size)
+      .def("key", [](TilingTable const&, std::string const& direction, std::string const& dtype, int64_t tokens, int width,
+                     int rank, int segments) {
+             Key128 k = pack_key(ShapeKey{parse_direction(direction), parse_dtype(dtype), tokens, width, rank, segments});
+             return py::make_tuple(k.hi, k.lo);
+           }, "The 128-bit key (hi, lo) a shape maps to.");
+}

@@ -1,0 +1,156 @@
+"""ATMM's CUDA kernels against an fp32 reference on fresh random data. Needs CUDA and vlora_atmm_ext.
+
+The workspace (problem arrays, split-K partials, v) is poisoned with 0xFF bytes (NaN in every float
+format) before each call, so a read of anything the kernels did not write shows up as NaN; rows
+without an adapter must come back bit-identical.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlora.atmm import AtmmKernels, atmm
+from vlora.atmm.cases import RANK_CYCLE, lora_weights, mapping_for
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+ext = pytest.importorskip("vlora_atmm_ext", reason="vlora_atmm_ext not built (pip install ./csrc)")
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+N_SLOTS = 6  # ranks 8, 16, 32, 64, 128, then 0 (a slot that does not target this layer)
+RANKS = tuple(RANK_CYCLE) + (0,)
+SCALES = (2.0, 0.5, 1.0, 0.25, 1.5, 3.0)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> AtmmKernels:
+    return AtmmKernels(load_table=False)
+
+
+def make(T, d_in, d_out, dtype, pattern, seed, ranks=RANKS):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a, b = lora_weights(len(ranks), d_in, d_out, ranks, dtype, "cuda", g)
+    x = torch.randn(T, d_in, generator=g, device="cuda").to(dtype)
+    y0 = torch.randn(T, d_out, generator=g, device="cuda").to(dtype)
+    mapping = mapping_for(pattern, T, len(ranks), "cuda")
+    return x, y0, a, b, mapping
+
+
+def ref_fp32(y0, x, a, b, ranks, scales, mapping):
+    out = y0.float().clone()
+    p = mapping.seg_indptr_host
+    for i, s in enumerate(mapping.seg_slot_host):
+        if s < 0 or ranks[s] == 0 or p[i + 1] == p[i]:
+            continue
+        r = ranks[s]
+        out[p[i]:p[i + 1]] += (x[p[i]:p[i + 1]].float() @ a[s, :r].float().t()) @ b[s, :, :r].float().t() * scales[s]
+    return out
+
+
+def untouched_rows(mapping, ranks):
+    p = mapping.seg_indptr_host
+    rows = []
+    for i, s in enumerate(mapping.seg_slot_host):
+        if s < 0 or ranks[s] == 0:
+            rows.extend(range(p[i], p[i + 1]))
+    return rows
+
+
+def check(kernels, T, d_in, d_out, dtype, pattern, seed, shrink=None, expand=None, ranks=RANKS):
+    x, y0, a, b, mapping = make(T, d_in, d_out, dtype, pattern, seed, ranks)
+    scales = SCALES[: len(ranks)]
+    ref = ref_fp32(y0, x, a, b, ranks, scales, mapping)
+    y = y0.clone()
+    assert not kernels.unsupported(y, x, a, b, ranks, scales, mapping)
+    used = [s for s in mapping.seg_slot_host if s >= 0]
+    split = shrink[1] if shrink else 16
+    need = kernels.ext.workspace_size(mapping.num_segments, split, T, a.shape[1], "bf16" if dtype == torch.bfloat16 else "fp16")
+    ws = torch.full((need,), 0xFF, dtype=torch.uint8, device="cuda")
+    kernels.run(y, x, a, b, ranks, scales, mapping, shrink=shrink, expand=expand, workspace=ws)
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all(), "non-finite output: an unwritten intermediate was read"
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]} ({dtype}, T={T}, {pattern}, {shrink}, {expand})"
+    # The LoRA delta alone, where it is nonzero: catches a small delta hidden under a large y.
+    delta_ref = ref - y0.float()
+    if used and delta_ref.norm() > 0:
+        derr = ((y.float() - y0.float() - delta_ref).norm() / delta_ref.norm()).item()
+        assert derr <= 2 * TOL[dtype], f"delta relative error {derr:.2e}"
+    rows = untouched_rows(mapping, ranks)
+    if rows:
+        idx = torch.tensor(rows, device="cuda")
+        assert torch.equal(y[idx], y0[idx]), "rows without an adapter were modified"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [4096, 5120])
+@pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter"])
+@pytest.mark.parametrize("T", [1, 7, 64, 300, 2048, 8192])
+def test_atmm_matches_fp32_reference(kernels, dtype, d, pattern, T):
+    check(kernels, T, d, d, dtype, pattern, seed=T + d + len(pattern))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_compiled_config(kernels, dtype):
+    for c in ext.configs():
+        for split in (1, 3):
+            shrink = (c["name"], split) if c["shrink"] else ("t64x64_k64_s5", split)
+            check(kernels, 333, 4096, 1024, dtype, "3x3", seed=split, shrink=shrink, expand=c["name"])
+
+
+@pytest.mark.parametrize("split", [1, 2, 5, 16, 64])
+def test_split_k(kernels, split):
+    check(kernels, 129, 5120, 4096, torch.bfloat16, "7x1", seed=split, shrink=("t64x64_k32_s10", split),
+          expand="t128x128_k32_s4")
+
+
+def test_rank_not_multiple_of_8_uses_zero_padding(kernels):
+    check(kernels, 100, 4096, 4096, torch.bfloat16, "3x3", seed=1, ranks=(12, 8, 100, 0))
+
+
+def test_mlp_widths(kernels):
+    check(kernels, 500, 4096, 11008, torch.bfloat16, "many_short", seed=2)
+    check(kernels, 500, 11008, 4096, torch.float16, "empty", seed=3)
+
+
+def test_public_entry_point_uses_extension_and_matches(kernels):
+    x, y0, a, b, mapping = make(256, 4096, 4096, torch.bfloat16, "3x3", seed=9)
+    ref = ref_fp32(y0, x, a, b, RANKS, SCALES, mapping)
+    y = atmm(y0.clone(), x, a, b, RANKS, SCALES, mapping)
+    assert ((y.float() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+def test_graph_capture_replays(kernels):
+    x, y0, a, b, mapping = make(64, 4096, 4096, torch.bfloat16, "many_short", seed=4)
+    ref = ref_fp32(y0, x, a, b, RANKS, SCALES, mapping)
+    y = y0.clone()
+    kernels.run(y.clone(), x, a, b, RANKS, SCALES, mapping)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.run(y, x, a, b, RANKS, SCALES, mapping)
+    for _ in range(3):
+        y.copy_(y0)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert ((y.float() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+def test_refusals_name_the_problem(kernels):
+    x, y0, a, b, mapping = make(8, 4096, 4096, torch.bfloat16, "one_long", seed=0)
+    assert "multiples of 8" in kernels.unsupported(y0[:, :4090], x, a, b[:, :4090], RANKS, SCALES, mapping) or \
+        kernels.unsupported(y0[:, :4090], x, a, b[:, :4090], RANKS, SCALES, mapping)
+    assert "fp16, bf16" in kernels.unsupported(y0.float(), x.float(), a.float(), b.float(), RANKS, SCALES, mapping)
+
+
+def test_merge_cuda_matches_reference():
+    from vlora.atmm import merge_lora, merge_lora_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(8, 1024, 512, generator=g, device="cuda").to(torch.bfloat16)
+    a = (torch.randn(8, 64, 512, generator=g, device="cuda") / 8).to(torch.bfloat16)
+    b = (torch.randn(8, 1024, 64, generator=g, device="cuda") / 8).to(torch.bfloat16)
+    got = merge_lora(w.clone(), a, b, 0.5, +1)
+    ref = merge_lora_reference(w.clone().float(), a.float(), b.float(), 0.5, +1)
+    assert ((got.float() - ref).norm() / ref.norm()).item() <= 1e-2

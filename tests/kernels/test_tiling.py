@@ -1,0 +1,59 @@
+"""Tiling table files, and the C++ table when the extension is importable (it loads without a GPU)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlora.atmm.tiling import TableEntry, gpu_slug, read_table, table_path, write_table
+
+
+def test_gpu_slug_and_path(tmp_path):
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert table_path("NVIDIA A100-SXM4-80GB", tmp_path) == tmp_path / "nvidia-a100-sxm4-80gb.json"
+
+
+def test_roundtrip(tmp_path):
+    entry = dict(direction="shrink", dtype="bf16", tokens=256, width=4096, rank=32, segments=1,
+                 config="t64x64_k64_s5", split_k=8, time_us=3.5)
+    write_table(tmp_path / "t.json", {"gpu": "x"}, [entry])
+    header, entries = read_table(tmp_path / "t.json")
+    assert header["gpu"] == "x"
+    assert entries == [TableEntry(**{k: v for k, v in entry.items() if k != "time_us"})]
+
+
+def test_bad_entry_is_named(tmp_path):
+    (tmp_path / "t.json").write_text(json.dumps({"format": 1, "entries": [
+        dict(direction="sideways", dtype="bf16", tokens=1, width=8, rank=8, segments=1, config="c")]}))
+    with pytest.raises(ValueError, match="entry 0"):
+        read_table(tmp_path / "t.json")
+
+
+def test_committed_tables_parse():
+    from vlora.atmm.tiling import default_table_dir
+
+    for path in default_table_dir().glob("*.json"):
+        read_table(path)
+
+
+def test_cpp_table_validation_and_fallback(tmp_path):
+    ext = pytest.importorskip("vlora_atmm_ext")
+    names = [c["name"] for c in ext.configs()]
+    assert len(names) >= 8
+    table = ext.TilingTable()
+    with pytest.raises(ValueError, match="no_such_config"):
+        table.add("shrink", "bf16", 256, 4096, 32, 1, "no_such_config", 4)
+    expand_only = [c["name"] for c in ext.configs() if not c["shrink"]]
+    if expand_only:
+        with pytest.raises(ValueError, match="shrink"):
+            table.add("shrink", "bf16", 256, 4096, 32, 1, expand_only[0], 1)
+    hit = table.lookup("shrink", "bf16", 256, 4096, 32, 1)
+    assert hit["default"] and hit["config"] in names
+    table.add("shrink", "bf16", 256, 4096, 32, 1, names[0], 4)
+    table.add("shrink", "bf16", 8192, 4096, 128, 8, names[1], 1)
+    hit = table.lookup("shrink", "bf16", 250, 4096, 32, 1)  # same 32-token bucket
+    assert hit["exact"] and hit["config"] == names[0] and hit["split_k"] == 4
+    hit = table.lookup("shrink", "bf16", 7000, 4096, 128, 7)
+    assert not hit["exact"] and not hit["default"] and hit["config"] == names[1]
+    assert table.key("shrink", "bf16", 250, 4096, 32, 1) == table.key("shrink", "bf16", 256, 4096, 32, 1)
+    assert table.key("shrink", "bf16", 256, 4096, 32, 1) != table.key("expand", "bf16", 256, 4096, 32, 1)
