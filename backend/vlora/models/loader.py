@@ -1,0 +1,263 @@
+"""Loading a LLaVA-architecture model from a local Hugging Face folder, and building prompt token ids.
+
+One path serves the embedded tiny model and real llava-hf checkpoints (llava-hf/llava-1.5-7b-hf:
+``config.json``, sharded ``*.safetensors`` with an index, tokenizer files, ``preprocessor_config.json``,
+optionally ``chat_template.json``). Nothing is fetched from a hub (``local_files_only=True``) and only
+safetensors weights are read: pickle files (``pytorch_model*.bin``) can run code when loaded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from vlora.engine.api import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+IMAGE_PLACEHOLDER = "<image>"
+
+# Used when neither the tokenizer nor the folder carries a chat template: LLaVA-1.5's format.
+LLAVA_15_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}"
+    "{% else %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}{% endfor %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+# Vision towers whose output starts with a class token (which the "default" feature strategy drops).
+_CLASS_TOKEN = {"clip_vision_model": True, "siglip_vision_model": False}
+
+
+class ModelLoadError(RuntimeError):
+    """The model folder cannot be served; the message names the file or setting at fault."""
+
+
+@dataclass
+class LoadedModel:
+    """A LLaVA model ready for inference, with what the engine needs to build its inputs."""
+
+    model: Any  # transformers LlavaForConditionalGeneration, eval mode, requires_grad off
+    tokenizer: Any
+    image_processor: Any
+    image_token_id: int
+    num_image_tokens: int  # placeholder tokens each image expands to in the prompt
+    max_model_len: int
+    name: str
+    text_config: Any  # the LLaMA decoder's config (hidden_size, num_hidden_layers, ...)
+    chat_template: str  # the tokenizer's, the folder's chat_template.json/.jinja, or LLaVA-1.5's
+    path: Optional[Path] = None
+
+
+def load_llava(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+               *, attn_implementation: Optional[str] = None) -> LoadedModel:
+    """Load a LLaVA-architecture model from a local folder onto ``device`` in ``dtype``.
+
+    Refuses, naming the problem: a missing folder, a model type other than ``llava``, pickle-only
+    weights, weights missing from the checkpoint, a tokenizer whose ``<image>`` id disagrees with the
+    config, and an image processor whose output size does not match the vision tower.
+    """
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model folder {str(path)!r} does not exist or is not a directory")
+    config = _read_config(path)
+    _check_safetensors_present(path)
+
+    kwargs: dict[str, Any] = dict(dtype=dtype, local_files_only=True, use_safetensors=True, output_loading_info=True)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model, info = LlavaForConditionalGeneration.from_pretrained(str(path), **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load model weights from {str(path)!r}: {e}") from e
+    missing = [k for k in info.get("missing_keys", ()) if not k.endswith("position_ids")]
+    if missing:
+        raise ModelLoadError(f"{str(path)!r}: {len(missing)} weight(s) missing from the checkpoint, e.g. {missing[:3]}")
+    model.eval()
+    model.requires_grad_(False)
+    model.to(device)
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer from {str(path)!r}: {e}") from e
+    image_processor = _load_image_processor(path)
+
+    mconfig = model.config
+    image_token_id = int(getattr(mconfig, "image_token_id", None) if getattr(mconfig, "image_token_id", None) is not None
+                         else mconfig.image_token_index)
+    tok_image_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+    if tok_image_id != image_token_id:
+        raise ModelLoadError(f"{str(path)!r}: the tokenizer maps {IMAGE_PLACEHOLDER!r} to {tok_image_id}, "
+                             f"but config.image_token_index is {image_token_id}")
+    text_config = mconfig.text_config
+    if len(tokenizer) > text_config.vocab_size:
+        raise ModelLoadError(f"{str(path)!r}: the tokenizer has {len(tokenizer)} tokens, "
+                             f"more than the model's vocab_size {text_config.vocab_size}")
+
+    num_image_tokens = _num_image_tokens(mconfig)
+    _check_image_processor(image_processor, mconfig.vision_config.image_size, path)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        image_token_id=image_token_id,
+        num_image_tokens=num_image_tokens,
+        max_model_len=int(text_config.max_position_embeddings),
+        name=path.resolve().name,
+        text_config=text_config,
+        chat_template=tokenizer.chat_template or _folder_chat_template(path) or LLAVA_15_CHAT_TEMPLATE,
+        path=path,
+    )
+
+
+def build_prompt_ids(loaded: LoadedModel, text: str, num_images: int, apply_chat_template: bool) -> list[int]:
+    """Token ids for one request, images expanded to their placeholder tokens.
+
+    The text is used as given (the Triton vLLM backend's convention). Each ``<image>`` in it marks where
+    an image goes; with no ``<image>`` at all, the images come first. Each image becomes
+    ``num_image_tokens`` copies of ``image_token_id``, which the model replaces with the image's
+    features. The tokenizer's BOS token, if it has one, is added once at the start.
+
+    With ``apply_chat_template`` the text is first wrapped as one user turn through the model's chat
+    template (llava-hf style content parts: images, then the text), ending with the assistant prompt,
+    e.g. ``USER: <image>\\nWhat is this? ASSISTANT:``.
+
+    Raises InvalidRequest when the placeholders and images disagree in number, or when there is
+    neither text nor an image.
+    """
+    if not isinstance(text, str):
+        raise InvalidRequest("text_input must be a string")
+    if num_images < 0:
+        raise InvalidRequest(f"negative number of images: {num_images}")
+    if not text.strip() and num_images == 0:
+        raise InvalidRequest("empty prompt: text_input is empty and no image was given")
+    placeholders = text.count(IMAGE_PLACEHOLDER)
+    if placeholders and placeholders != num_images:
+        raise InvalidRequest(f"the prompt has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) "
+                             f"but the request carries {num_images} image(s)")
+    tokenizer = loaded.tokenizer
+    if apply_chat_template:
+        parts: list[dict[str, Any]] = [] if placeholders else [{"type": "image"} for _ in range(num_images)]
+        parts.append({"type": "text", "text": text})
+        text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], chat_template=loaded.chat_template,
+                                             tokenize=False, add_generation_prompt=True)
+        if text.count(IMAGE_PLACEHOLDER) != num_images:
+            raise InvalidRequest(f"the chat template produced {text.count(IMAGE_PLACEHOLDER)} image placeholder(s) "
+                                 f"for {num_images} image(s)")
+    elif not placeholders:
+        text = IMAGE_PLACEHOLDER * num_images + text
+
+    # Expand in the text and tokenize once, as LlavaProcessor does, so the text around each image
+    # tokenizes exactly as it would in transformers.
+    image_token = tokenizer.convert_ids_to_tokens(loaded.image_token_id)
+    text = text.replace(IMAGE_PLACEHOLDER, image_token * loaded.num_image_tokens)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = tokenizer.bos_token_id
+    if bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    found = sum(1 for i in ids if i == loaded.image_token_id)
+    if found != num_images * loaded.num_image_tokens:
+        raise InvalidRequest(f"the prompt holds {found} image tokens, expected {num_images} image(s) x "
+                             f"{loaded.num_image_tokens}; do not write the image token except as {IMAGE_PLACEHOLDER}")
+    return ids
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{str(path)!r} has no config.json; expected a Hugging Face model folder")
+    try:
+        config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{str(cfg_file)!r} is not valid JSON: {e}") from e
+    model_type = config.get("model_type")
+    if model_type != "llava":
+        raise ModelLoadError(f"{str(path)!r}: model_type {model_type!r} is not supported; vlora serves LLaVA "
+                             f"(model_type 'llava', LlavaForConditionalGeneration)")
+    vision_type = (config.get("vision_config") or {}).get("model_type", "clip_vision_model")
+    if vision_type not in _CLASS_TOKEN:
+        raise ModelLoadError(f"{str(path)!r}: vision tower {vision_type!r} is not supported; "
+                             f"supported: {sorted(_CLASS_TOKEN)}")
+    return config
+
+
+def _check_safetensors_present(path: Path) -> None:
+    if any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
+    if pickles:
+        raise ModelLoadError(f"{str(path)!r} has only pickle weights ({', '.join(pickles[:3])}); vlora reads "
+                             f"safetensors only, because loading pickle files can run arbitrary code. "
+                             f"Convert the checkpoint to safetensors first")
+    raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights")
+
+
+def _num_image_tokens(config: Any) -> int:
+    """Tokens per image: the vision tower's patches (plus its class token), less the class token
+    when ``vision_feature_select_strategy`` is "default" (LlavaModel drops the first feature)."""
+    vc = config.vision_config
+    strategy = config.vision_feature_select_strategy
+    if strategy not in ("default", "full"):
+        raise ModelLoadError(f"vision_feature_select_strategy {strategy!r} is not supported")
+    n = (vc.image_size // vc.patch_size) ** 2 + int(_CLASS_TOKEN[vc.model_type]) - int(strategy == "default")
+    declared = getattr(config, "image_seq_length", None)
+    if declared is not None and declared != n:
+        log.warning("config.image_seq_length is %s but the vision tower yields %s tokens per image; using %s",
+                    declared, n, n)
+    return n
+
+
+def _load_image_processor(path: Path) -> Any:
+    """AutoImageProcessor, or, where it needs torchvision that is not installed (transformers 5.17
+    does), the class named in preprocessor_config.json, which falls back to its PIL backend."""
+    import transformers
+
+    try:
+        try:
+            return transformers.AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
+        except ImportError:
+            config = json.loads((path / "preprocessor_config.json").read_text(encoding="utf-8"))
+            name = str(config.get("image_processor_type", "CLIPImageProcessor")).removesuffix("Fast")
+            cls = getattr(transformers, name, None)
+            if cls is None:
+                raise ModelLoadError(f"{str(path)!r}: unknown image_processor_type {name!r}") from None
+            return cls.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the image processor from {str(path)!r}: {e}") from e
+
+
+def _check_image_processor(image_processor: Any, image_size: int, path: Path) -> None:
+    from PIL import Image
+
+    out = image_processor(images=[Image.new("RGB", (image_size + 3, image_size + 7))], return_tensors="pt")
+    shape = tuple(out["pixel_values"].shape)
+    if shape != (1, 3, image_size, image_size):
+        raise ModelLoadError(f"{str(path)!r}: the image processor yields pixel_values of shape {shape}, "
+                             f"but the vision tower takes (1, 3, {image_size}, {image_size})")
+
+
+def _folder_chat_template(path: Path) -> Optional[str]:
+    """llava-hf ships the template for the processor: chat_template.json or chat_template.jinja."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    js = path / "chat_template.json"
+    if js.is_file():
+        try:
+            template = json.loads(js.read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ModelLoadError(f"{str(js)!r} is not a valid chat template file: {e}") from e
+        return template if isinstance(template, str) else None
+    return None
