@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: the engine's GPU tests, then the serving decode
+# benchmark through the real tritonserver at LLaVA-1.5-7B dimensions (random weights).
+# Wheels that the machine lacks (nvidia-pytriton, peft, pytest) are read from .whl/ when present.
+# Writes logs and results under $OUT (or benchmarks/results when OUT is unset).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/backend:$PWD/client:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+# The Triton Python backend stub links libpython3.X.so; bring one where the system has none.
+PYV=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+LIBDIR=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
+if [ ! -e "$LIBDIR/libpython$PYV.so.1.0" ] && ! ldconfig -p | grep -q "libpython$PYV.so.1.0"; then
+  if [ -f ".whl/libpython$PYV.so.1.0.xz" ]; then
+    mkdir -p /tmp/pylib && xz -dc ".whl/libpython$PYV.so.1.0.xz" > "/tmp/pylib/libpython$PYV.so.1.0"
+    export LD_LIBRARY_PATH=/tmp/pylib:${LD_LIBRARY_PATH:-}
+    echo "using carried libpython$PYV.so.1.0"
+  else
+    echo "warning: no libpython$PYV.so.1.0 for the Triton Python backend stub"
+  fi
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+rc=0
+python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" || rc=1
+python3 benchmarks/serve_decode.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench "$@" 2>&1 | tee "$OUT/serve-decode.log" || rc=1
+cp /tmp/vlora-bench/server.log "$OUT/server.log" 2>/dev/null
+cp benchmarks/results/serve-decode-*.json "$OUT/" 2>/dev/null
+tail -n 3 benchmarks/RESULTS.md > "$OUT/RESULTS-lines.md" 2>/dev/null
+exit $rc
