@@ -1,0 +1,357 @@
+"""PEFT LoRA adapter folders: finding them safely under the adapter root, reading and checking them.
+
+An adapter is a folder ``<root>/<name>/`` holding ``adapter_config.json`` and
+``adapter_model.safetensors`` as PEFT writes them. Nothing else in the folder is read; pickle weights
+(``adapter_model.bin``) are refused, because unpickling can run code.
+
+Key names. PEFT saves ``base_model.model.<module path>.lora_{A,B}.weight``. For
+``LlavaForConditionalGeneration`` under transformers 5 the module path of a decoder projection is
+``model.language_model.layers.N.{self_attn,mlp}.X_proj``; adapters trained under transformers 4
+(before the LLaVA refactor) use ``language_model.model.layers.N...``. Both are read. Every other key
+(vision tower, projector, embeddings, lm_head, DoRA magnitudes, biases) is refused by name.
+
+Scale (as PEFT's LoraLayer): ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``,
+where ``r`` and ``lora_alpha`` come from ``rank_pattern`` / ``alpha_pattern`` when a pattern matches
+the module's name (PEFT's rule: the pattern matches a dotted suffix of the name). Patterns can differ
+by layer, so rank and scale are kept per (layer, module) pair.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+
+from vlora.engine.api import InvalidRequest
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+MAX_CONFIG_BYTES = 1 << 20
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+# base_model.model. + one of the two LLaVA decoder prefixes + layers.N.<block>.<proj>.lora_A|B.weight
+_KEY = re.compile(
+    r"^base_model\.model\.(?P<prefix>model\.language_model|language_model\.model)\.layers\.(?P<layer>\d+)\."
+    r"(?P<block>self_attn|mlp)\.(?P<module>[A-Za-z0-9_]+)\.lora_(?P<ab>[AB])\.weight$"
+)
+
+# Config fields that change what the weights mean; an adapter using them is refused, not misread.
+_UNSUPPORTED_FLAGS = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "LoRA bias (lora_bias)",
+    "use_qalora": "QALoRA (use_qalora)",
+    "use_bdlora": "BD-LoRA (use_bdlora)",
+}
+_UNSUPPORTED_PRESENT = {
+    "modules_to_save": "modules_to_save",
+    "trainable_token_indices": "trainable_token_indices",
+    "layer_replication": "layer_replication",
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
+    "target_parameters": "target_parameters",
+    "megatron_config": "megatron_config",
+}
+
+
+class AdapterError(InvalidRequest):
+    """An adapter that cannot be served; the message names the adapter and the problem."""
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One module's LoRA weights in one layer: ``delta_y = (x @ a.T) @ b.T * scale``.
+
+    Shape: a [r, d_in], b [d_out, r], float32 on the CPU.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A checked adapter, ready to be copied into a GPU slot.
+
+    ``pairs`` is keyed by (layer index, module name such as "q_proj"); layers or modules the adapter
+    does not touch are absent. ``ranks`` is the largest rank of each target module over its layers.
+    """
+
+    name: str
+    dir: Path
+    pairs: dict[tuple[int, str], LoraPair]
+    ranks: dict[str, int]
+    max_rank: int
+    target_modules: tuple[str, ...]
+    config: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def scale(self, layer: int, module: str) -> float:
+        return self.pairs[(layer, module)].scale
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.a.numel() + p.b.numel() for p in self.pairs.values())
+
+
+def validate_adapter_name(name: Any) -> str:
+    """Return ``name`` if it is a well-formed adapter name, else raise AdapterError."""
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name in (".", ".."):
+        shown = repr(name)[:80] if isinstance(name, str) else type(name).__name__
+        raise AdapterError(f"invalid adapter name {shown}: use 1 to 128 characters from A-Z a-z 0-9 . _ - "
+                           f"(not '.' or '..')")
+    return name
+
+
+def resolve_adapter_dir(root: Path, name: str) -> Path:
+    """The folder of adapter ``name`` under ``root``, resolved; refuses anything that leaves ``root``.
+
+    The name is checked against ``[A-Za-z0-9._-]{1,128}`` first, so separators and absolute paths never
+    reach the file system. Symlinks are followed, and the target must still be inside the resolved
+    root. An adapter that does not exist and one that escapes both read "unknown adapter": the
+    message shows nothing about the file system.
+    """
+    validate_adapter_name(name)
+    root_resolved = Path(root).resolve()
+    candidate = root_resolved / name
+    try:
+        resolved = candidate.resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, or a symlink loop
+        raise AdapterError(f"unknown adapter {name!r}") from None
+    if not resolved.is_relative_to(root_resolved) or resolved == root_resolved or not resolved.is_dir():
+        raise AdapterError(f"unknown adapter {name!r}")
+    return resolved
+
+
+def list_adapters(root: Path) -> list[str]:
+    """Names of the folders under ``root`` that look like adapters (have adapter_config.json)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    names = []
+    for child in sorted(root.iterdir()):
+        if ADAPTER_NAME.fullmatch(child.name) and child.name not in (".", ".."):
+            try:
+                d = resolve_adapter_dir(root, child.name)
+            except AdapterError:
+                continue
+            if (d / CONFIG_FILE).is_file():
+                names.append(child.name)
+    return names
+
+
+def load_adapter(
+    root: Path,
+    name: str,
+    *,
+    num_layers: int,
+    module_dims: Mapping[str, tuple[int, int]],
+    max_rank: int,
+    supported_modules: Iterable[str],
+) -> AdapterWeights:
+    """Read and check adapter ``name`` under ``root`` against the served model.
+
+    ``module_dims`` maps each decoder projection ("q_proj", ...) to its (d_in, d_out);
+    ``supported_modules`` are the projections the server can apply LoRA to; ``max_rank`` is the
+    largest rank a slot holds. Raises AdapterError naming the key, shape or setting at fault.
+    """
+    from safetensors import safe_open
+
+    adir = resolve_adapter_dir(root, name)
+    where = f"adapter {name!r}"
+    config_path = _inside(adir, CONFIG_FILE, root, where)
+    weights_path = _inside(adir, WEIGHTS_FILE, root, where)
+    if weights_path is None:
+        if any((adir / p).exists() for p in PICKLE_FILES):
+            raise AdapterError(f"{where}: has only {'/'.join(PICKLE_FILES)} weights; pickle weights are not loaded; "
+                               f"convert to safetensors ({WEIGHTS_FILE})")
+        raise AdapterError(f"{where}: {WEIGHTS_FILE} is missing")
+    if config_path is None:
+        raise AdapterError(f"{where}: {CONFIG_FILE} is missing")
+    config = _read_config(config_path, where)
+
+    supported = tuple(supported_modules)
+    base_r, base_alpha, use_rslora, rank_pattern, alpha_pattern = _lora_settings(config, where)
+
+    try:
+        handle = safe_open(str(weights_path), framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a malformed file
+        raise AdapterError(f"{where}: {WEIGHTS_FILE} is not a valid safetensors file ({e})") from None
+    with handle as f:
+        keys = list(f.keys())
+        if not keys:
+            raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no tensors")
+        found: dict[tuple[int, str], dict[str, tuple[str, str]]] = {}
+        for key in keys:
+            m = _KEY.match(key)
+            if m is None:
+                raise AdapterError(f"{where}: unsupported target module or weight {key!r}: only LoRA A/B weights "
+                                   f"of the language model's decoder projections {list(supported)} are served "
+                                   f"(not the vision tower, projector, embeddings, lm_head, biases or DoRA)")
+            layer, block, module = int(m["layer"]), m["block"], m["module"]
+            expected_block = "self_attn" if module in ATTN_MODULES else "mlp" if module in MLP_MODULES else None
+            if expected_block != block or module not in supported:
+                raise AdapterError(f"{where}: unsupported target module {block}.{module} in {key!r}; "
+                                   f"supported: {list(supported)}")
+            if layer >= num_layers:
+                raise AdapterError(f"{where}: {key!r} names layer {layer}, but the model has {num_layers} layers")
+            module_name = key[len("base_model.model."):key.index(".lora_")]
+            found.setdefault((layer, module), {})[m["ab"]] = (key, module_name)
+
+        pairs: dict[tuple[int, str], LoraPair] = {}
+        for (layer, module), ab in sorted(found.items()):
+            if set(ab) != {"A", "B"}:
+                have, miss = next(iter(ab)), ({"A", "B"} - set(ab)).pop()
+                raise AdapterError(f"{where}: {ab[have][0]!r} has no matching lora_{miss} weight")
+            key_a, module_name = ab["A"]
+            key_b = ab["B"][0]
+            if module not in module_dims:
+                raise AdapterError(f"{where}: the served model has no dimensions for module {module!r}")
+            d_in, d_out = module_dims[module]
+            shape_a = tuple(f.get_slice(key_a).get_shape())
+            shape_b = tuple(f.get_slice(key_b).get_shape())
+            if len(shape_a) != 2 or shape_a[1] != d_in:
+                raise AdapterError(f"{where}: {key_a!r} has shape {list(shape_a)}, expected [r, {d_in}]")
+            r = shape_a[0]
+            if r < 1 or r > max_rank:
+                raise AdapterError(f"{where}: rank {r} of {key_a!r} is outside [1, {max_rank}] (the server's max_rank)")
+            if shape_b != (d_out, r):
+                raise AdapterError(f"{where}: {key_b!r} has shape {list(shape_b)}, expected [{d_out}, {r}] "
+                                   f"(lora_A is {list(shape_a)})")
+            cfg_r = _pattern_value(rank_pattern, module_name, base_r)
+            if cfg_r != r:
+                raise AdapterError(f"{where}: {key_a!r} has rank {r}, but adapter_config.json gives r={cfg_r}")
+            alpha = _pattern_value(alpha_pattern, module_name, base_alpha)
+            scale = alpha / math.sqrt(r) if use_rslora else alpha / r
+            a = _tensor(f, key_a, where)
+            b = _tensor(f, key_b, where)
+            pairs[(layer, module)] = LoraPair(a=a, b=b, scale=float(scale))
+
+    ranks: dict[str, int] = {}
+    for (_, module), pair in pairs.items():
+        ranks[module] = max(ranks.get(module, 0), pair.rank)
+    targets = tuple(m for m in supported if m in ranks)
+    return AdapterWeights(name=name, dir=adir, pairs=pairs, ranks=ranks, max_rank=max(ranks.values()),
+                          target_modules=targets, config=config)
+
+
+def _inside(adir: Path, filename: str, root: Path, where: str) -> Optional[Path]:
+    """``adir/filename`` resolved, or None if absent; refuses a file symlinked out of the root."""
+    p = adir / filename
+    if not p.exists():
+        return None
+    resolved = p.resolve()
+    if not resolved.is_relative_to(Path(root).resolve()) or not resolved.is_file():
+        raise AdapterError(f"{where}: {filename} is not a regular file inside the adapter root")
+    return resolved
+
+
+def _read_config(path: Path, where: str) -> dict[str, Any]:
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{where}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{where}: {CONFIG_FILE} must hold a JSON object")
+    return config
+
+
+def _lora_settings(config: Mapping[str, Any], where: str):
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterError(f"{where}: peft_type {peft_type!r} is not supported; only LORA adapters are served")
+    for flag, what in _UNSUPPORTED_FLAGS.items():
+        if config.get(flag):
+            raise AdapterError(f"{where}: {what} is not supported")
+    for key, what in _UNSUPPORTED_PRESENT.items():
+        if config.get(key):
+            raise AdapterError(f"{where}: {what} is not supported")
+    bias = config.get("bias", "none")
+    if bias not in (None, "none"):
+        raise AdapterError(f"{where}: bias={bias!r} is not supported (only 'none')")
+    r = config.get("r")
+    alpha = config.get("lora_alpha", 8)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise AdapterError(f"{where}: r must be a positive integer, got {r!r}")
+    if not _is_number(alpha):
+        raise AdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    use_rslora = config.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterError(f"{where}: use_rslora must be true or false")
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    for pname, pattern, ok in (("rank_pattern", rank_pattern, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                               ("alpha_pattern", alpha_pattern, _is_number)):
+        if not isinstance(pattern, dict) or not all(isinstance(k, str) and ok(v) for k, v in pattern.items()):
+            raise AdapterError(f"{where}: {pname} must map module-name patterns to numbers")
+        for k in pattern:
+            try:
+                re.compile(k)
+            except re.error as e:
+                raise AdapterError(f"{where}: {pname} key {k!r} is not a valid pattern ({e})") from None
+    return r, float(alpha), use_rslora, rank_pattern, alpha_pattern
+
+
+def _pattern_value(pattern: Mapping[str, Any], module_name: str, default):
+    """PEFT's get_pattern_key: the first key that matches a dotted suffix of the module's name.
+
+    Tried on the name as the adapter spells it and on the transformers-5 spelling, so that a pattern
+    written for either naming applies.
+    """
+    if not pattern:
+        return default
+    names = (module_name, _modern_name(module_name))
+    for key, value in pattern.items():
+        if any(re.match(rf"(.*\.)?({key})$", n) for n in names):
+            return value
+    return default
+
+
+def _modern_name(module_name: str) -> str:
+    old = "language_model.model."
+    return "model.language_model." + module_name[len(old):] if module_name.startswith(old) else module_name
+
+
+def _tensor(f, key: str, where: str) -> torch.Tensor:
+    t = f.get_tensor(key)
+    if not t.is_floating_point():
+        raise AdapterError(f"{where}: {key!r} has dtype {t.dtype}; expected a floating-point tensor")
+    t = t.to(torch.float32).contiguous()
+    if not torch.isfinite(t).all():
+        raise AdapterError(f"{where}: {key!r} holds non-finite values")
+    return t
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def decoder_module_dims(text_config: Any) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of each LLaMA decoder projection, from a text config object or dict."""
+    get = text_config.get if isinstance(text_config, Mapping) else (lambda k, d=None: getattr(text_config, k, d))
+    hidden = int(get("hidden_size"))
+    heads = int(get("num_attention_heads"))
+    kv_heads = int(get("num_key_value_heads") or heads)
+    head_dim = int(get("head_dim") or hidden // heads)
+    inter = int(get("intermediate_size"))
+    return {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }

@@ -1,0 +1,316 @@
+"""PEFT adapter folders: safe name resolution, what is refused, and parity with PEFT itself."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vlora.config import LORA_TARGETS
+from vlora.engine.api import InvalidRequest
+from vlora.lora.adapter import (
+    AdapterError,
+    decoder_module_dims,
+    list_adapters,
+    load_adapter,
+    resolve_adapter_dir,
+)
+from vlora.lora.demo import DEMO_ADAPTER_NAMES, DEMO_ADAPTERS, ensure_demo_adapters
+
+NUM_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def text_config(tiny_model_dir):
+    return json.loads((tiny_model_dir / "config.json").read_text())["text_config"]
+
+
+@pytest.fixture(scope="module")
+def dims(text_config):
+    return decoder_module_dims(text_config)
+
+
+@pytest.fixture()
+def root(tiny_model_dir, tmp_path) -> Path:
+    """A private copy of the demo adapters that a test may damage."""
+    return ensure_demo_adapters(tiny_model_dir, tmp_path / "adapters")
+
+
+def _load(root, name, dims, max_rank=64, supported=LORA_TARGETS):
+    return load_adapter(root, name, num_layers=NUM_LAYERS, module_dims=dims, max_rank=max_rank,
+                        supported_modules=supported)
+
+
+def _clone(root: Path, src: str, dst: str, edit_config=None, edit_tensors=None) -> str:
+    shutil.copytree(root / src, root / dst)
+    if edit_config:
+        cfg = json.loads((root / dst / "adapter_config.json").read_text())
+        edit_config(cfg)
+        (root / dst / "adapter_config.json").write_text(json.dumps(cfg))
+    if edit_tensors:
+        tensors = load_file(str(root / dst / "adapter_model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(root / dst / "adapter_model.safetensors"))
+    return dst
+
+
+# ---- the demo adapters
+
+
+def test_demo_adapters_differ_in_rank_and_targets(root, dims):
+    loaded = {n: _load(root, n, dims) for n in DEMO_ADAPTER_NAMES}
+    assert len(loaded) >= 3
+    assert len({a.max_rank for a in loaded.values()}) == len(loaded)
+    assert len({a.target_modules for a in loaded.values()}) == len(loaded)
+    assert any({"gate_proj", "up_proj", "down_proj"} <= set(a.target_modules) for a in loaded.values())
+    for a in loaded.values():
+        assert all(p.b.abs().max() > 0 for p in a.pairs.values())
+        assert {layer for layer, _ in a.pairs} == set(range(NUM_LAYERS))
+        for (layer, module), p in a.pairs.items():
+            d_in, d_out = dims[module]
+            assert p.a.shape == (p.rank, d_in) and p.b.shape == (d_out, p.rank)
+            assert p.a.dtype == torch.float32 and p.a.device.type == "cpu"
+
+
+def test_scales_follow_peft(root, dims):
+    r8 = _load(root, "demo-r8-qv", dims)
+    assert r8.scale(0, "q_proj") == 16 / 8
+    mlp = _load(root, "demo-r32-mlp", dims)  # use_rslora
+    assert mlp.scale(2, "down_proj") == pytest.approx(32 / math.sqrt(32))
+    pat = _load(root, "demo-r4-pattern", dims)  # rank_pattern down_proj=12, alpha_pattern o_proj=16
+    assert pat.ranks == {"q_proj": 4, "o_proj": 4, "down_proj": 12}
+    assert pat.scale(1, "q_proj") == 8 / 4 and pat.scale(1, "o_proj") == 16 / 4 and pat.scale(1, "down_proj") == 8 / 12
+
+
+def test_demo_generation_is_idempotent_and_deterministic(tiny_model_dir, root, tmp_path):
+    before = {n: (root / n / "adapter_model.safetensors").stat().st_mtime_ns for n in DEMO_ADAPTER_NAMES}
+    ensure_demo_adapters(tiny_model_dir, root)
+    assert before == {n: (root / n / "adapter_model.safetensors").stat().st_mtime_ns for n in DEMO_ADAPTER_NAMES}
+    other = ensure_demo_adapters(tiny_model_dir, tmp_path / "again")
+    for n in DEMO_ADAPTER_NAMES:
+        assert (root / n / "adapter_model.safetensors").read_bytes() == (other / n / "adapter_model.safetensors").read_bytes()
+    assert sorted(list_adapters(root)) == sorted(DEMO_ADAPTER_NAMES)
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no temporary folders left
+
+
+def test_stale_demo_adapter_is_replaced(tiny_model_dir, root):
+    (root / "demo-r8-qv" / "vlora_demo.json").write_text("{}")
+    (root / "demo-r8-qv" / "adapter_model.safetensors").write_bytes(b"garbage")
+    ensure_demo_adapters(tiny_model_dir, root)
+    assert (root / "demo-r8-qv" / "adapter_model.safetensors").read_bytes()[:8] != b"garbage"
+
+
+# ---- names and paths
+
+
+@pytest.mark.parametrize("name", ["../x", "..", ".", "/etc", "/etc/passwd", "a/b", "a\\b", "", "x" * 129, "ü", "a b",
+                                  "demo-r8-qv/../demo-r8-qv", "\x00"])
+def test_bad_names_are_refused(root, name):
+    with pytest.raises(AdapterError, match="invalid adapter name"):
+        resolve_adapter_dir(root, name)
+
+
+def test_non_string_name_is_refused(root):
+    with pytest.raises(AdapterError, match="invalid adapter name"):
+        resolve_adapter_dir(root, 3)  # type: ignore[arg-type]
+
+
+def test_unknown_adapter_message_reveals_nothing(root):
+    with pytest.raises(AdapterError) as e:
+        resolve_adapter_dir(root, "nope")
+    assert str(e.value) == "unknown adapter 'nope'"
+    assert isinstance(e.value, InvalidRequest)
+
+
+def test_symlink_escaping_the_root_is_refused(root, tmp_path):
+    outside = tmp_path / "outside"
+    shutil.copytree(root / "demo-r8-qv", outside)
+    os.symlink(outside, root / "escape")
+    with pytest.raises(AdapterError, match="unknown adapter 'escape'"):
+        resolve_adapter_dir(root, "escape")
+    os.symlink("..", root / "up")
+    with pytest.raises(AdapterError, match="unknown adapter 'up'"):
+        resolve_adapter_dir(root, "up")
+    assert "escape" not in list_adapters(root)
+
+
+def test_symlink_inside_the_root_is_followed(root, dims):
+    os.symlink(root / "demo-r8-qv", root / "alias")
+    assert resolve_adapter_dir(root, "alias") == (root / "demo-r8-qv").resolve()
+    assert _load(root, "alias", dims).ranks == {"q_proj": 8, "v_proj": 8}
+
+
+def test_weights_file_symlinked_out_of_the_root_is_refused(root, tmp_path, dims):
+    (root / "sneaky").mkdir()
+    shutil.copy(root / "demo-r8-qv" / "adapter_config.json", root / "sneaky" / "adapter_config.json")
+    shutil.copy(root / "demo-r8-qv" / "adapter_model.safetensors", tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", root / "sneaky" / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="not a regular file inside the adapter root"):
+        _load(root, "sneaky", dims)
+
+
+# ---- what is refused
+
+
+def test_pickle_weights_are_refused(root, dims):
+    (root / "pickled").mkdir()
+    shutil.copy(root / "demo-r8-qv" / "adapter_config.json", root / "pickled" / "adapter_config.json")
+    torch.save({"x": torch.zeros(1)}, root / "pickled" / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="pickle weights are not loaded; convert to safetensors"):
+        _load(root, "pickled", dims)
+
+
+def test_safetensors_is_preferred_and_pickle_never_read(root, dims):
+    name = _clone(root, "demo-r8-qv", "both")
+    (root / name / "adapter_model.bin").write_bytes(b"not even a pickle")
+    assert _load(root, name, dims).max_rank == 8
+
+
+def test_rank_over_max_rank(root, dims):
+    with pytest.raises(AdapterError, match=r"rank 32 of .* is outside \[1, 16\]"):
+        _load(root, "demo-r32-mlp", dims, max_rank=16)
+
+
+def test_unsupported_module_for_this_server(root, dims):
+    with pytest.raises(AdapterError, match=r"unsupported target module mlp\.(gate|up|down)_proj"):
+        _load(root, "demo-r32-mlp", dims, supported=("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+@pytest.mark.parametrize("key", [
+    "base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight",
+    "base_model.model.model.multi_modal_projector.linear_1.lora_A.weight",
+    "base_model.model.model.language_model.embed_tokens.lora_embedding_A",
+    "base_model.model.lm_head.lora_A.weight",
+    "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_magnitude_vector",
+    "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_B.bias",
+])
+def test_modules_outside_the_decoder_are_refused(root, dims, key):
+    name = _clone(root, "demo-r8-qv", "bad", edit_tensors=lambda t: t.__setitem__(key, torch.zeros(8, 64)))
+    with pytest.raises(AdapterError, match=r"unsupported target module"):
+        _load(root, name, dims)
+
+
+def test_wrong_block_for_module_is_refused(root, dims):
+    def move(t):
+        k = "base_model.model.model.language_model.layers.0.self_attn.q_proj"
+        t[k.replace("self_attn", "mlp") + ".lora_A.weight"] = t.pop(k + ".lora_A.weight")
+        t[k.replace("self_attn", "mlp") + ".lora_B.weight"] = t.pop(k + ".lora_B.weight")
+
+    name = _clone(root, "demo-r8-qv", "moved", edit_tensors=move)
+    with pytest.raises(AdapterError, match="unsupported target module mlp.q_proj"):
+        _load(root, name, dims)
+
+
+def test_shape_mismatch_names_key_and_shapes(root, dims):
+    key = "base_model.model.model.language_model.layers.1.self_attn.v_proj.lora_B.weight"
+    name = _clone(root, "demo-r8-qv", "misshaped", edit_tensors=lambda t: t.__setitem__(key, torch.zeros(128, 8)))
+    with pytest.raises(AdapterError, match=rf"'{key}' has shape \[128, 8\], expected \[64, 8\]"):
+        _load(root, name, dims)
+
+
+def test_missing_pair_is_refused(root, dims):
+    key = "base_model.model.model.language_model.layers.2.self_attn.q_proj.lora_B.weight"
+    name = _clone(root, "demo-r8-qv", "half", edit_tensors=lambda t: t.pop(key))
+    with pytest.raises(AdapterError, match="has no matching lora_B weight"):
+        _load(root, name, dims)
+
+
+def test_layer_out_of_range_is_refused(root, dims):
+    def add(t):
+        t["base_model.model.model.language_model.layers.9.self_attn.q_proj.lora_A.weight"] = torch.zeros(8, 128)
+        t["base_model.model.model.language_model.layers.9.self_attn.q_proj.lora_B.weight"] = torch.zeros(128, 8)
+
+    name = _clone(root, "demo-r8-qv", "deep", edit_tensors=add)
+    with pytest.raises(AdapterError, match="names layer 9, but the model has 4 layers"):
+        _load(root, name, dims)
+
+
+def test_rank_disagreeing_with_config_is_refused(root, dims):
+    name = _clone(root, "demo-r8-qv", "liar", edit_config=lambda c: c.update(r=4))
+    with pytest.raises(AdapterError, match="has rank 8, but adapter_config.json gives r=4"):
+        _load(root, name, dims)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(use_dora=True), "DoRA"),
+    (lambda c: c.update(bias="all"), "bias='all'"),
+    (lambda c: c.update(peft_type="IA3"), "peft_type 'IA3'"),
+    (lambda c: c.update(modules_to_save=["lm_head"]), "modules_to_save"),
+    (lambda c: c.update(r="eight"), "r must be a positive integer"),
+    (lambda c: c.update(rank_pattern={"q_proj": "x"}), "rank_pattern"),
+])
+def test_unsupported_config_is_refused(root, dims, edit, message):
+    name = _clone(root, "demo-r8-qv", "cfg", edit_config=edit)
+    with pytest.raises(AdapterError, match=message):
+        _load(root, name, dims)
+
+
+def test_broken_files_are_refused(root, dims):
+    name = _clone(root, "demo-r8-qv", "broken")
+    (root / name / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(AdapterError, match="not a valid safetensors file"):
+        _load(root, name, dims)
+    name = _clone(root, "demo-r8-qv", "badjson")
+    (root / name / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterError, match="adapter_config.json is not valid JSON"):
+        _load(root, name, dims)
+    name = _clone(root, "demo-r8-qv", "nan", edit_tensors=lambda t: next(iter(t.values())).fill_(float("nan")))
+    with pytest.raises(AdapterError, match="non-finite"):
+        _load(root, name, dims)
+
+
+def test_transformers4_key_names_are_read(root, dims):
+    def rename(t):
+        for k in list(t):
+            t[k.replace("base_model.model.model.language_model.", "base_model.model.language_model.model.")] = t.pop(k)
+
+    name = _clone(root, "demo-r4-pattern", "old-names", edit_tensors=rename)
+    old, new = _load(root, name, dims), _load(root, "demo-r4-pattern", dims)
+    assert old.pairs.keys() == new.pairs.keys()
+    for k in new.pairs:
+        assert torch.equal(old.pairs[k].a, new.pairs[k].a) and old.pairs[k].scale == new.pairs[k].scale
+
+
+def test_half_precision_weights_become_float32(root, dims):
+    name = _clone(root, "demo-r8-qv", "bf16", edit_tensors=lambda t: t.update({k: v.bfloat16() for k, v in t.items()}))
+    a = _load(root, name, dims)
+    assert all(p.a.dtype == torch.float32 and p.b.dtype == torch.float32 for p in a.pairs.values())
+
+
+# ---- parity with PEFT
+
+
+@pytest.mark.parametrize("name", DEMO_ADAPTER_NAMES)
+def test_peft_loads_each_demo_adapter_identically(tiny_model_dir, demo_adapter_root, dims, name):
+    peft = pytest.importorskip("peft")
+    from transformers import LlavaForConditionalGeneration
+
+    base = LlavaForConditionalGeneration.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    model = peft.PeftModel.from_pretrained(base, str(demo_adapter_root / name))
+    ours = _load(demo_adapter_root, name, dims)
+
+    lora_modules = {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    assert all("language_model" in n for n in lora_modules), "PEFT wrapped modules outside the decoder"
+    seen = set()
+    for module_name, module in lora_modules.items():
+        parts = module_name.split(".")
+        layer, proj = int(parts[parts.index("layers") + 1]), parts[-1]
+        pair = ours.pairs[(layer, proj)]
+        assert torch.equal(module.lora_A["default"].weight, pair.a)
+        assert torch.equal(module.lora_B["default"].weight, pair.b)
+        assert module.scaling["default"] == pytest.approx(pair.scale, rel=1e-12)
+        seen.add((layer, proj))
+    assert seen == set(ours.pairs), "PEFT and vlora disagree on which modules carry LoRA"
+    spec = next(s for s in DEMO_ADAPTERS if s.name == name)
+    assert {m for _, m in seen} == set(spec.modules)
+
+    # Loading with PEFT reported nothing missing or unexpected for the LoRA weights.
+    from peft.utils import get_peft_model_state_dict
+
+    saved = load_file(str(demo_adapter_root / name / "adapter_model.safetensors"))
+    assert set(get_peft_model_state_dict(model)) == set(saved)
