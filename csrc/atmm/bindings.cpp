@@ -7,6 +7,7 @@
 
 #include "atmm/atmm.h"
 #include "atmm/driver.h"
+#include "atmm/merge.h"
 #include "atmm/table.h"
 
 namespace py = pybind11;
@@ -90,6 +91,21 @@ PYBIND11_MODULE(vlora_atmm_ext, m) {
         py::arg("r_max"), py::arg("ld_x"), py::arg("ld_y"), py::arg("num_segments"), py::arg("ranks"), py::arg("scales"),
         py::arg("dtype"), py::arg("shrink_config"), py::arg("split_k"), py::arg("expand_config"), py::arg("stream"), py::arg("phases") = int(kPhaseAll),
         "y += segment-wise x @ A^T @ B^T * scale: prep, shrink (split-K), reduce and expand on `stream`.");
+
+  m.def("merge_configs", &merge_config_names, "Compiled merge configurations, by index.");
+  m.def("merge",
+        [](uintptr_t w, uintptr_t lora_a, uintptr_t lora_b, int layers, int d_out, int d_in, int rank, float alpha,
+           std::string const& dtype, int config, uintptr_t stream) {
+          for (uintptr_t p : {w, lora_a, lora_b})
+            if (p % 16) throw std::invalid_argument("merge: operand pointers must be 16-byte aligned");
+          MergeArgs a{ptr<void>(w), ptr<const void>(lora_a), ptr<const void>(lora_b), layers, d_out, d_in, rank, alpha,
+                      parse_dtype(dtype) == DType::kBF16, config};
+          std::string err = merge(a, reinterpret_cast<cudaStream_t>(stream));
+          if (!err.empty()) throw std::runtime_error(err);
+        },
+        py::arg("w"), py::arg("lora_a"), py::arg("lora_b"), py::arg("layers"), py::arg("d_out"), py::arg("d_in"),
+        py::arg("rank"), py::arg("alpha"), py::arg("dtype"), py::arg("config"), py::arg("stream"),
+        "W[l] += alpha * B[l] @ A[l] for every l, in place (one batched GEMM, beta = 1).");
 
   py::class_<TilingTable>(m, "TilingTable")
       .def(py::init<>())

@@ -22,8 +22,15 @@ def _check(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, si
         raise ValueError("merge_lora: weights must be one contiguous tensor (preallocated for in-place merges)")
 
 
+def _cutlass_ok(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    return (weights.is_cuda and weights.dtype in (torch.float16, torch.bfloat16)
+            and lora_a.dtype == lora_b.dtype == weights.dtype and lora_a.is_contiguous() and lora_b.is_contiguous()
+            and weights.shape[2] % 8 == 0 and lora_a.shape[1] % 8 == 0
+            and all(t.data_ptr() % 16 == 0 for t in (weights, lora_a, lora_b)))
+
+
 def merge_lora(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               scale: float | torch.Tensor, sign: int = 1) -> torch.Tensor:
+               scale: float | torch.Tensor, sign: int = 1, backend: str = "auto") -> torch.Tensor:
     """Merge (sign=+1) or unmerge (sign=-1) one adapter into a stack of same-shaped weights, in place.
 
     Semantics: W[l] += sign * scale[l] * B[l] @ A[l]   for every l
@@ -32,14 +39,32 @@ def merge_lora(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
         lora_a  [L, r, d_in]      PEFT lora_A.weight of each layer
         lora_b  [L, d_out, r]     PEFT lora_B.weight of each layer
         scale   float, or [L] tensor of per-layer scales
-    One batched GEMM with beta=1 (``baddbmm_``): W is read and written once.
+    One batched GEMM with beta=1, W read and written once: the CUTLASS kernel of ``vlora_atmm_ext``
+    (``backend="cutlass"``; ``"auto"`` uses it where it can) or ``torch.baddbmm_`` (``"torch"``).
     """
     _check(weights, lora_a, lora_b, sign)
     if isinstance(scale, torch.Tensor) and scale.numel() > 1:
-        # Per-layer scales: fold them into B (small: L * d_out * r) rather than into W.
-        lora_b = lora_b * (sign * scale.to(lora_b.dtype).view(-1, 1, 1))
-        return weights.baddbmm_(lora_b, lora_a)
-    return weights.baddbmm_(lora_b, lora_a, alpha=sign * float(scale))
+        # Per-layer scales: fold them (and the sign) into B (small: L * d_out * r) rather than into W.
+        lora_b = (lora_b * (sign * scale.to(lora_b.dtype).view(-1, 1, 1))).contiguous()
+        alpha = 1.0
+    else:
+        alpha = sign * float(scale)
+    if backend not in ("auto", "torch", "cutlass"):
+        raise ValueError(f"merge_lora: backend must be auto, torch or cutlass, got {backend!r}")
+    if backend != "torch":
+        from vlora.atmm.dispatch import default_kernels
+
+        ext = default_kernels().ext
+        if ext is not None and hasattr(ext, "merge") and _cutlass_ok(weights, lora_a, lora_b):
+            L, d_out, d_in = weights.shape
+            ext.merge(weights.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(), L, d_out, d_in, lora_a.shape[1], alpha,
+                      "bf16" if weights.dtype == torch.bfloat16 else "fp16", 0,
+                      torch.cuda.current_stream(weights.device).cuda_stream)
+            return weights
+        if backend == "cutlass":
+            raise ValueError(f"merge_lora: the CUTLASS merge cannot serve W{tuple(weights.shape)} {weights.dtype} "
+                             f"rank {lora_a.shape[1]} (needs the extension, CUDA fp16/bf16, d_in and rank multiples of 8)")
+    return weights.baddbmm_(lora_b, lora_a, alpha=alpha)
 
 
 def merge_lora_reference(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

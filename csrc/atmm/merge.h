@@ -1,0 +1,26 @@
+// The merge operator: W[l] += alpha * B[l] @ A[l] for a stack of same-shaped layers, in place.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+namespace atmm {
+
+struct MergeArgs {
+  void* w;              // [L, d_out, d_in] row-major, contiguous
+  const void* lora_a;   // [L, r, d_in]
+  const void* lora_b;   // [L, d_out, r]
+  int layers, d_out, d_in, rank;
+  float alpha;          // sign * scale
+  bool bf16;
+  int config;           // index into merge_config_names()
+};
+
+std::vector<std::string> merge_config_names();
+// Returns "" or an error naming the shape.
+std::string merge(MergeArgs const& a, cudaStream_t stream);
+
+}  // namespace atmm
