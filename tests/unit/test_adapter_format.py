@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -291,26 +292,57 @@ def test_peft_loads_each_demo_adapter_identically(tiny_model_dir, demo_adapter_r
     from transformers import LlavaForConditionalGeneration
 
     base = LlavaForConditionalGeneration.from_pretrained(str(tiny_model_dir), local_files_only=True)
-    model = peft.PeftModel.from_pretrained(base, str(demo_adapter_root / name))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(base, str(demo_adapter_root / name))
+    complaints = [str(w.message) for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
+    assert not complaints, complaints
     ours = _load(demo_adapter_root, name, dims)
+    _assert_same_as_peft(model, ours)
+    seen = set(ours.pairs)
+    spec = next(s for s in DEMO_ADAPTERS if s.name == name)
+    assert {m for _, m in seen} == set(spec.modules)
 
-    lora_modules = {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
-    assert all("language_model" in n for n in lora_modules), "PEFT wrapped modules outside the decoder"
+    # PEFT would save exactly the keys of the file: nothing missing, nothing extra.
+    from peft.utils import get_peft_model_state_dict
+
+    saved = load_file(str(demo_adapter_root / name / "adapter_model.safetensors"))
+    assert set(get_peft_model_state_dict(model)) == set(saved)
+
+
+def _assert_same_as_peft(peft_model, ours):
+    lora_modules = {n: m for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    assert lora_modules and all("language_model" in n for n in lora_modules), "PEFT wrapped modules outside the decoder"
     seen = set()
     for module_name, module in lora_modules.items():
         parts = module_name.split(".")
         layer, proj = int(parts[parts.index("layers") + 1]), parts[-1]
         pair = ours.pairs[(layer, proj)]
-        assert torch.equal(module.lora_A["default"].weight, pair.a)
-        assert torch.equal(module.lora_B["default"].weight, pair.b)
-        assert module.scaling["default"] == pytest.approx(pair.scale, rel=1e-12)
+        assert torch.equal(module.lora_A["default"].weight, pair.a), module_name
+        assert torch.equal(module.lora_B["default"].weight, pair.b), module_name
+        assert module.scaling["default"] == pytest.approx(pair.scale, rel=1e-12), module_name
         seen.add((layer, proj))
     assert seen == set(ours.pairs), "PEFT and vlora disagree on which modules carry LoRA"
-    spec = next(s for s in DEMO_ADAPTERS if s.name == name)
-    assert {m for _, m in seen} == set(spec.modules)
 
-    # Loading with PEFT reported nothing missing or unexpected for the LoRA weights.
-    from peft.utils import get_peft_model_state_dict
 
-    saved = load_file(str(demo_adapter_root / name / "adapter_model.safetensors"))
-    assert set(get_peft_model_state_dict(model)) == set(saved)
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_adapter_saved_by_peft_itself_is_read_as_peft_reads_it(tiny_model_dir, dims, tmp_path, use_rslora):
+    """Per-layer rank_pattern and alpha_pattern, as PEFT writes them, give PEFT's ranks and scales."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlavaForConditionalGeneration
+
+    base = LlavaForConditionalGeneration.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, use_rslora=use_rslora,
+        target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)",
+        rank_pattern={"layers.1.self_attn.q_proj": 2, "down_proj": 6},
+        alpha_pattern={"model.language_model.layers.0.mlp.down_proj": 3, "v_proj": 5},
+    )
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, config)
+    root = tmp_path / "adapters"
+    model.save_pretrained(str(root / "from-peft"))
+    ours = _load(root, "from-peft", dims)
+    _assert_same_as_peft(model, ours)
+    assert ours.pairs[(1, "q_proj")].rank == 2 and ours.pairs[(0, "q_proj")].rank == 4
+    assert ours.ranks == {"q_proj": 4, "v_proj": 4, "down_proj": 6}

@@ -240,3 +240,10 @@ def test_prompt_ids_match_transformers_llava_processor(tiny, tiny_dir):
     text = "USER: <image>\nWhat is in the picture? ASSISTANT:"
     expected = processor(images=[Image.new("RGB", (80, 80))], text=text, return_tensors="pt")["input_ids"][0].tolist()
     assert build_prompt_ids(tiny, text, 1, False) == expected
+
+
+def test_pickle_files_beside_safetensors_are_never_read(tiny_dir, tmp_path):
+    folder = tmp_path / "both"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "pytorch_model.bin").write_bytes(b"not a pickle; reading it would fail")
+    assert load_llava(folder, torch.float32, "cpu").num_image_tokens == 64
