@@ -60,6 +60,7 @@ def sampling_parameters(
     seed: Optional[int] = None,
     stop: Optional[Union[str, Sequence[str]]] = None,
     lora_name: Optional[str] = None,
+    ignore_eos: bool = False,
 ) -> dict:
     """The ``sampling_parameters`` JSON object, with vLLM's names; unset values are left out."""
     params: dict = {}
@@ -70,6 +71,8 @@ def sampling_parameters(
         params["stop"] = [stop] if isinstance(stop, str) else list(stop)
     if lora_name:
         params["lora_name"] = lora_name
+    if ignore_eos:
+        params["ignore_eos"] = True
     return params
 
 
@@ -94,9 +97,9 @@ class VloraClient:
     def generate(self, prompt: str, images: Sequence[ImageInput] = (), lora_name: Optional[str] = None,
                  max_tokens: Optional[int] = None, temperature: Optional[float] = None, top_p: Optional[float] = None,
                  seed: Optional[int] = None, stop: Optional[Union[str, Sequence[str]]] = None,
-                 stream: bool = False) -> GenerationResult:
+                 ignore_eos: bool = False, stream: bool = False) -> GenerationResult:
         """One answer. ``stream=True`` asks the server to stream and joins the pieces here."""
-        params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name)
+        params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos)
         encoded = [encode_image(i) for i in images]
         if stream:
             return _join(self._stream(prompt, encoded, params, stream=True))
@@ -107,9 +110,10 @@ class VloraClient:
     def generate_stream(self, prompt: str, images: Sequence[ImageInput] = (), lora_name: Optional[str] = None,
                         max_tokens: Optional[int] = None, temperature: Optional[float] = None,
                         top_p: Optional[float] = None, seed: Optional[int] = None,
-                        stop: Optional[Union[str, Sequence[str]]] = None) -> Iterator[StreamDelta]:
+                        stop: Optional[Union[str, Sequence[str]]] = None,
+                        ignore_eos: bool = False) -> Iterator[StreamDelta]:
         """Stream the answer as it is generated. Closing the iterator early cancels the request."""
-        params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name)
+        params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos)
         return self._stream(prompt, [encode_image(i) for i in images], params, stream=True)
 
     def is_ready(self) -> bool:

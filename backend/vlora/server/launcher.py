@@ -96,9 +96,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
     flat: dict[str, object] = {}
     if args.model:
-        flat["model.path"] = str(Path(args.model).expanduser().resolve())
+        flat["model.path"] = str(_existing_dir(args.model, "--model"))
     if args.adapters:
-        flat["lora.adapter_root"] = str(Path(args.adapters).expanduser().resolve())
+        flat["lora.adapter_root"] = str(_existing_dir(args.adapters, "--adapters"))
     if args.device:
         flat["model.device"] = args.device
     if args.dtype:
@@ -123,6 +123,13 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         log_verbose=args.log_verbose,
         startup_timeout_s=args.startup_timeout,
     )
+
+
+def _existing_dir(path: str, flag: str) -> Path:
+    p = Path(path).expanduser().resolve()
+    if not p.is_dir():
+        raise ConfigError(f"{flag} {path}: not a folder")
+    return p
 
 
 def run(args: argparse.Namespace) -> int:

@@ -157,7 +157,11 @@ class TritonPythonModel:
                 "vlora: config.pbtxt must set model_transaction_policy { decoupled: true }"
             )
         config = self._engine_config(args)
-        pb_utils.Logger.log_info(f"vlora: engine config {json.dumps(config.to_dict(), default=str)}")
+        pb_utils.Logger.log_info(
+            f"vlora: loading the engine (model {config.model.path or 'tiny default'}, device {config.model.device}, "
+            f"dtype {config.model.dtype})"
+        )
+        pb_utils.Logger.log_verbose(f"vlora: engine config {json.dumps(config.to_dict(), default=str)}")
         self._metrics = TritonModelMetrics(args["model_name"], args["model_version"])
         self._engine = AsyncEngine(config, metrics=self._metrics)
         pb_utils.Logger.log_info(

@@ -1,0 +1,38 @@
+# vlora: the two commands are `make serve` and `make test`. Both set up .venv first (Python 3.11 + pip).
+PYTHON ?= python3.11
+VENV ?= .venv
+# torch first and pinned: 2.13.0 has a CPU wheel on the CI and developer machines; an unpinned torch
+# would pull the newest CUDA build (several GB). On a CUDA machine the same pin gives the CUDA wheel.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-e2e doctor clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[serve,dev]"
+	touch $(STAMP)
+
+# Serve the default model (the embedded tiny random model and its demo adapters) on ports 8000-8002.
+# Other settings: make serve SERVE_ARGS="--model /models/llava-1.5-7b-hf --adapters /adapters --device cuda"
+serve: setup
+	$(VENV)/bin/vlora serve $(SERVE_ARGS)
+
+# Every CPU test, the end-to-end ones against a real tritonserver included; GPU tests skip here.
+test: setup
+	$(PY) -m pytest tests -q -rs --durations=15 $(PYTEST_ARGS)
+
+test-e2e: setup
+	$(PY) -m pytest tests/e2e -q -rs --durations=15 $(PYTEST_ARGS)
+
+doctor: setup
+	$(VENV)/bin/vlora doctor
+
+clean:
+	rm -rf $(VENV) .pytest_cache

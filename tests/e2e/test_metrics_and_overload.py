@@ -1,0 +1,113 @@
+"""Triton's metrics endpoint shows our metrics; a burst beyond capacity is rejected explicitly, never hangs."""
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from e2e_helpers import start_server
+from vlora_client import VloraClient, VloraClientError
+
+pytestmark = pytest.mark.e2e
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """{label string: value} for every sample of ``name``."""
+    out = {}
+    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", text, re.MULTILINE):
+        out[m.group(1) or ""] = float(m.group(2))
+    return out
+
+
+def test_metrics_show_requests_per_adapter_and_batch_size(server):
+    client = VloraClient(server.grpc_url)
+    adapter = server.adapters[0]
+    before = metric_values(server.metrics(), "vlora_requests_total")
+    before_count = sum(v for k, v in before.items() if f'lora_name="{adapter}"' in k)
+    prompts = [f"USER: Count to {i}. ASSISTANT:" for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda p: client.generate(p, lora_name=adapter, max_tokens=10), prompts))
+    client.generate("USER: hello ASSISTANT:", max_tokens=4)
+
+    deadline = time.monotonic() + 10  # metric updates are applied on their own thread
+    while True:
+        text = server.metrics()
+        requests = metric_values(text, "vlora_requests_total")
+        count = sum(v for k, v in requests.items() if f'lora_name="{adapter}"' in k)
+        if count >= before_count + 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert count >= before_count + 6, requests
+    assert any('lora_name="__base__"' in k for k in requests), requests
+
+    steps = sum(metric_values(text, "vlora_batch_size_per_step_count").values())
+    single = sum(v for k, v in metric_values(text, "vlora_batch_size_per_step_bucket").items() if 'le="1"' in k)
+    assert steps > 0, "no batch size observations"
+    assert single < steps, "every engine step ran a single request: the concurrent requests were not batched"
+    assert metric_values(text, "vlora_batch_size"), "no batch size gauge"
+    finished = metric_values(text, "vlora_requests_finished_total")
+    assert any(f'lora_name="{adapter}"' in k and 'finish_reason="length"' in k for k in finished), finished
+    assert "vlora_step_duration_seconds_count" in text
+    assert "vlora_running_requests" in text and "vlora_waiting_requests" in text
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory, demo_adapter_root, vlora_cache):
+    """A server with tiny limits: one running request, one waiting in the engine, two in Triton's queue."""
+    del demo_adapter_root
+    srv = start_server(
+        tmp_path_factory.mktemp("e2e-small"),
+        vlora_cache,
+        ["--max-batch-size", "1", "--max-queue-size", "2",
+         "--set", "scheduler.max_waiting=1", "--set", "scheduler.admission_timeout_s=120"],
+    )
+    yield srv
+    assert srv.stop() == 0, srv.launcher_output()[-3000:]
+
+
+def test_burst_is_answered_or_rejected_explicitly(small_server):
+    burst = 16
+    client = VloraClient(small_server.grpc_url, timeout_s=120)
+
+    def one(i: int):
+        try:
+            r = client.generate(f"USER: Burst request {i}. ASSISTANT:", max_tokens=24)
+            return "answered", r
+        except VloraClientError as e:
+            return "rejected", str(e)
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(burst) as pool:
+        outcomes = list(pool.map(one, range(burst)))
+    elapsed = time.monotonic() - t0
+    answered = [r for kind, r in outcomes if kind == "answered"]
+    rejected = [r for kind, r in outcomes if kind == "rejected"]
+    assert len(answered) + len(rejected) == burst
+    assert rejected, "a burst of 16 against capacity 4 was not rejected at all"
+    assert all("Exceeds maximum queue size" in r or "overloaded" in r for r in rejected), rejected
+    assert len(answered) >= 2, outcomes
+    assert all(r.num_output_tokens >= 1 for r in answered)
+    assert elapsed < 120
+    # ...and the server is fine afterwards.
+    assert client.generate("USER: after the burst ASSISTANT:", max_tokens=3).num_output_tokens >= 1
+
+
+def test_cancelled_stream_frees_the_engine(small_server):
+    """Closing a stream early cancels the request in the engine: the next request is served at once."""
+    client = VloraClient(small_server.grpc_url, timeout_s=60)
+    stream = client.generate_stream("USER: A long answer please. ASSISTANT:", max_tokens=800, ignore_eos=True)
+    next(stream)
+    stream.close()  # cancels on the server
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        finished = metric_values(small_server.metrics(), "vlora_requests_finished_total")
+        if any('finish_reason="cancelled"' in k and v >= 1 for k, v in finished.items()):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the cancelled request did not finish as cancelled: {finished}")
+    t0 = time.monotonic()
+    assert client.generate("USER: next ASSISTANT:", max_tokens=3).num_output_tokens >= 1
+    assert time.monotonic() - t0 < 20

@@ -1,0 +1,135 @@
+"""The launcher's pure parts: configuration flags, the rendered config.pbtxt, finding tritonserver."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlora.config import ConfigError, EngineConfig
+from vlora.server import launcher
+from vlora.server.repository import (
+    flat_overrides,
+    instance_group_for,
+    prepare_repository,
+    render_config,
+    source_repository,
+)
+
+TEMPLATE = (source_repository() / "vlora" / "config.pbtxt").read_text()
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    launcher.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_flags_become_engine_settings(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    opts = launcher.options_from_args(parse([
+        "--model", str(model), "--adapters", str(tmp_path), "--device", "cpu", "--dtype", "float32",
+        "--max-batch-size", "4", "--set", "scheduler.max_waiting=3", "--set", "cache.num_blocks=128",
+    ]))
+    e = opts.engine
+    assert e.model.path == str(model.resolve()) and e.lora.adapter_root == str(tmp_path.resolve())
+    assert (e.model.device, e.model.dtype) == ("cpu", "float32")
+    assert (e.scheduler.max_batch_size, e.scheduler.max_waiting, e.cache.num_blocks) == (4, 3, 128)
+    assert (opts.http_port, opts.grpc_port, opts.metrics_port) == (8000, 8001, 8002)
+
+
+def test_config_file_then_flags(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("scheduler:\n  max_batch_size: 7\n  max_waiting: 9\n")
+    opts = launcher.options_from_args(parse(["--config", str(cfg), "--max-batch-size", "2"]))
+    assert (opts.engine.scheduler.max_batch_size, opts.engine.scheduler.max_waiting) == (2, 9)
+
+
+def test_default_serve_config_is_the_defaults():
+    path = Path(__file__).resolve().parents[2] / "configs" / "serve" / "default.yaml"
+    assert EngineConfig.from_yaml(path) == EngineConfig()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--set", "scheduler.nope=1"], "scheduler.nope"),
+    (["--set", "no-equals-sign"], "KEY=VALUE"),
+    (["--max-batch-size", "0"], "max_batch_size"),
+    (["--device", "tpu"], "model.device"),
+    (["--http-port", "9000", "--grpc-port", "9000"], "must differ"),
+    (["--model", "/no/such/folder"], "--model /no/such/folder: not a folder"),
+])
+def test_bad_settings_fail_before_anything_starts(argv, words):
+    with pytest.raises(ConfigError, match=words):
+        launcher.options_from_args(parse(argv))
+
+
+def test_overrides_round_trip_through_pbtxt_parameters():
+    config = EngineConfig().with_overrides({
+        "model.path": "/models/2024",  # a name YAML would read as a number must stay a string
+        "model.device": "cpu",
+        "lora.target_modules": ["q_proj", "v_proj"],
+        "scheduler.admission_timeout_s": 2.5,
+        "limits.max_images": 3,
+    })
+    flat = flat_overrides(config)
+    assert set(flat) == {"model.path", "model.device", "lora.target_modules", "scheduler.admission_timeout_s", "limits.max_images"}
+    assert EngineConfig().with_overrides(flat) == config
+    text = render_config(TEMPLATE, flat, max_queue_size=5, instance_group=instance_group_for("cpu"))
+    assert 'parameters { key: "model.path" value: { string_value: "\\"/models/2024\\"" } }' in text
+    assert "max_queue_size: 5" in text and "kind: KIND_CPU" in text
+    assert text.count("instance_group") == 1
+
+
+def test_committed_config_runs_with_defaults():
+    """The committed file must work unchanged (e.g. in NVIDIA's container): no parameters, decoupled, REJECT."""
+    assert "parameters {" not in TEMPLATE.replace("#   parameters {", "")
+    assert "decoupled: true" in TEMPLATE and "timeout_action: REJECT" in TEMPLATE
+    for name in ("text_input", "image", "stream", "sampling_parameters", "text_output", "finish_reason",
+                 "num_input_tokens", "num_output_tokens"):
+        assert f'name: "{name}"' in TEMPLATE
+    assert render_config(TEMPLATE, {}) == TEMPLATE
+
+
+def test_instance_groups():
+    assert instance_group_for("auto") is None
+    assert "KIND_GPU" in instance_group_for("cuda") and "gpus" not in instance_group_for("cuda")
+    assert "gpus: [ 2 ]" in instance_group_for("cuda:2")
+
+
+def test_prepare_repository_copies_the_model(tmp_path):
+    repo = prepare_repository(source_repository(), tmp_path / "repo", "backend: \"python\"\n")
+    assert (repo / "vlora" / "1" / "model.py").read_text() == (source_repository() / "vlora" / "1" / "model.py").read_text()
+    assert (repo / "vlora" / "config.pbtxt").read_text() == 'backend: "python"\n'
+
+
+def test_tritonserver_and_stub_are_found(tmp_path):
+    pytest.importorskip("pytriton", reason="nvidia-pytriton (the serve extra) is not installed")
+    from vlora.server.triton_dist import TritonDistribution
+
+    dist = TritonDistribution.locate()
+    assert dist.binary.is_file() and dist.stub.parent.name == f"{sys.version_info.major}.{sys.version_info.minor}"
+    binary, backends = dist.install(tmp_path / "ts")
+    assert binary.is_file() and (backends / "python" / "triton_python_backend_stub").is_file()
+    env = dist.environment({"PATH": "/usr/bin"})
+    assert env["PATH"].startswith(str(Path(sys.executable).parent))
+    assert str(dist.libs) in env["LD_LIBRARY_PATH"]
+
+
+def test_cli_help_lists_the_subcommands(capsys):
+    from vlora.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "serve" in out and "doctor" in out
+
+
+def test_doctor_reports(capsys):
+    from vlora.cli import main
+
+    main(["doctor"])
+    out = capsys.readouterr().out
+    assert "python" in out and "tritonserver" in out and "atmm" in out
