@@ -12,6 +12,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD/backend:$PWD/client:${PYTHONPATH:-}
+# The Python backend stub's interpreter ignores PYTHONPATH but reads site-packages: make this checkout
+# importable there (what `pip install -e .` does, without needing a build backend on this machine).
+SITE_PACKAGES=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+printf '%s\n%s\n' "$PWD/backend" "$PWD/client" > "$SITE_PACKAGES/vlora-checkout.pth"
 export PYTHONUNBUFFERED=1
 # The Triton Python backend stub links libpython3.X.so; bring one where the system has none.
 PYV=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')

@@ -34,6 +34,7 @@ def make_engine(tiny_model_dir, demo_adapter_root, device: str, dtype: str):
     cfg = EngineConfig().with_overrides({
         "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root),
         "model.device": device, "model.dtype": dtype, "lora.max_gpu_adapters": "4", "lora.max_rank": "32",
+        "cache.num_blocks": "512",  # several engines share one GPU in the tests
     })
     return build_engine(cfg)
 
