@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 IMAGE_PLACEHOLDER = "<image>"
 
 # Used when neither the tokenizer nor the folder carries a chat template: LLaVA-1.5's format.
+# Messages are llava-hf style: content is a string or a list of {"type": "image"} and
+# {"type": "text", "text": ...} parts; a turn's images are rendered before its text.
 LLAVA_15_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
@@ -95,8 +97,9 @@ def load_llava(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     image_processor = _load_image_processor(path)
 
     mconfig = model.config
-    image_token_id = int(getattr(mconfig, "image_token_id", None) if getattr(mconfig, "image_token_id", None) is not None
-                         else mconfig.image_token_index)
+    # transformers 5 names it image_token_id (an alias of image_token_index); read whichever is set.
+    image_token_id = getattr(mconfig, "image_token_id", None)
+    image_token_id = int(mconfig.image_token_index if image_token_id is None else image_token_id)
     tok_image_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
     if tok_image_id != image_token_id:
         raise ModelLoadError(f"{str(path)!r}: the tokenizer maps {IMAGE_PLACEHOLDER!r} to {tok_image_id}, "

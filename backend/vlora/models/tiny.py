@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from vlora.config import default_cache_dir
+from vlora.models.loader import LLAVA_15_CHAT_TEMPLATE
 
 # Bump when anything below changes what is generated; it is part of the folder's hash.
 GENERATOR_VERSION = 1
@@ -58,19 +59,8 @@ SINGLE_BYTE_LOGIT_SCALE = 0.3  # see _shape_output_distribution
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
-# LLaVA-1.5's conversation format. Messages are llava-hf style: content is a string or a list of
-# {"type": "image"} / {"type": "text", "text": ...} parts; images are rendered before the text.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
-    "{% if message['content'] is string %}{{ message['content'] + ' ' }}"
-    "{% else %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}{% endfor %}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
-)
+# LLaVA-1.5's conversation format, shared with the loader's fallback.
+CHAT_TEMPLATE = LLAVA_15_CHAT_TEMPLATE
 
 CORPUS = """\
 A picture shows a small red house next to a tall green tree. The sky above the house is blue and
