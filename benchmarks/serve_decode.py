@@ -110,7 +110,7 @@ def main() -> None:
     if args.preset:
         import torch
 
-        from vlora.lora.demo import DemoAdapter, _write
+        from vlora.lora.demo import DemoAdapter, write_adapter
         from vlora.models.random_init import make_random_llava
 
         t = time.perf_counter()
@@ -124,7 +124,7 @@ def main() -> None:
             out = adapters_dir / spec.name
             if not (out / "adapter_config.json").is_file():
                 out.mkdir(parents=True, exist_ok=True)
-                _write(spec, model_dir, cfg, out)
+                write_adapter(spec, model_dir, cfg, out)
         adapter_names = [f"r{args.rank}-{i:03d}" for i in range(args.num_adapters)]
         serve += ["--model", str(model_dir), "--adapters", str(adapters_dir), "--dtype", "bfloat16"]
         del torch

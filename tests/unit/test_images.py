@@ -153,11 +153,11 @@ def test_base64_too_long_is_refused_before_decoding():
 
 
 def test_pixel_values_shape():
-    from vlora.models.tiny import _preprocessor_config
+    from vlora.models.tiny import preprocessor_config
 
     import transformers
 
-    processor = transformers.CLIPImageProcessor(**{k: v for k, v in _preprocessor_config().items()
+    processor = transformers.CLIPImageProcessor(**{k: v for k, v in preprocessor_config().items()
                                                     if k != "image_processor_type"})
     images = [decode_image(_encode("PNG", size=(100, 50)), LIMITS), decode_image(_encode("JPEG", size=(30, 90)), LIMITS)]
     pv = pixel_values(images, processor)

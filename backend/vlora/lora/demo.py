@@ -113,7 +113,7 @@ def _ensure_one(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any],
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=out_root))
     old = None
     try:
-        _write(spec, model_dir, text_config, tmp)
+        write_adapter(spec, model_dir, text_config, tmp)
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
         os.chmod(tmp, 0o755)
         if final.exists() or final.is_symlink():
@@ -133,7 +133,8 @@ def _ensure_one(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any],
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _write(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any], out: Path) -> None:
+def write_adapter(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any], out: Path) -> None:
+    """Write ``spec`` as a PEFT adapter folder ``out`` (random weights) for a decoder with ``text_config``."""
     from safetensors.torch import save_file
 
     dims = decoder_module_dims(text_config)

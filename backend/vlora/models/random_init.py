@@ -33,7 +33,7 @@ def make_random_llava(preset: str | os.PathLike, out_dir: str | os.PathLike, *, 
     if (out / "config.json").is_file():
         return out
     spec = yaml.safe_load(Path(preset).read_text())
-    tokenizer = tiny._build_tokenizer()
+    tokenizer = tiny.build_tokenizer()
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
     vision = CLIPVisionConfig(**spec["vision"])
     num_image_tokens = (vision.image_size // vision.patch_size) ** 2
@@ -63,7 +63,7 @@ def make_random_llava(preset: str | os.PathLike, out_dir: str | os.PathLike, *, 
     try:
         model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
         tokenizer.save_pretrained(tmp)
-        pre = tiny._preprocessor_config()
+        pre = tiny.preprocessor_config()
         pre["size"] = {"shortest_edge": vision.image_size}
         pre["crop_size"] = {"height": vision.image_size, "width": vision.image_size}
         (tmp / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")

@@ -174,7 +174,7 @@ def ensure_tiny_model(cache_dir: Optional[Path] = None) -> Path:
 def _generate(out: Path) -> None:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    tokenizer = _build_tokenizer()
+    tokenizer = build_tokenizer()
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
     num_image_tokens = (VISION["image_size"] // VISION["patch_size"]) ** 2
     text_config = LlamaConfig(
@@ -200,7 +200,7 @@ def _generate(out: Path) -> None:
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(), indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2) + "\n")
     (out / "processor_config.json").write_text(json.dumps({
         "processor_class": "LlavaProcessor",
         "image_token": "<image>",
@@ -260,7 +260,7 @@ def _shape_output_distribution(model, tokenizer) -> None:
         weight[never] = 0.0
 
 
-def _build_tokenizer():
+def build_tokenizer():
     """A byte-level BPE trained on CORPUS, wrapped as a transformers fast tokenizer."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -294,7 +294,7 @@ def _build_tokenizer():
     return fast
 
 
-def _preprocessor_config() -> dict[str, Any]:
+def preprocessor_config() -> dict[str, Any]:
     size = VISION["image_size"]
     return {
         "image_processor_type": "CLIPImageProcessor",
