@@ -22,13 +22,14 @@ if [[ " $STEPS " == *" build "* && -z "${ATMM_PREBUILT:-}" ]]; then
         -DATMM_CUDA_ARCHS="${ATMM_CUDA_ARCHS:-90a}" > "$OUT/build.log" 2>&1 &&
   cmake --build /tmp/atmm-build -j "$(nproc)" >> "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
+  gzip -c /tmp/atmm-build/vlora_atmm_ext*.so > "$OUT/vlora_atmm_ext.so.gz"
 fi
 export PYTHONPATH=$PWD/backend:$EXT_DIR${PYTHONPATH:+:$PYTHONPATH}
-$PY -c "import vlora_atmm_ext as m, torch; print('ext', m.__file__, m.CUDA_ARCHS, len(m.configs()), 'configs; torch', torch.__version__)" || exit 1
+$PY -c "import vlora_atmm_ext as m; import torch; print('ext', m.__file__, m.CUDA_ARCHS, len(m.configs()), 'configs; torch', torch.__version__)" || exit 1
 rc=0
 if [[ " $STEPS " == *" test "* ]]; then
   t0=$(date +%s)
-  $PY -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+  $PY -m pytest -q --maxfail=5 --durations=5 -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
   rc=${PIPESTATUS[0]}
   echo "tests/gpu: rc=$rc, $(( $(date +%s) - t0 )) s"
 fi

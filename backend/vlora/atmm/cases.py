@@ -52,7 +52,7 @@ def lora_weights(n_slots: int, d_in: int, d_out: int, ranks: tuple[int, ...], dt
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random lora_a [n, r_max, d_in] and lora_b [n, d_out, r_max], zero past each slot's rank,
     scaled so that x @ A^T @ B^T has entries of about unit size for unit-size x."""
-    r_max = max(max(ranks), 8)
+    r_max = -(-max(max(ranks), 8) // 8) * 8  # a multiple of 8, as the CUDA path needs
     a = torch.randn(n_slots, r_max, d_in, generator=generator, device=device) / d_in ** 0.5
     b = torch.randn(n_slots, d_out, r_max, generator=generator, device=device)
     for s, r in enumerate(ranks):
