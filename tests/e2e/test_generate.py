@@ -156,3 +156,14 @@ def test_cli_client(server, tmp_path, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["num_output_tokens"] >= 1 and out["finish_reason"] in ("length", "stop")
+
+
+def test_apply_chat_template_option(server):
+    """The option wraps the prompt in the model's chat template: more input tokens, same prompt text."""
+    client = VloraClient(server.http_url, protocol="http")
+    plain = client.generate("What is in the picture?", images=[png_bytes(5)], max_tokens=4)
+    status, payload = post_json(f"http://{server.http_url}/v2/models/{MODEL}/generate", {
+        "text_input": "What is in the picture?", "image": [b64(png_bytes(5))],
+        "sampling_parameters": json.dumps({"max_tokens": 4, "apply_chat_template": True})})
+    assert status == 200, payload
+    assert payload["num_input_tokens"] > plain.num_input_tokens

@@ -137,12 +137,28 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     try:
         options = options_from_args(args)
-        server = TritonServer(options, out=out)
+    except ConfigError as e:
+        print(f"vlora serve: {e}", file=sys.stderr, flush=True)
+        return 2
+    server = TritonServer(options, out=out)
+    # A signal while the model loads stops the server too (serve_forever installs the draining handlers).
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
         server.start()
     except (ConfigError, TritonNotFound, LaunchError, FileNotFoundError) as e:
         print(f"vlora serve: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        _say(out, "interrupted while starting: stopping tritonserver ...")
+        server.stop()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return server.serve_forever()
+
+
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def prepare_default_artifacts(config: EngineConfig, out: TextIO) -> tuple[Optional[str], Optional[str]]:

@@ -33,7 +33,7 @@ from vlora.engine.api import (
 )
 
 BASE_LABEL = "__base__"  # the lora_name label of requests without an adapter
-CANCEL_POLL_S = 0.25  # how often in-flight requests are checked for client cancellation
+CANCEL_POLL_S = 0.5  # how often in-flight requests are checked for client cancellation (one IPC each)
 # Request parameters that are not sampling options; accepted and ignored (clients of the vLLM
 # backend send "stream" there, and the input tensor decides).
 IGNORED_PARAMETERS = ("stream",)
