@@ -29,6 +29,7 @@ def make_cases(adapters: list[str]) -> list[dict]:
         placeholders = "<image>" * len(images) + "\n" if images and i % 2 == 0 else ""
         prompt = "USER: " + placeholders + "Tell me about request number " + "seven " * i + "ASSISTANT:"
         cases.append(dict(prompt=prompt, images=images, lora_name=names[i % len(names)], max_tokens=6 + 2 * i))
+    cases[5].update(temperature=0.9, top_p=0.9, seed=1234)  # seeded sampling is reproducible too
     return cases
 
 
@@ -167,3 +168,13 @@ def test_apply_chat_template_option(server):
         "sampling_parameters": json.dumps({"max_tokens": 4, "apply_chat_template": True})})
     assert status == 200, payload
     assert payload["num_input_tokens"] > plain.num_input_tokens
+
+
+def test_stop_string_ends_the_answer(server, sequential, cases):
+    case, ref = cases[7], sequential[7]
+    assert len(ref.text) >= 8, ref.text
+    stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 3]
+    cut = ref.text.index(stop)  # the answer ends before the stop string's first occurrence
+    result = VloraClient(server.grpc_url).generate(**case, stop=[stop])
+    assert result.finish_reason == "stop", result
+    assert result.text == ref.text[:cut]
