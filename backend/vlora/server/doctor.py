@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import platform
 import sys
 
@@ -34,10 +35,8 @@ def collect() -> list[tuple[str, str, bool]]:
     except ImportError as e:
         rows.append(("tritonserver", f"launcher not importable: {e}", False))
     try:
-        import tritonclient
-
-        rows.append(("tritonclient", getattr(tritonclient, "__version__", "installed"), True))
-    except ImportError:
+        rows.append(("tritonclient", importlib.metadata.version("tritonclient"), True))
+    except importlib.metadata.PackageNotFoundError:
         rows.append(("tritonclient", "not installed (needed by vlora-client)", False))
     rows.append(("atmm extension", _atmm_report(), True))
     return rows
@@ -49,7 +48,11 @@ def _atmm_report() -> str:
     except ImportError:
         return "extension not built (the PyTorch reference is used)"
     report = doctor.doctor_report()
-    return report if isinstance(report, str) else str(report)
+    if not isinstance(report, dict):
+        return str(report)
+    backend = report.get("atmm_backend", "?")
+    details = "".join(f"\n      {k}: {v}" for k, v in report.items() if k != "atmm_backend" and v is not None)
+    return f"{backend}{details}"
 
 
 def run(args: argparse.Namespace) -> int:
