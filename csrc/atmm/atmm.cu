@@ -13,6 +13,7 @@
 
 #include "atmm/atmm.h"
 #include "atmm/driver.h"
+#include "atmm/fused.cuh"
 
 namespace atmm {
 
@@ -22,30 +23,45 @@ namespace atmm {
 #define ATMM_BOTH true
 #define ATMM_EXPAND_ONLY false
 
-#define ATMM_DECLARE_BOTH(NAME)                                               \
+// Pass 1: declare every compiled entry point.
+#define ATMM_DECLARE_ATMM_BOTH(NAME)                                               \
   cudaError_t atmm_run_##NAME##_f16_shrink(GroupedLaunch const&, cudaStream_t);  \
   cudaError_t atmm_run_##NAME##_bf16_shrink(GroupedLaunch const&, cudaStream_t); \
   cudaError_t atmm_run_##NAME##_f16_expand(GroupedLaunch const&, cudaStream_t);  \
   cudaError_t atmm_run_##NAME##_bf16_expand(GroupedLaunch const&, cudaStream_t);
-#define ATMM_DECLARE_EXPAND_ONLY(NAME)                                       \
+#define ATMM_DECLARE_ATMM_EXPAND_ONLY(NAME)                                      \
   cudaError_t atmm_run_##NAME##_f16_expand(GroupedLaunch const&, cudaStream_t); \
   cudaError_t atmm_run_##NAME##_bf16_expand(GroupedLaunch const&, cudaStream_t);
+#define ATMM_DECLARE_FUSED(NAME)                                             \
+  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const&, cudaStream_t);  \
+  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const&, cudaStream_t);
 #define ATMM_CONFIG(NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS) ATMM_DECLARE_##DIRS(NAME)
-#define ATMM_DECLARE_ATMM_BOTH(NAME) ATMM_DECLARE_BOTH(NAME)
-#define ATMM_DECLARE_ATMM_EXPAND_ONLY(NAME) ATMM_DECLARE_EXPAND_ONLY(NAME)
+#define ATMM_GEMV_SHRINK(NAME) ATMM_DECLARE_FUSED(NAME)
+#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN) ATMM_DECLARE_FUSED(NAME)
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
+#undef ATMM_GEMV_SHRINK
+#undef ATMM_FUSED_EXPAND
 
 #define ATMM_FNS_ATMM_BOTH(NAME) \
   atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
 #define ATMM_FNS_ATMM_EXPAND_ONLY(NAME) nullptr, nullptr, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
 
 const std::vector<KernelConfig>& kernel_configs() {
+  // Pass 2: one entry per line of tile_configs.def, in its order.
   static const std::vector<KernelConfig> configs = {
 #define ATMM_CONFIG(NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS) \
-  KernelConfig{#NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS, ATMM_FNS_##DIRS(NAME)},
+  KernelConfig{#NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS, ATMM_FNS_##DIRS(NAME), Kind::kCutlass, nullptr, nullptr},
+#define ATMM_GEMV_SHRINK(NAME)                                                                   \
+  KernelConfig{#NAME, 4, 128, 8, 4, 128, 8, 1, true, nullptr, nullptr, nullptr, nullptr, Kind::kGemvShrink, \
+               atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16},
+#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN)                                                      \
+  KernelConfig{#NAME, BM, BN, 16, BM / WM, BN / WN, 16, 1, false, nullptr, nullptr, nullptr, nullptr, \
+               Kind::kFusedExpand, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16},
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
+#undef ATMM_GEMV_SHRINK
+#undef ATMM_FUSED_EXPAND
   };
   return configs;
 }
@@ -53,6 +69,15 @@ const std::vector<KernelConfig>& kernel_configs() {
 GroupedFn KernelConfig::fn(Direction d, DType t) const {
   if (d == Direction::kShrink) return t == DType::kF16 ? shrink_f16 : shrink_bf16;
   return t == DType::kF16 ? expand_f16 : expand_bf16;
+}
+
+bool KernelConfig::serves(Direction d, DType t) const {
+  switch (kind) {
+    case Kind::kCutlass: return fn(d, t) != nullptr;
+    case Kind::kGemvShrink: return d == Direction::kShrink;
+    case Kind::kFusedExpand: return d == Direction::kExpand;
+  }
+  return false;
 }
 
 int find_config(const std::string& name) {
@@ -117,10 +142,6 @@ WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_toke
 // ---------------------------------------------------------------------------------------------
 // Prep: one thread per segment writes its split_k shrink problems and its expand problem.
 // ---------------------------------------------------------------------------------------------
-struct SlotTable {
-  int rank_padded[kMaxSlots];  // rank rounded up to kAlignment (lora_a/lora_b are zero past the rank)
-  float scale[kMaxSlots];
-};
 
 struct PrepParams {
   const int32_t* seg_indptr;
@@ -309,47 +330,74 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
     return "atmm: config index out of range: " + shape_of(a);
   const KernelConfig& cs = cfgs[a.shrink_config];
   const KernelConfig& ce = cfgs[a.expand_config];
-  GroupedFn fs = cs.fn(Direction::kShrink, a.dtype), fe = ce.fn(Direction::kExpand, a.dtype);
-  if (!fs) return std::string("atmm: config ") + cs.name + " is not built for shrink: " + shape_of(a);
-  if (!fe) return std::string("atmm: config ") + ce.name + " is not built for expand: " + shape_of(a);
+  if (!cs.serves(Direction::kShrink, a.dtype)) return std::string("atmm: config ") + cs.name + " is not built for shrink: " + shape_of(a);
+  if (!ce.serves(Direction::kExpand, a.dtype)) return std::string("atmm: config ") + ce.name + " is not built for expand: " + shape_of(a);
   if (a.split_k < 1) return "atmm: split_k must be >= 1: " + shape_of(a);
+  int r_pad_max = 0;
+  for (int r : a.ranks) r_pad_max = std::max(r_pad_max, (r + kAlignment - 1) / kAlignment * kAlignment);
+  if (ce.kind == Kind::kFusedExpand && r_pad_max > 128)
+    return std::string("atmm: config ") + ce.name + " serves ranks up to 128: " + shape_of(a);
 
-  // Split d_in into chunks that are multiples of the tile K, so every chunk stays aligned.
+  // Split d_in into chunks that are multiples of 64, so every chunk stays aligned for any tile K.
   int k_chunk = (a.d_in + a.split_k - 1) / a.split_k;
   k_chunk = (k_chunk + 63) / 64 * 64;
   int splits_used = (a.d_in + k_chunk - 1) / k_chunk;
   WorkspaceLayout w = workspace_layout(a.num_segments, a.split_k, a.num_tokens, a.r_max, a.dtype);
   if (a.workspace_bytes < w.total) return "atmm: workspace too small: " + shape_of(a);
+  const bool cutlass_shrink = cs.kind == Kind::kCutlass, cutlass_expand = ce.kind == Kind::kCutlass;
+  char* ws = static_cast<char*>(a.workspace);
+
+  FusedArgs fa{};
+  fa.seg_indptr = a.seg_indptr;
+  fa.seg_slot = a.seg_slot;
+  fa.num_segments = a.num_segments;
+  for (size_t s = 0; s < a.ranks.size(); ++s) {
+    fa.slots.rank_padded[s] = (a.ranks[s] + kAlignment - 1) / kAlignment * kAlignment;
+    fa.slots.scale[s] = a.scales[s];
+  }
+  fa.x = a.x; fa.lora_a = a.lora_a; fa.lora_b = a.lora_b; fa.y = a.y;
+  fa.partial = reinterpret_cast<float*>(ws + w.partial);
+  fa.splits = splits_used; fa.k_chunk = k_chunk;
+  fa.num_tokens = a.num_tokens; fa.d_in = a.d_in; fa.d_out = a.d_out; fa.r_max = a.r_max;
+  fa.ld_x = a.ld_x; fa.ld_y = a.ld_y;
 
   cudaError_t e = cudaSuccess;
-  if (phases & kPhasePrep) e = launch_prep(a, w, k_chunk, splits_used, stream);
+  // prep: the problem arrays of whichever direction runs on CUTLASS (and the reduce's ranks).
+  if ((phases & kPhasePrep) && (cutlass_shrink || cutlass_expand)) e = launch_prep(a, w, k_chunk, splits_used, stream);
   if (e != cudaSuccess) return std::string("atmm: prep kernel: ") + cudaGetErrorString(e) + ": " + shape_of(a);
 
-  int r_pad_max = 0;
-  for (int r : a.ranks) r_pad_max = std::max(r_pad_max, (r + kAlignment - 1) / kAlignment * kAlignment);
-  char* ws = static_cast<char*>(a.workspace);
   auto tiles = [&](int tb_m, int tb_n, int n, int groups) -> int {
     int64_t t = (a.num_tokens / tb_m + a.num_segments) * int64_t((n + tb_n - 1) / tb_n) * groups;
     return int(std::min<int64_t>(t, 1 << 30));
   };
-  GroupedLaunch ls{ws + w.shrink_problems, a.num_segments * splits_used, tiles(cs.tb_m, cs.tb_n, r_pad_max, splits_used),
-                   reinterpret_cast<void**>(ws + w.shrink_ptr_a), reinterpret_cast<void**>(ws + w.shrink_ptr_b),
-                   reinterpret_cast<void**>(ws + w.shrink_ptr_c), reinterpret_cast<int64_t*>(ws + w.shrink_ld_ab),
-                   reinterpret_cast<int64_t*>(ws + w.shrink_ld_ab), reinterpret_cast<int64_t*>(ws + w.shrink_ld_c),
-                   nullptr, 0.0f};
   if (phases & kPhaseShrink) {
-    e = fs(ls, stream);
+    if (cutlass_shrink) {
+      GroupedLaunch ls{ws + w.shrink_problems, a.num_segments * splits_used, tiles(cs.tb_m, cs.tb_n, r_pad_max, splits_used),
+                       reinterpret_cast<void**>(ws + w.shrink_ptr_a), reinterpret_cast<void**>(ws + w.shrink_ptr_b),
+                       reinterpret_cast<void**>(ws + w.shrink_ptr_c), reinterpret_cast<int64_t*>(ws + w.shrink_ld_ab),
+                       reinterpret_cast<int64_t*>(ws + w.shrink_ld_ab), reinterpret_cast<int64_t*>(ws + w.shrink_ld_c),
+                       nullptr, 0.0f};
+      e = cs.fn(Direction::kShrink, a.dtype)(ls, stream);
+    } else {
+      e = (a.dtype == DType::kF16 ? cs.fused_f16 : cs.fused_bf16)(fa, stream);
+    }
     if (e != cudaSuccess) return std::string("atmm: shrink ") + cs.name + ": " + cudaGetErrorString(e) + ": " + shape_of(a);
-    e = launch_reduce(a, w, splits_used, stream);
   }
-  if (e != cudaSuccess) return std::string("atmm: reduce: ") + cudaGetErrorString(e) + ": " + shape_of(a);
-  GroupedLaunch le{ws + w.expand_problems, a.num_segments, tiles(ce.tb_m, ce.tb_n, a.d_out, 1),
-                   reinterpret_cast<void**>(ws + w.expand_ptr_a), reinterpret_cast<void**>(ws + w.expand_ptr_b),
-                   reinterpret_cast<void**>(ws + w.expand_ptr_c), reinterpret_cast<int64_t*>(ws + w.expand_ld_ab),
-                   reinterpret_cast<int64_t*>(ws + w.expand_ld_ab), reinterpret_cast<int64_t*>(ws + w.expand_ld_c),
-                   reinterpret_cast<float const* const*>(ws + w.alpha_ptrs), 1.0f};
-  if (phases & kPhaseExpand) e = fe(le, stream);
-  if (e != cudaSuccess) return std::string("atmm: expand ") + ce.name + ": " + cudaGetErrorString(e) + ": " + shape_of(a);
+  if (phases & kPhaseExpand) {
+    if (cutlass_expand) {
+      e = launch_reduce(a, w, splits_used, stream);
+      if (e != cudaSuccess) return std::string("atmm: reduce: ") + cudaGetErrorString(e) + ": " + shape_of(a);
+      GroupedLaunch le{ws + w.expand_problems, a.num_segments, tiles(ce.tb_m, ce.tb_n, a.d_out, 1),
+                       reinterpret_cast<void**>(ws + w.expand_ptr_a), reinterpret_cast<void**>(ws + w.expand_ptr_b),
+                       reinterpret_cast<void**>(ws + w.expand_ptr_c), reinterpret_cast<int64_t*>(ws + w.expand_ld_ab),
+                       reinterpret_cast<int64_t*>(ws + w.expand_ld_ab), reinterpret_cast<int64_t*>(ws + w.expand_ld_c),
+                       reinterpret_cast<float const* const*>(ws + w.alpha_ptrs), 1.0f};
+      e = ce.fn(Direction::kExpand, a.dtype)(le, stream);
+    } else {
+      e = (a.dtype == DType::kF16 ? ce.fused_f16 : ce.fused_bf16)(fa, stream);
+    }
+    if (e != cudaSuccess) return std::string("atmm: expand ") + ce.name + ": " + cudaGetErrorString(e) + ": " + shape_of(a);
+  }
   return "";
 }
 

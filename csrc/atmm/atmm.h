@@ -18,6 +18,11 @@ const char* dtype_name(DType t);
 
 // Most adapter slots one call may address: ranks and scales travel by value in a kernel parameter.
 constexpr int kMaxSlots = 256;
+
+struct SlotTable {
+  int rank_padded[kMaxSlots];  // rank rounded up to kAlignment (lora_a/lora_b are zero past the rank)
+  float scale[kMaxSlots];
+};
 // Operand alignment in elements (16 bytes of fp16/bf16): widths, strides and padded ranks are multiples.
 constexpr int kAlignment = 8;
 
@@ -40,12 +45,22 @@ struct GroupedLaunch {
 // A compiled grouped GEMM: returns a CUDA error, or cudaErrorNotSupported when CUTLASS refuses it.
 using GroupedFn = cudaError_t (*)(GroupedLaunch const&, cudaStream_t);
 
+struct FusedArgs;
+// A hand-written kernel (fused.cu): gemv shrink or fused expand.
+using FusedFn = cudaError_t (*)(FusedArgs const&, cudaStream_t);
+
+enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2 };
+
 struct KernelConfig {
   const char* name;
   int tb_m, tb_n, tb_k, warp_m, warp_n, warp_k, stages;
   bool shrink;  // built for the shrink direction
   GroupedFn shrink_f16, shrink_bf16, expand_f16, expand_bf16;
+  Kind kind;
+  FusedFn fused_f16, fused_bf16;
   GroupedFn fn(Direction d, DType t) const;
+  // Whether this config can serve direction d for dtype t (either kind).
+  bool serves(Direction d, DType t) const;
 };
 
 // Every compiled configuration, in the order of tile_configs.def.

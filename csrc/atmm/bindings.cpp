@@ -57,8 +57,9 @@ PYBIND11_MODULE(vlora_atmm_ext, m) {
       d["tb_m"] = c.tb_m; d["tb_n"] = c.tb_n; d["tb_k"] = c.tb_k;
       d["warp_m"] = c.warp_m; d["warp_n"] = c.warp_n; d["warp_k"] = c.warp_k;
       d["stages"] = c.stages;
-      d["shrink"] = c.shrink;
-      d["expand"] = true;
+      d["shrink"] = c.serves(Direction::kShrink, DType::kBF16);
+      d["expand"] = c.serves(Direction::kExpand, DType::kBF16);
+      d["kind"] = c.kind == Kind::kCutlass ? "cutlass" : (c.kind == Kind::kGemvShrink ? "gemv" : "fused");
       out.append(d);
     }
     return out;

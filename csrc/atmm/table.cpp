@@ -47,7 +47,7 @@ void TilingTable::add(ShapeKey key, std::string const& config, int split_k) {
   int idx = find_config(config);
   if (idx < 0)
     throw std::invalid_argument("tiling table entry " + describe(key) + " names config '" + config + "', which is not compiled");
-  if (!kernel_configs()[idx].fn(key.direction, key.dtype))
+  if (!kernel_configs()[idx].serves(key.direction, key.dtype))
     throw std::invalid_argument("tiling table entry " + describe(key) + " names config '" + config + "', which is not built for " +
                                 direction_name(key.direction));
   if (split_k < 1 || split_k > 64 || (key.direction == Direction::kExpand && split_k != 1))
@@ -72,13 +72,18 @@ LookupResult TilingTable::default_choice(ShapeKey const& key) {
   r.matched = bucketed(key);
   if (key.direction == Direction::kShrink) {
     // Few tokens: one 64-row tile per segment, and split d_in so that enough CTAs stream lora_A.
-    r.config = find_config(key.rank > 64 ? "t64x128_k64_s3" : "t64x64_k64_s5");
+    r.config = find_config(key.tokens <= 2 * key.segments && key.tokens <= 256 ? "gemv_shrink"
+                           : key.rank > 64 ? "t64x128_k64_s3" : "t64x64_k64_s5");
     int64_t m_tiles = key.tokens / 64 + key.segments;
     int split = 1;
     while (split < 16 && m_tiles * split < 132 && key.width / (split * 2) >= 256) split *= 2;
     r.split_k = split;
   } else {
-    r.config = find_config(key.tokens >= 2048 ? "t128x128_k32_s4" : "t64x128_k32_s6");
+    // The fused kernel (reduce + expand + scaled update in one launch) serves ranks up to 128.
+    if (key.rank <= 128)
+      r.config = find_config(key.tokens >= 2048 ? "fx_m64n128" : "fx_m32n128");
+    else
+      r.config = find_config(key.tokens >= 2048 ? "t128x128_k32_s4" : "t64x128_k32_s6");
     r.split_k = 1;
   }
   return r;
@@ -89,7 +94,8 @@ LookupResult TilingTable::lookup(ShapeKey key) const {
   auto it = index_.find(pack_key(b));
   if (it != index_.end()) {
     TableEntry const& e = entries_[it->second];
-    return LookupResult{e.config, e.split_k, true, false, e.key};
+    if (!(kernel_configs()[e.config].kind == Kind::kFusedExpand && key.rank > 128))
+      return LookupResult{e.config, e.split_k, true, false, e.key};
   }
   // Nearest key of the same direction and dtype: distance in log2 space, widths weigh most.
   double best = std::numeric_limits<double>::infinity();
@@ -104,6 +110,7 @@ LookupResult TilingTable::lookup(ShapeKey key) const {
     }
   }
   if (!pick) return default_choice(key);
+  if (kernel_configs()[pick->config].kind == Kind::kFusedExpand && key.rank > 128) return default_choice(key);
   return LookupResult{pick->config, pick->split_k, false, false, pick->key};
 }
 

@@ -96,14 +96,28 @@ def test_atmm_matches_fp32_reference(kernels, dtype, d, pattern, T):
 def test_every_compiled_config(kernels, dtype):
     for c in ext.configs():
         for split in (1, 3):
-            shrink = (c["name"], split) if c["shrink"] else ("t64x64_k64_s5", split)
-            check(kernels, 333, 4096, 1024, dtype, "3x3", seed=split, shrink=shrink, expand=c["name"])
+            if c["shrink"]:
+                for expand in ("t128x128_k32_s4", "fx_m64n128"):
+                    check(kernels, 333, 4096, 1024, dtype, "3x3", seed=split, shrink=(c["name"], split), expand=expand)
+            if c["expand"]:
+                for shrink in (("t64x64_k64_s5", split), ("gemv_shrink", split)):
+                    check(kernels, 333, 4096, 1024, dtype, "3x3", seed=split, shrink=shrink, expand=c["name"])
 
 
 @pytest.mark.parametrize("split", [1, 2, 5, 16, 64])
-def test_split_k(kernels, split):
-    check(kernels, 129, 5120, 4096, torch.bfloat16, "7x1", seed=split, shrink=("t64x64_k32_s10", split),
-          expand="t128x128_k32_s4")
+@pytest.mark.parametrize("pair", [("t64x64_k32_s10", "t128x128_k32_s4"), ("gemv_shrink", "fx_m64n128"),
+                                  ("t64x64_k32_s10", "fx_m32n128"), ("gemv_shrink", "t64x128_k32_s6")])
+def test_split_k(kernels, split, pair):
+    check(kernels, 129, 5120, 4096, torch.bfloat16, "7x1", seed=split, shrink=(pair[0], split), expand=pair[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter"])
+@pytest.mark.parametrize("T", [1, 7, 300, 2048])
+def test_hand_written_kernels(kernels, dtype, pattern, T):
+    for expand in ("fx_m64n128", "fx_m16n256", "fx_m128n128"):
+        shrink = ("gemv_shrink", 8) if T <= 300 else ("t64x64_k64_s5", 2)
+        check(kernels, T, 4096, 5120, dtype, pattern, seed=T + 3, shrink=shrink, expand=expand)
 
 
 def test_rank_not_multiple_of_8_uses_zero_padding(kernels):

@@ -34,16 +34,19 @@ _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def feasible_configs(kernels: AtmmKernels, direction: str, smem_limit: int) -> list[dict]:
-    """Compiled configs that can run here: tile sides powers of two >= 16, stages fit in shared memory."""
+    """Compiled configs that can run here. CUTLASS tiles: sides powers of two >= 16 and the stages
+    fit in shared memory; fused expand tiles: operand tiles of rank 128 fit in shared memory."""
     out = []
     for c in kernels.ext.configs():
-        if direction == "shrink" and not c["shrink"]:
+        if not c[direction]:
             continue
-        sides = (c["tb_m"], c["tb_n"], c["tb_k"], c["warp_m"], c["warp_n"], c["warp_k"])
-        if any(s < 16 or s & (s - 1) for s in sides):
-            continue
-        smem = c["stages"] * (c["tb_m"] + c["tb_n"]) * c["tb_k"] * 2
-        if smem > smem_limit:
+        if c["kind"] == "cutlass":
+            sides = (c["tb_m"], c["tb_n"], c["tb_k"], c["warp_m"], c["warp_n"], c["warp_k"])
+            if any(s < 16 or s & (s - 1) for s in sides):
+                continue
+            if c["stages"] * (c["tb_m"] + c["tb_n"]) * c["tb_k"] * 2 > smem_limit:
+                continue
+        elif c["kind"] == "fused" and (c["tb_m"] + c["tb_n"]) * 136 * 2 > smem_limit:
             continue
         out.append(c)
     return out
@@ -94,14 +97,22 @@ def time_option(kernels: AtmmKernels, p: Problem, shrink: tuple[str, int], expan
 
 def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], expand_cfgs: list[dict],
                   splits=SPLITS) -> dict:
-    """Every feasible option of both directions: {"shrink": {(cfg, split): us}, "expand": {cfg: us}}."""
-    base_expand = expand_cfgs[0]["name"]
+    """Every feasible option of both directions: {"shrink": {(cfg, split): us}, "expand": {cfg: us}}.
+
+    The gemv shrink is skipped for segments longer than 32 tokens (it re-reads lora_A per 4 rows)."""
+    fused = [c for c in expand_cfgs if c["kind"] == "fused"]
+    base_expand = (fused or expand_cfgs)[0]["name"]
+    longest = max(p.mapping.seg_indptr_host[i + 1] - p.mapping.seg_indptr_host[i] for i in range(p.mapping.num_segments))
+    max_rank = max(p.ranks)
     shrink = {}
     for c in shrink_cfgs:
+        if c["kind"] == "gemv" and longest > 32:
+            continue
         for k in splits:
             shrink[(c["name"], k)] = time_option(kernels, p, (c["name"], k), base_expand, PHASE_PREP | PHASE_SHRINK)
     best_shrink = min(shrink, key=shrink.get)
-    expand = {c["name"]: time_option(kernels, p, best_shrink, c["name"], PHASE_EXPAND) for c in expand_cfgs}
+    expand = {c["name"]: time_option(kernels, p, best_shrink, c["name"], PHASE_EXPAND) for c in expand_cfgs
+              if not (c["kind"] == "fused" and max_rank > 128)}
     return {"shrink": shrink, "expand": expand}
 
 

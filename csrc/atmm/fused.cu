@@ -1,0 +1,292 @@
+// Hand-written ATMM kernels: gemv shrink and fused (reduce + expand) WMMA kernel. See fused.cuh.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+#include <cub/block/block_scan.cuh>
+
+#include "atmm/fused.cuh"
+
+namespace atmm {
+namespace {
+
+template <typename T>
+__device__ inline float to_f(T v);
+template <>
+__device__ inline float to_f<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ inline float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ inline T from_f(float f);
+template <>
+__device__ inline __half from_f<__half>(float f) { return __float2half_rn(f); }
+template <>
+__device__ inline __nv_bfloat16 from_f<__nv_bfloat16>(float f) { return __float2bfloat16_rn(f); }
+
+__device__ inline int seg_rank(FusedArgs const& a, int i) {
+  int slot = a.seg_slot[i];
+  return (slot >= 0 && slot < kMaxSlots) ? a.slots.rank_padded[slot] : 0;
+}
+
+// ------------------------------------------------------------------------------------------------
+// gemv shrink: block (segment i, chunk c). partial[c, t, j] = sum_{k in chunk c} x[t, k] * A[slot, j, k]
+// for every row t of the segment (in groups of kRows) and j < padded rank.
+// ------------------------------------------------------------------------------------------------
+constexpr int kGemvThreads = 256;
+constexpr int kRows = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kGemvThreads) gemv_shrink_kernel(FusedArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sx = reinterpret_cast<T*>(smem_raw);  // [kRows][k_chunk]
+  const int i = blockIdx.x, c = blockIdx.y;
+  const int rp = seg_rank(a, i);
+  const int lo = a.seg_indptr[i], hi = a.seg_indptr[i + 1];
+  if (rp == 0 || hi <= lo) return;
+  const int slot = a.seg_slot[i];
+  const int k0 = c * a.k_chunk;
+  const int kc = min(a.k_chunk, a.d_in - k0);
+  if (kc <= 0) return;
+  const T* A = static_cast<const T*>(a.lora_a) + (int64_t(slot) * a.r_max) * a.d_in + k0;
+  const T* X = static_cast<const T*>(a.x);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int nvec = kc / 8;  // 16-byte vectors per row of the chunk
+  for (int r0 = lo; r0 < hi; r0 += kRows) {
+    const int nr = min(kRows, hi - r0);
+    __syncthreads();
+    for (int v = threadIdx.x; v < kRows * nvec; v += blockDim.x) {
+      int r = v / nvec, kv = v % nvec;
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (r < nr) val = *reinterpret_cast<const uint4*>(X + (r0 + r) * a.ld_x + k0 + kv * 8);
+      *reinterpret_cast<uint4*>(sx + r * a.k_chunk + kv * 8) = val;
+    }
+    __syncthreads();
+    for (int j = warp; j < rp; j += kGemvThreads / 32) {
+      float acc[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+      const T* arow = A + int64_t(j) * a.d_in;
+      for (int kv = lane; kv < nvec; kv += 32) {
+        uint4 av = *reinterpret_cast<const uint4*>(arow + kv * 8);
+        const T* ae = reinterpret_cast<const T*>(&av);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          uint4 xv = *reinterpret_cast<const uint4*>(sx + r * a.k_chunk + kv * 8);
+          const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r] += to_f(ae[e]) * to_f(xe[e]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+      }
+      if (lane == 0) {
+        for (int r = 0; r < nr; ++r) a.partial[(int64_t(c) * a.num_tokens + r0 + r) * a.r_max + j] = acc[r];
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// fused expand: block (column tile, row tile over all segments' tiles).
+//   v = dtype(sum_c partial[c, rows, :K]);  y[rows, cols] += scale * v @ B[slot, cols, :K]^T
+// ------------------------------------------------------------------------------------------------
+constexpr int kMaxK = 128;
+constexpr int kKP = kMaxK + 8;  // padded smem row (elements): 16-byte skew against bank conflicts
+
+template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
+struct FusedExpand {
+  static constexpr int kThreads = 32 * WARPS_M * WARPS_N;
+  static constexpr int kWarpM = BM / WARPS_M, kWarpN = BN / WARPS_N;
+  static constexpr int kFragM = kWarpM / 16, kFragN = kWarpN / 16;
+  static constexpr int kCP = BN + 4;  // fp32 accumulator tile row stride
+  static constexpr size_t kSmemOperands = size_t(BM + BN) * kKP * sizeof(T);
+  static constexpr size_t kSmemAcc = size_t(BM) * kCP * sizeof(float);
+  static constexpr size_t kSmem = kSmemOperands > kSmemAcc ? kSmemOperands : kSmemAcc;
+  static constexpr int kYVec = BM * BN / 8 / kThreads;  // 16-byte vectors of y per thread
+  static_assert(kWarpM % 16 == 0 && kWarpN % 16 == 0, "warp tile must be a multiple of 16");
+  static_assert((BM * BN / 8) % kThreads == 0, "y tile must split evenly over threads");
+};
+
+template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
+__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N) fused_expand_kernel(FusedArgs a) {
+  using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
+  using namespace nvcuda;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sv = reinterpret_cast<T*>(smem_raw);  // [BM][kKP]
+  T* sb = sv + BM * kKP;                   // [BN][kKP]
+  float* sc = reinterpret_cast<float*>(smem_raw);  // [BM][kCP], after the MMA
+  __shared__ int s_seg, s_tile;
+  using Scan = cub::BlockScan<int, F::kThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+
+  // Which segment and which of its row tiles is this block's? Scan tile counts over segments.
+  const int target = blockIdx.y;
+  if (threadIdx.x == 0) s_seg = -1;
+  int carry = 0;
+  for (int base = 0; base < a.num_segments; base += F::kThreads) {
+    int i = base + threadIdx.x;
+    int n = 0;
+    if (i < a.num_segments && seg_rank(a, i) > 0) n = (a.seg_indptr[i + 1] - a.seg_indptr[i] + BM - 1) / BM;
+    int incl, total;
+    __syncthreads();
+    Scan(scan_tmp).InclusiveSum(n, incl, total);
+    int excl = carry + incl - n;
+    if (n > 0 && target >= excl && target < excl + n) {
+      s_seg = i;
+      s_tile = target - excl;
+    }
+    carry += total;
+    __syncthreads();
+    if (s_seg >= 0 || carry > target) break;
+  }
+  __syncthreads();
+  const int seg = s_seg;
+  if (seg < 0) return;
+  const int slot = a.seg_slot[seg];
+  const int K = a.slots.rank_padded[slot];
+  const int K16 = (K + 15) / 16 * 16;
+  const float alpha = a.slots.scale[slot];
+  const int row0 = a.seg_indptr[seg] + s_tile * BM;
+  const int rows = min(BM, a.seg_indptr[seg + 1] - row0);
+  const int col0 = blockIdx.x * BN;
+  T* Y = static_cast<T*>(a.y);
+
+  // Prefetch this thread's part of the y tile: in flight while v and B are staged and multiplied.
+  uint4 yv[F::kYVec];
+#pragma unroll
+  for (int q = 0; q < F::kYVec; ++q) {
+    int v = threadIdx.x + q * F::kThreads;
+    int r = v / (BN / 8), cv = v % (BN / 8);
+    int col = col0 + cv * 8;
+    yv[q] = make_uint4(0, 0, 0, 0);
+    if (r < rows && col < a.d_out) yv[q] = *reinterpret_cast<const uint4*>(Y + (row0 + r) * a.ld_y + col);
+  }
+
+  // v tile: sum of the split-K partials, rounded to T; zero past the rows and the padded rank.
+  const int kv4 = K16 / 4;
+  for (int v = threadIdx.x; v < BM * kv4; v += F::kThreads) {
+    int r = v / kv4, k = (v % kv4) * 4;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < rows && k < K) {
+      const float* p = a.partial + int64_t(row0 + r) * a.r_max + k;
+      for (int c = 0; c < a.splits; ++c) {
+        float4 u = *reinterpret_cast<const float4*>(p + int64_t(c) * a.num_tokens * a.r_max);
+        s.x += u.x; s.y += u.y; s.z += u.z; s.w += u.w;
+      }
+    }
+    T* d = sv + r * kKP + k;
+    d[0] = from_f<T>(s.x); d[1] = from_f<T>(s.y); d[2] = from_f<T>(s.z); d[3] = from_f<T>(s.w);
+  }
+  // B tile: rows col0.. of lora_b[slot] ([d_out, r_max]), columns < K16 (zero past K).
+  const T* B = static_cast<const T*>(a.lora_b) + int64_t(slot) * a.d_out * a.r_max;
+  const int kv8 = K16 / 8;
+  for (int v = threadIdx.x; v < BN * kv8; v += F::kThreads) {
+    int n = v / kv8, k = (v % kv8) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (col0 + n < a.d_out && k < K) val = *reinterpret_cast<const uint4*>(B + int64_t(col0 + n) * a.r_max + k);
+    *reinterpret_cast<uint4*>(sb + n * kKP + k) = val;
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32;
+  const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[F::kFragM][F::kFragN];
+#pragma unroll
+  for (int i = 0; i < F::kFragM; ++i)
+#pragma unroll
+    for (int j = 0; j < F::kFragN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+  for (int k = 0; k < K16; k += 16) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[F::kFragM];
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb[F::kFragN];
+#pragma unroll
+    for (int i = 0; i < F::kFragM; ++i) wmma::load_matrix_sync(fa[i], sv + (wm * F::kWarpM + i * 16) * kKP + k, kKP);
+#pragma unroll
+    for (int j = 0; j < F::kFragN; ++j) wmma::load_matrix_sync(fb[j], sb + (wn * F::kWarpN + j * 16) * kKP + k, kKP);
+#pragma unroll
+    for (int i = 0; i < F::kFragM; ++i)
+#pragma unroll
+      for (int j = 0; j < F::kFragN; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+  }
+  __syncthreads();  // sv/sb are reused as the accumulator tile
+#pragma unroll
+  for (int i = 0; i < F::kFragM; ++i)
+#pragma unroll
+    for (int j = 0; j < F::kFragN; ++j)
+      wmma::store_matrix_sync(sc + (wm * F::kWarpM + i * 16) * F::kCP + wn * F::kWarpN + j * 16, acc[i][j], F::kCP,
+                              wmma::mem_row_major);
+  __syncthreads();
+
+#pragma unroll
+  for (int q = 0; q < F::kYVec; ++q) {
+    int v = threadIdx.x + q * F::kThreads;
+    int r = v / (BN / 8), cv = v % (BN / 8);
+    int col = col0 + cv * 8;
+    if (r < rows && col < a.d_out) {
+      const T* ye = reinterpret_cast<const T*>(&yv[q]);
+      alignas(16) T out[8];
+      const float* cp = sc + r * F::kCP + cv * 8;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = from_f<T>(to_f(ye[e]) + alpha * cp[e]);
+      *reinterpret_cast<uint4*>(Y + (row0 + r) * a.ld_y + col) = *reinterpret_cast<uint4*>(out);
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t gemv_shrink(FusedArgs const& a, cudaStream_t stream) {
+  if (a.k_chunk % 8 || a.k_chunk <= 0) return cudaErrorInvalidValue;
+  size_t smem = size_t(kRows) * a.k_chunk * sizeof(T);
+  static bool raised = false;
+  if (smem > 48 * 1024) {
+    if (!raised) {
+      cudaError_t e = cudaFuncSetAttribute(gemv_shrink_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
+      if (e != cudaSuccess) return e;
+      raised = true;
+    }
+  }
+  dim3 grid(a.num_segments, a.splits);
+  gemv_shrink_kernel<T><<<grid, kGemvThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
+cudaError_t fused_expand(FusedArgs const& a, cudaStream_t stream) {
+  using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
+  static bool raised = false;
+  if (!raised) {
+    cudaError_t e = cudaFuncSetAttribute(fused_expand_kernel<T, BM, BN, WARPS_M, WARPS_N>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(F::kSmem));
+    if (e != cudaSuccess) return e;
+    raised = true;
+  }
+  int64_t row_tiles = a.num_tokens / BM + a.num_segments;  // >= the tiles of every segment together
+  dim3 grid((a.d_out + BN - 1) / BN, unsigned(std::min<int64_t>(row_tiles, 65535)));
+  if (row_tiles > 65535) return cudaErrorInvalidConfiguration;
+  fused_expand_kernel<T, BM, BN, WARPS_M, WARPS_N><<<grid, F::kThreads, F::kSmem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace atmm
+
+// Instantiations named in tile_configs.def (ATMM_GEMV_SHRINK / ATMM_FUSED_EXPAND lines).
+#define ATMM_GEMV_SHRINK(NAME)                                                                          \
+  namespace atmm {                                                                                      \
+  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) { return gemv_shrink<__half>(a, s); } \
+  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) { return gemv_shrink<__nv_bfloat16>(a, s); } \
+  }
+#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN)                                                          \
+  namespace atmm {                                                                                      \
+  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                              \
+    return fused_expand<__half, BM, BN, WM, WN>(a, s);                                                  \
+  }                                                                                                     \
+  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                             \
+    return fused_expand<__nv_bfloat16, BM, BN, WM, WN>(a, s);                                           \
+  }                                                                                                     \
+  }
+#define ATMM_CONFIG(...)
+#include "atmm/tile_configs.def"

@@ -1,0 +1,35 @@
+// Hand-written ATMM kernels beside the CUTLASS ones (see fused.cu):
+//   gemv shrink   : few-token segments, d_in split in chunks, fp32 partials (no prep, no tensor cores)
+//   fused expand  : sums the split-K partials, rounds v to the activation dtype, multiplies by
+//                   lora_B on the tensor cores (WMMA), and updates y in place with the slot's scale.
+// Both find each block's segment on the device from seg_indptr/seg_slot and the slot table passed
+// by value, so neither needs the prep kernel.
+#pragma once
+
+#include "atmm/atmm.h"
+
+namespace atmm {
+
+struct FusedArgs {
+  const int32_t* seg_indptr;
+  const int32_t* seg_slot;
+  int num_segments;
+  SlotTable slots;
+  const void* x;
+  const void* lora_a;
+  const void* lora_b;
+  void* y;
+  float* partial;  // [splits, T, r_max] fp32
+  int splits;      // chunks of d_in actually used
+  int k_chunk;     // elements of d_in per chunk
+  int64_t num_tokens;
+  int d_in, d_out, r_max;
+  int64_t ld_x, ld_y;
+};
+
+template <typename T>
+cudaError_t gemv_shrink(FusedArgs const& a, cudaStream_t stream);
+template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
+cudaError_t fused_expand(FusedArgs const& a, cudaStream_t stream);
+
+}  // namespace atmm
