@@ -6,7 +6,8 @@ responses and watches for cancelled requests. finalize() drains the engine and j
 
 Wire format (the Triton vLLM backend's): inputs text_input, image (base64, one or more), stream,
 sampling_parameters (JSON), exclude_input_in_output; lora_name in the request parameters or in
-sampling_parameters. Outputs text_output, finish_reason, num_input_tokens, num_output_tokens.
+sampling_parameters. Outputs text_output, finish_reason, num_input_tokens, num_output_tokens; a request
+with a ``task`` (answered by a vision task head of its adapter) also gets label, scores and label_names.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -146,7 +147,6 @@ class _InFlight:
     prefix: str  # prepended to a non-streaming answer when exclude_input_in_output is false
     sent_output_tokens: int = 0
     cancel_requested: bool = False
-    started: float = field(default_factory=time.monotonic)
 
 
 class TritonPythonModel:
@@ -357,6 +357,8 @@ class TritonPythonModel:
             flags = 0
             if out.finished:
                 tensors.append(_string_tensor("finish_reason", out.finish_reason or "stop"))
+                if "label" in out.extra:  # a task head's answer
+                    tensors += _head_tensors(out.extra)
                 flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
             state.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
         except Exception:
@@ -418,6 +420,15 @@ def _request_parameters(request) -> dict[str, Any]:
             f"unknown request parameter(s) {unknown}; accepted: {sorted(SAMPLING_KEYS)}"
         )
     return params
+
+
+def _head_tensors(answer: dict[str, Any]) -> list:
+    """``label``, ``scores`` (one per label, softmax) and ``label_names`` (in the same order)."""
+    return [
+        _string_tensor("label", answer["label"]),
+        pb_utils.Tensor("scores", np.asarray(answer["scores"], dtype=np.float32)),
+        pb_utils.Tensor("label_names", np.array([x.encode("utf-8") for x in answer["labels"]], dtype=np.object_)),
+    ]
 
 
 def _string_tensor(name: str, text: str):
