@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--chat-template", action="store_true", help="wrap the prompt in the model's chat template (server side)")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
@@ -35,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     client = VloraClient(args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout)
     options = dict(images=args.image, lora_name=args.lora, max_tokens=args.max_tokens, temperature=args.temperature,
-                   top_p=args.top_p, seed=args.seed, stop=args.stop)
+                   top_p=args.top_p, seed=args.seed, stop=args.stop, apply_chat_template=args.chat_template)
     try:
         if args.stream and not args.json:
             finish = None

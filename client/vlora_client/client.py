@@ -61,6 +61,7 @@ def sampling_parameters(
     stop: Optional[Union[str, Sequence[str]]] = None,
     lora_name: Optional[str] = None,
     ignore_eos: bool = False,
+    apply_chat_template: bool = False,
 ) -> dict:
     """The ``sampling_parameters`` JSON object, with vLLM's names; unset values are left out."""
     params: dict = {}
@@ -73,6 +74,8 @@ def sampling_parameters(
         params["lora_name"] = lora_name
     if ignore_eos:
         params["ignore_eos"] = True
+    if apply_chat_template:
+        params["apply_chat_template"] = True
     return params
 
 
@@ -97,9 +100,14 @@ class VloraClient:
     def generate(self, prompt: str, images: Sequence[ImageInput] = (), lora_name: Optional[str] = None,
                  max_tokens: Optional[int] = None, temperature: Optional[float] = None, top_p: Optional[float] = None,
                  seed: Optional[int] = None, stop: Optional[Union[str, Sequence[str]]] = None,
-                 ignore_eos: bool = False, stream: bool = False) -> GenerationResult:
-        """One answer. ``stream=True`` asks the server to stream and joins the pieces here."""
-        params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos)
+                 ignore_eos: bool = False, apply_chat_template: bool = False,
+                 stream: bool = False) -> GenerationResult:
+        """One answer. ``stream=True`` asks the server to stream and joins the pieces here.
+
+        ``apply_chat_template`` wraps the prompt in the model's chat template on the server.
+        """
+        params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos,
+                                     apply_chat_template)
         encoded = [encode_image(i) for i in images]
         if stream:
             return _join(self._stream(prompt, encoded, params, stream=True))
@@ -111,9 +119,10 @@ class VloraClient:
                         max_tokens: Optional[int] = None, temperature: Optional[float] = None,
                         top_p: Optional[float] = None, seed: Optional[int] = None,
                         stop: Optional[Union[str, Sequence[str]]] = None,
-                        ignore_eos: bool = False) -> Iterator[StreamDelta]:
+                        ignore_eos: bool = False, apply_chat_template: bool = False) -> Iterator[StreamDelta]:
         """Stream the answer as it is generated. Closing the iterator early cancels the request."""
-        params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos)
+        params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos,
+                                     apply_chat_template)
         return self._stream(prompt, [encode_image(i) for i in images], params, stream=True)
 
     def is_ready(self) -> bool:

@@ -168,6 +168,8 @@ def test_apply_chat_template_option(server):
         "sampling_parameters": json.dumps({"max_tokens": 4, "apply_chat_template": True})})
     assert status == 200, payload
     assert payload["num_input_tokens"] > plain.num_input_tokens
+    templated = client.generate("What is in the picture?", images=[png_bytes(5)], max_tokens=4, apply_chat_template=True)
+    assert (templated.text, templated.num_input_tokens) == (payload["text_output"], payload["num_input_tokens"])
 
 
 def test_stop_string_ends_the_answer(server, sequential, cases):
