@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -313,13 +314,19 @@ class TritonServer:
         """The newest vlora line of the server log, to show what loading is doing."""
         for line in reversed(self.log_tail(200).splitlines()):
             if "vlora" in line:
-                return "| " + line.split('] ', 1)[-1].strip().strip('"')[:160]
+                return "| " + line.split('] ', 1)[-1].split("\\n")[0].strip().strip('"')[:160]
         return ""
 
     def failure_report(self) -> str:
-        """The log's error lines (the cause, usually) and its last lines."""
-        text = self.log_tail(2000)
-        errors = [ln for ln in text.splitlines() if ln.startswith("E") and ln[1:5].isdigit() or "Error:" in ln]
+        """Why the server failed: the model's load error when there is one, else the log's errors and tail."""
+        text = self.log_tail(3000)
+        for line in reversed(text.splitlines()):
+            m = re.search(r"failed to load '[^']+' version \d+: (.*)", line)
+            if m:
+                reason = m.group(1).split("\\n\\nAt:")[0].removeprefix("Internal: ").rstrip('"')
+                return f"the model failed to load: {reason}\n(the whole log: {self._log_path})"
+        errors = [ln for ln in text.splitlines()
+                  if (ln.startswith("E") and ln[1:5].isdigit() or "Error:" in ln) and "CudaDriverHelper" not in ln]
         parts = []
         if errors:
             parts.append(f"--- errors in {self._log_path} ---")
