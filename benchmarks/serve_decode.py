@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -53,6 +54,8 @@ def stream_request(url: str, body: dict, out: dict) -> None:
                     break
                 times.append(time.perf_counter())
                 out["final"] = ev
+    except urllib.error.HTTPError as e:  # the server's JSON error names the problem
+        error = f"{e}: {e.read().decode(errors='replace')[:500]}"
     except Exception as e:  # recorded, and the run fails loudly below
         error = str(e)
     out["times"], out["error"] = times, error

@@ -108,6 +108,47 @@ class InputLimits:
         _require(self.max_prompt_chars >= 1, "limits.max_prompt_chars must be >= 1")
 
 
+POLICIES = ("vlora", "merge-only", "unmerge-only", "dlora")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Inference modes and the scheduling policy (the V-LoRA paper's Algorithm 1 and its baselines).
+
+    ``vlora``: merge when one adapter has more than ``merge_share`` of MaxBS and nothing starves,
+    mixture (deLoRA) when some requests starve, unmerge when more than half of MaxBS starves.
+    ``merge-only``, ``unmerge-only`` and ``dlora`` (merge/unmerge by queue shape, per-layer addmm
+    switch, padded-einsum unmerged compute) are the baselines it is compared against.
+    """
+
+    policy: str = "unmerge-only"
+    theta_s: float = 2.0  # a request starves when its credit (seconds) exceeds this, or its own latency target
+    merge_share: float = 0.5  # share of MaxBS the most requested adapter needs for merge mode
+    latency_targets: Mapping[str, float] = field(default_factory=dict)  # adapter name -> seconds (an application's SLO)
+    switcher: str = "auto"  # swift (one call for all layers), per-layer (addmm per matrix); auto: per policy
+    lora_compute: str = "auto"  # atmm, padded-einsum; auto: per policy
+    ema: float = 0.2  # weight of the newest measurement in the step-time and switch-time estimates
+
+    def __post_init__(self) -> None:
+        _require(self.policy in POLICIES, f"orchestrator.policy must be one of {POLICIES}, got {self.policy!r}")
+        _require(self.theta_s > 0, "orchestrator.theta_s must be > 0")
+        _require(0.0 < self.merge_share < 1.0, "orchestrator.merge_share must be in (0, 1)")
+        _require(self.switcher in ("auto", "swift", "per-layer"), "orchestrator.switcher must be auto, swift or per-layer")
+        _require(self.lora_compute in ("auto", "atmm", "padded-einsum"), "orchestrator.lora_compute must be auto, atmm or padded-einsum")
+        _require(0.0 < self.ema <= 1.0, "orchestrator.ema must be in (0, 1]")
+        _require(isinstance(self.latency_targets, Mapping) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in self.latency_targets.items()),
+            "orchestrator.latency_targets maps adapter names to positive seconds")
+
+    @property
+    def resolved_switcher(self) -> str:
+        return self.switcher if self.switcher != "auto" else ("per-layer" if self.policy == "dlora" else "swift")
+
+    @property
+    def resolved_lora_compute(self) -> str:
+        return self.lora_compute if self.lora_compute != "auto" else ("padded-einsum" if self.policy == "dlora" else "atmm")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -115,6 +156,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: InputLimits = field(default_factory=InputLimits)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
@@ -156,6 +198,8 @@ def _build(kind: type, section: str, values: Mapping[str, Any]):
     for k, v in kw.items():
         if isinstance(v, list):
             kw[k] = tuple(v)
+        elif isinstance(v, Mapping):
+            kw[k] = dict(v)
     return kind(**kw)
 
 
