@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -21,8 +22,13 @@ _INSTANCE_RE = re.compile(r"instance_group\s*\[\s*\{[^}]*\}\s*\]")
 
 
 def source_repository() -> Path:
-    """``model_repository/`` of the source checkout this package is installed from."""
-    return Path(__file__).resolve().parents[3] / "model_repository"
+    """``model_repository/`` of the source checkout this package runs from (an editable install),
+    else the copy a regular install puts under ``<prefix>/share/vlora/`` (when packaged that way)."""
+    checkout = Path(__file__).resolve().parents[3] / "model_repository"
+    installed = Path(sys.prefix) / "share" / "vlora" / "model_repository"
+    if not (checkout / MODEL_NAME / "config.pbtxt").is_file() and (installed / MODEL_NAME / "config.pbtxt").is_file():
+        return installed
+    return checkout
 
 
 def flat_overrides(config: EngineConfig, base: Optional[EngineConfig] = None) -> dict[str, str]:
