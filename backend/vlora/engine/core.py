@@ -7,7 +7,8 @@ drives it; tests drive it directly). Each ``step()``:
    adapter slots allow;
 3. runs one packed forward over every running request's new tokens, ordered by adapter slot so that
    LoRA segments are contiguous;
-4. samples, applies stop conditions, and reports each request's new text through its callback.
+4. samples, applies stop conditions, and reports each request's new text through its callback. A request
+   with a ``task`` is answered by its adapter's task head from the prefill's hidden state, and finishes.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class Sequence:
     sent: int = 0  # characters of text already reported
     generator: Optional[torch.Generator] = None
     prefilled: bool = False
+    answer: Optional[dict] = None  # a task head's answer (task, label, labels, scores)
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +84,7 @@ class LLMEngine:
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
-        max_len = min(self.max_model_len, len(req.prompt_ids) + req.sampling.max_tokens)
+        max_len = min(self.max_model_len, len(req.prompt_ids) + (1 if req.task else req.sampling.max_tokens))
         self.waiting.append(Sequence(req=req, callback=callback, max_len=max_len, generator=make_generator(req.sampling)))
         self.metrics.request_admitted(req.lora_name)
 
@@ -122,7 +124,10 @@ class LLMEngine:
             "slots": [s.slot for s in batch],
             "admitted": [s.req.request_id for s in new],
         }
-        for s, tok in zip(batch, tokens):
+        for i, (s, tok) in enumerate(zip(batch, tokens)):
+            if s.req.task is not None and not s.prefilled:
+                self._answer_with_head(s, result.hidden[i])
+                continue
             s.prefilled = True
             s.output_ids.append(tok)
             self._advance(s, tok)
@@ -185,6 +190,19 @@ class LLMEngine:
                                                num_input_tokens=len(s.req.prompt_ids), num_output_tokens=len(s.output_ids)))
                 s.sent = upto
 
+    def _answer_with_head(self, s: Sequence, hidden: torch.Tensor) -> None:
+        """A head request ends with its prefill: its text is the label, and it counts as one output token
+        (one answer from one forward pass, where generating the label would take several)."""
+        s.prefilled = True
+        head = self.loras.head(s.slot, s.req.task)
+        if head is None:
+            self._finish(s, "error", error=f"task head {s.req.task!r} is not loaded for adapter {s.req.lora_name!r}")
+            return
+        label, scores = head.answer(hidden)
+        s.text = label
+        s.answer = {"task": head.task, "label": label, "labels": list(head.labels), "scores": scores}
+        self._finish(s, "stop")
+
     def _finish(self, s: Sequence, reason: str, error: Optional[str] = None) -> None:
         if s in self.running:
             self.running.remove(s)
@@ -192,10 +210,12 @@ class LLMEngine:
             self.runner.kv.allocator.free(s.blocks.blocks)
             s.blocks = SequenceBlocks()
             self.loras.release(s.slot)
+        n_out = 1 if s.answer is not None else len(s.output_ids)
         out = GenerationOutput(s.req.request_id, s.text[s.sent:], s.text, True, finish_reason=reason,
-                               num_input_tokens=len(s.req.prompt_ids), num_output_tokens=len(s.output_ids), error=error)
+                               num_input_tokens=len(s.req.prompt_ids), num_output_tokens=n_out, error=error,
+                               extra=dict(s.answer or {}))
         s.sent = len(s.text)
-        self.metrics.request_finished(s.req.lora_name, reason, len(s.output_ids))
+        self.metrics.request_finished(s.req.lora_name, reason, n_out)
         self._emit(s, out)
 
     def _emit(self, s: Sequence, out: GenerationOutput) -> None:

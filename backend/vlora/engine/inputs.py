@@ -29,12 +29,18 @@ class InputProcessor:
             raise InvalidRequest(f"text_input has {len(req.prompt)} characters; the limit is {limits.max_prompt_chars}")
         if len(req.images) > limits.max_images:
             raise InvalidRequest(f"too many images: {len(req.images)} (the limit is {limits.max_images})")
-        if req.task is not None:
-            raise InvalidRequest(f"unknown task {req.task!r}: no task heads are loaded for this adapter")
+        adapter = None
         if req.lora_name is not None:
             if not isinstance(req.lora_name, str) or not req.lora_name:
                 raise InvalidRequest("lora_name must be a non-empty string")
-            self.loras.validate(req.lora_name)
+            adapter = self.loras.validate(req.lora_name)
+        if req.task is not None:  # a task head answers from the prefill; it lives in the adapter
+            if adapter is None:
+                raise InvalidRequest(f"task {req.task!r} needs lora_name: task heads are part of an adapter")
+            if req.task not in adapter.heads:
+                have = sorted(adapter.heads)
+                raise InvalidRequest(f"unknown task {req.task!r} for adapter {req.lora_name!r}: "
+                                     + (f"its heads are {have}" if have else "it has no task heads"))
         images, keys = [], []
         for i, data in enumerate(req.images):
             images.append(decode_base64_image(data, limits, index=i))

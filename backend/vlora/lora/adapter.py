@@ -1,7 +1,8 @@
 """PEFT LoRA adapter folders: finding them safely under the adapter root, reading and checking them.
 
 An adapter is a folder ``<root>/<name>/`` holding ``adapter_config.json`` and
-``adapter_model.safetensors`` as PEFT writes them. Nothing else in the folder is read; pickle weights
+``adapter_model.safetensors`` as PEFT writes them, and optionally vision task heads
+(``vlora_heads.json`` + ``vlora_heads.safetensors``, see :mod:`vlora.heads`). Nothing else in the folder is read; pickle weights
 (``adapter_model.bin``) are refused, because unpickling can run code.
 
 Key names. PEFT saves ``base_model.model.<module path>.lora_{A,B}.weight``. For
@@ -95,6 +96,7 @@ class AdapterWeights:
     max_rank: int
     target_modules: tuple[str, ...]
     config: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    heads: Mapping[str, Any] = field(default_factory=dict, repr=False)  # task -> vlora.heads.TaskHead
 
     def scale(self, layer: int, module: str) -> float:
         return self.pairs[(layer, module)].scale
@@ -241,8 +243,22 @@ def load_adapter(
     for (_, module), pair in pairs.items():
         ranks[module] = max(ranks.get(module, 0), pair.rank)
     targets = tuple(m for m in supported if m in ranks)
+    heads = _load_heads(adir, root, where, hidden_size=module_dims["q_proj"][0]) if "q_proj" in module_dims else {}
     return AdapterWeights(name=name, dir=adir, pairs=pairs, ranks=ranks, max_rank=max(ranks.values()),
-                          target_modules=targets, config=config)
+                          target_modules=targets, config=config, heads=heads)
+
+
+def _load_heads(adir: Path, root: Path, where: str, hidden_size: int) -> dict[str, Any]:
+    """The adapter's vision task heads (vlora_heads.json + .safetensors beside the PEFT files), if any."""
+    from vlora.heads import HEADS_CONFIG, HEADS_WEIGHTS, HeadError, load_heads
+
+    if _inside(adir, HEADS_CONFIG, root, where) is None:
+        return {}
+    _inside(adir, HEADS_WEIGHTS, root, where)  # refuses a weights file symlinked out of the root
+    try:
+        return load_heads(adir, hidden_size=hidden_size, where=where)
+    except HeadError as e:
+        raise AdapterError(str(e)) from None
 
 
 def _inside(adir: Path, filename: str, root: Path, where: str) -> Optional[Path]:

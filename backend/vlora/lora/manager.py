@@ -35,6 +35,9 @@ class LoraManager:
         self._name_in: list[Optional[str]] = [None] * cfg.max_gpu_adapters
         self._pins = [0] * cfg.max_gpu_adapters
         self._slot_lru: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(cfg.max_gpu_adapters))
+        self._heads_in: list[dict] = [{} for _ in range(cfg.max_gpu_adapters)]  # slot -> task -> TaskHead on the device
+        first = next(iter(layers.values()), None)
+        self.device = first.lora_a.device if first is not None else None
         self.swaps_in = 0
 
     # -- registry (any thread) -----------------------------------------------------------------
@@ -97,10 +100,15 @@ class LoraManager:
                 wrapper.set_slot(slot, None, None, 0.0)
             else:
                 wrapper.set_slot(slot, pair.a, pair.b, pair.scale)
+        self._heads_in[slot] = {t: (h.to(self.device) if self.device is not None else h) for t, h in w.heads.items()}
         self._name_in[slot] = name
         self._slot_of[name] = slot
         self.swaps_in += 1
         log.debug("adapter %s -> slot %d (evicted %s)", name, slot, old)
+
+    def head(self, slot: int, task: str):
+        """The task head ``task`` of the adapter in ``slot`` (on the device), or None."""
+        return self._heads_in[slot].get(task) if slot >= 0 else None
 
     @property
     def resident(self) -> dict[str, int]:
