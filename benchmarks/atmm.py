@@ -125,17 +125,19 @@ def bench_merge(bw_gbs: float) -> dict:
             w[l].addmm_(b[l], a[l], alpha=0.5)
 
     times = {}
-    for backend in ("cutlass", "torch"):
+    for backend, config in (("cutlass", "m128x256_k64_s3"), ("torch", None), ("fused", "fused_m64n128"),
+                            ("fused", "fused_m128n128")):
+        key = config or backend
         try:
-            times[backend] = event_time_ms(lambda: merge_lora(w, a, b, 0.5, +1, backend=backend), warmup=2, reps=7)
+            times[key] = event_time_ms(lambda: merge_lora(w, a, b, 0.5, +1, backend=backend, config=config), warmup=2, reps=7)
         except (ValueError, RuntimeError) as e:
-            times[backend] = None
-            print(f"merge {backend}: {e}", flush=True)
+            times[key] = None
+            print(f"merge {key}: {e}", flush=True)
     loop_ms = event_time_ms(per_matrix, warmup=2, reps=7)
     floor_ms = 2 * w.numel() * 2 / bw_gbs / 1e6
     best = min(t for t in times.values() if t)
-    return {"layers": 32, "matrices": L, "rank": r, "width": D, "floor_ms": floor_ms, "cutlass_batched_ms": times["cutlass"],
-            "stacked_baddbmm_ms": times["torch"], "per_matrix_addmm_ms": loop_ms, "best_ms": best,
+    return {"layers": 32, "matrices": L, "rank": r, "width": D, "floor_ms": floor_ms, "cutlass_batched_ms": times["m128x256_k64_s3"],
+            "stacked_baddbmm_ms": times["torch"], "fused_ms": {k: v for k, v in times.items() if k.startswith("fused")}, "per_matrix_addmm_ms": loop_ms, "best_ms": best,
             "ratio_to_floor": best / floor_ms}
 
 
@@ -209,6 +211,8 @@ def main() -> int:
         row["atmm_choice"] = {"shrink": list(min(pr["shrink"], key=pr["shrink"].get)),
                               "expand": min(pr["expand"], key=pr["expand"].get)}
         row["phase_us"] = {"shrink_best": min(pr["shrink"].values()), "expand_best": min(pr["expand"].values())}
+        row["profile_us"] = {"shrink": {f"{k[0]}/{k[1]}": round(v, 2) for k, v in pr["shrink"].items()},
+                             "expand": {k: round(v, 2) for k, v in pr["expand"].items()}}
         base = [t for k, t in times.items() if k in ("loop", "padded_bmm", "grouped_mm") and t]
         row["best_baseline_us"] = min(base) if base else None
         a = times.get("atmm")
@@ -219,7 +223,7 @@ def main() -> int:
         ts = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}=n/a" for k, v in times.items())
         log(f"{c.name:24s} floor={fl['floor_us']:.1f} {ts}")
     merge = bench_merge(bw)
-    log(f"merge: cutlass {merge['cutlass_batched_ms']} ms, baddbmm {merge['stacked_baddbmm_ms']:.2f} ms, "
+    log(f"merge: fused {merge['fused_ms']} ms, cutlass {merge['cutlass_batched_ms']} ms, baddbmm {merge['stacked_baddbmm_ms']:.2f} ms, "
         f"per-matrix {merge['per_matrix_addmm_ms']:.2f} ms, floor {merge['floor_ms']:.2f} ms")
     out = {"device": torch.cuda.get_device_name(), "commit": args.commit or git_commit(), "torch": torch.__version__,
            "copy_bandwidth_gbs": bw, "bf16_tflops": tf, "dtype": DTYPE, "width": D,

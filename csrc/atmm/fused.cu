@@ -6,6 +6,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "atmm/fused.cuh"
+#include "atmm/merge.h"
 
 namespace atmm {
 namespace {
@@ -34,6 +35,7 @@ __device__ inline int seg_rank(FusedArgs const& a, int i) {
 // ------------------------------------------------------------------------------------------------
 constexpr int kGemvThreads = 256;
 constexpr int kRows = 4;
+constexpr int kJ = 8;  // rank rows per warp pass
 
 template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) gemv_shrink_kernel(FusedArgs a) {
@@ -61,29 +63,42 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_shrink_kernel(FusedArgs a) 
       *reinterpret_cast<uint4*>(sx + r * a.k_chunk + kv * 8) = val;
     }
     __syncthreads();
-    for (int j = warp; j < rp; j += kGemvThreads / 32) {
-      float acc[kRows];
+    // Each warp takes kJ rank rows at a time and issues all their loads before any arithmetic, so a
+    // block waits for about one memory round trip per kJ rows rather than one per row.
+    for (int j0 = warp * kJ; j0 < rp; j0 += (kGemvThreads / 32) * kJ) {
+      float acc[kJ][kRows];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-      const T* arow = A + int64_t(j) * a.d_in;
+      for (int jj = 0; jj < kJ; ++jj)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) acc[jj][r] = 0.f;
       for (int kv = lane; kv < nvec; kv += 32) {
-        uint4 av = *reinterpret_cast<const uint4*>(arow + kv * 8);
-        const T* ae = reinterpret_cast<const T*>(&av);
+        uint4 av[kJ];
+#pragma unroll
+        for (int jj = 0; jj < kJ; ++jj)
+          av[jj] = (j0 + jj < rp) ? *reinterpret_cast<const uint4*>(A + int64_t(j0 + jj) * a.d_in + kv * 8) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           uint4 xv = *reinterpret_cast<const uint4*>(sx + r * a.k_chunk + kv * 8);
           const T* xe = reinterpret_cast<const T*>(&xv);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[r] += to_f(ae[e]) * to_f(xe[e]);
+          for (int jj = 0; jj < kJ; ++jj) {
+            const T* ae = reinterpret_cast<const T*>(&av[jj]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[jj][r] += to_f(ae[e]) * to_f(xe[e]);
+          }
         }
       }
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
+      for (int jj = 0; jj < kJ; ++jj)
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-      }
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) acc[jj][r] += __shfl_xor_sync(0xffffffffu, acc[jj][r], off);
       if (lane == 0) {
-        for (int r = 0; r < nr; ++r) a.partial[(int64_t(c) * a.num_tokens + r0 + r) * a.r_max + j] = acc[r];
+#pragma unroll
+        for (int jj = 0; jj < kJ; ++jj)
+          if (j0 + jj < rp)
+            for (int r = 0; r < nr; ++r) a.partial[(int64_t(c) * a.num_tokens + r0 + r) * a.r_max + j0 + jj] = acc[jj][r];
       }
     }
   }
@@ -111,7 +126,7 @@ struct FusedExpand {
 };
 
 template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
-__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N) fused_expand_kernel(FusedArgs a) {
+__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 2) fused_expand_kernel(FusedArgs a) {
   using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
   using namespace nvcuda;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -172,6 +187,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N) fused_expand_kernel(Fu
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
     if (r < rows && k < K) {
       const float* p = a.partial + int64_t(row0 + r) * a.r_max + k;
+#pragma unroll 8
       for (int c = 0; c < a.splits; ++c) {
         float4 u = *reinterpret_cast<const float4*>(p + int64_t(c) * a.num_tokens * a.r_max);
         s.x += u.x; s.y += u.y; s.z += u.z; s.w += u.w;
@@ -183,6 +199,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N) fused_expand_kernel(Fu
   // B tile: rows col0.. of lora_b[slot] ([d_out, r_max]), columns < K16 (zero past K).
   const T* B = static_cast<const T*>(a.lora_b) + int64_t(slot) * a.d_out * a.r_max;
   const int kv8 = K16 / 8;
+#pragma unroll 4
   for (int v = threadIdx.x; v < BN * kv8; v += F::kThreads) {
     int n = v / kv8, k = (v % kv8) * 8;
     uint4 val = make_uint4(0, 0, 0, 0);
@@ -235,6 +252,97 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N) fused_expand_kernel(Fu
   }
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// fused merge: block (column tile, row tile, layer). W[l][rows, cols] += alpha * B[l][rows, :r] @ A[l][:r, cols]
+// Same structure as the fused expand: prefetch the W tile, stage B rows and A columns, WMMA, update.
+// ------------------------------------------------------------------------------------------------
+template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
+__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 2) fused_merge_kernel(MergeArgs a) {
+  using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
+  using namespace nvcuda;
+  constexpr int kBP = BN + 8;  // row stride of the staged A tile [K][BN]
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sv = reinterpret_cast<T*>(smem_raw);  // [BM][kKP]: B[l] rows
+  T* sa = sv + BM * kKP;                   // [kMaxK][kBP]: A[l] columns
+  float* sc = reinterpret_cast<float*>(smem_raw);
+  const int l = blockIdx.z;
+  const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
+  const int rows = min(BM, a.d_out - row0);
+  const int K = a.rank, K16 = (K + 15) / 16 * 16;
+  T* W = static_cast<T*>(a.w) + int64_t(l) * a.d_out * a.d_in;
+  const T* Bl = static_cast<const T*>(a.lora_b) + int64_t(l) * a.d_out * a.rank;
+  const T* Al = static_cast<const T*>(a.lora_a) + int64_t(l) * a.rank * a.d_in;
+
+  uint4 wv[F::kYVec];
+#pragma unroll
+  for (int q = 0; q < F::kYVec; ++q) {
+    int v = threadIdx.x + q * F::kThreads;
+    int r = v / (BN / 8), cv = v % (BN / 8);
+    int col = col0 + cv * 8;
+    wv[q] = make_uint4(0, 0, 0, 0);
+    if (r < rows && col < a.d_in) wv[q] = *reinterpret_cast<const uint4*>(W + int64_t(row0 + r) * a.d_in + col);
+  }
+  const int kv8 = K16 / 8;
+#pragma unroll 4
+  for (int v = threadIdx.x; v < BM * kv8; v += F::kThreads) {
+    int r = v / kv8, k = (v % kv8) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < rows && k < K) val = *reinterpret_cast<const uint4*>(Bl + int64_t(row0 + r) * a.rank + k);
+    *reinterpret_cast<uint4*>(sv + r * kKP + k) = val;
+  }
+  const int nv8 = BN / 8;
+#pragma unroll 4
+  for (int v = threadIdx.x; v < K16 * nv8; v += F::kThreads) {
+    int k = v / nv8, c = (v % nv8) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (k < K && col0 + c < a.d_in) val = *reinterpret_cast<const uint4*>(Al + int64_t(k) * a.d_in + col0 + c);
+    *reinterpret_cast<uint4*>(sa + k * kBP + c) = val;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[F::kFragM][F::kFragN];
+#pragma unroll
+  for (int i = 0; i < F::kFragM; ++i)
+#pragma unroll
+    for (int j = 0; j < F::kFragN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+  for (int k = 0; k < K16; k += 16) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[F::kFragM];
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb[F::kFragN];
+#pragma unroll
+    for (int i = 0; i < F::kFragM; ++i) wmma::load_matrix_sync(fa[i], sv + (wm * F::kWarpM + i * 16) * kKP + k, kKP);
+#pragma unroll
+    for (int j = 0; j < F::kFragN; ++j) wmma::load_matrix_sync(fb[j], sa + k * kBP + wn * F::kWarpN + j * 16, kBP);
+#pragma unroll
+    for (int i = 0; i < F::kFragM; ++i)
+#pragma unroll
+      for (int j = 0; j < F::kFragN; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < F::kFragM; ++i)
+#pragma unroll
+    for (int j = 0; j < F::kFragN; ++j)
+      wmma::store_matrix_sync(sc + (wm * F::kWarpM + i * 16) * F::kCP + wn * F::kWarpN + j * 16, acc[i][j], F::kCP,
+                              wmma::mem_row_major);
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < F::kYVec; ++q) {
+    int v = threadIdx.x + q * F::kThreads;
+    int r = v / (BN / 8), cv = v % (BN / 8);
+    int col = col0 + cv * 8;
+    if (r < rows && col < a.d_in) {
+      const T* we = reinterpret_cast<const T*>(&wv[q]);
+      alignas(16) T out[8];
+      const float* cp = sc + r * F::kCP + cv * 8;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = from_f<T>(to_f(we[e]) + a.alpha * cp[e]);
+      *reinterpret_cast<uint4*>(W + int64_t(row0 + r) * a.d_in + col) = *reinterpret_cast<uint4*>(out);
+    }
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -269,6 +377,30 @@ cudaError_t fused_expand(FusedArgs const& a, cudaStream_t stream) {
   if (row_tiles > 65535) return cudaErrorInvalidConfiguration;
   fused_expand_kernel<T, BM, BN, WARPS_M, WARPS_N><<<grid, F::kThreads, F::kSmem, stream>>>(a);
   return cudaGetLastError();
+}
+
+template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
+cudaError_t fused_merge(MergeArgs const& a, cudaStream_t stream) {
+  using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
+  if (a.rank > kMaxK || a.d_in % 8 || a.rank % 8) return cudaErrorInvalidValue;
+  constexpr size_t smem_ops = size_t(BM) * kKP * sizeof(T) + size_t(kMaxK) * (BN + 8) * sizeof(T);
+  constexpr size_t smem = smem_ops > F::kSmemAcc ? smem_ops : F::kSmemAcc;
+  static bool raised = false;
+  if (!raised) {
+    cudaError_t e = cudaFuncSetAttribute(fused_merge_kernel<T, BM, BN, WARPS_M, WARPS_N>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (e != cudaSuccess) return e;
+    raised = true;
+  }
+  dim3 grid((a.d_in + BN - 1) / BN, (a.d_out + BM - 1) / BM, a.layers);
+  fused_merge_kernel<T, BM, BN, WARPS_M, WARPS_N><<<grid, F::kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream) {
+  if (variant == 0)
+    return a.bf16 ? fused_merge<__nv_bfloat16, 64, 128, 2, 4>(a, stream) : fused_merge<__half, 64, 128, 2, 4>(a, stream);
+  return a.bf16 ? fused_merge<__nv_bfloat16, 128, 128, 4, 2>(a, stream) : fused_merge<__half, 128, 128, 4, 2>(a, stream);
 }
 
 }  // namespace atmm

@@ -51,7 +51,9 @@ using MergeMidBF = MergeGemm<cutlass::bfloat16_t, 128, 128, 64, 64, 64, 64, 3>;
 
 }  // namespace
 
-std::vector<std::string> merge_config_names() { return {"m128x256_k64_s3", "m128x128_k64_s3"}; }
+std::vector<std::string> merge_config_names() {
+  return {"m128x256_k64_s3", "m128x128_k64_s3", "fused_m64n128", "fused_m128n128"};
+}
 
 std::string merge(MergeArgs const& a, cudaStream_t stream) {
   std::ostringstream shape;
@@ -63,6 +65,8 @@ std::string merge(MergeArgs const& a, cudaStream_t stream) {
   switch (a.config) {
     case 0: e = a.bf16 ? MergeBigBF::run(a, stream) : MergeBig16::run(a, stream); break;
     case 1: e = a.bf16 ? MergeMidBF::run(a, stream) : MergeMid16::run(a, stream); break;
+    case 2: e = merge_fused(a, 0, stream); break;
+    case 3: e = merge_fused(a, 1, stream); break;
     default: return "merge: unknown config index: " + shape.str();
   }
   if (e != cudaSuccess) return std::string("merge: ") + cudaGetErrorString(e) + ": " + shape.str();

@@ -159,17 +159,26 @@ def test_refusals_name_the_problem(kernels):
     assert "fp16, bf16" in kernels.unsupported(y0.float(), x.float(), a.float(), b.float(), RANKS, SCALES, mapping)
 
 
-@pytest.mark.parametrize("backend", ["cutlass", "torch"])
+@pytest.mark.parametrize("backend", ["cutlass", "torch", "fused"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sign", [1, -1])
 def test_merge_cuda_matches_reference(backend, dtype, sign):
+    _merge_case(backend, dtype, sign, None)
+
+
+@pytest.mark.parametrize("config", ["m128x128_k64_s3", "fused_m128n128"])
+def test_merge_other_configs(config):
+    _merge_case("fused" if config.startswith("fused") else "cutlass", torch.bfloat16, 1, config)
+
+
+def _merge_case(backend, dtype, sign, config):
     from vlora.atmm import merge_lora, merge_lora_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(8, 1000, 512, generator=g, device="cuda").to(dtype)
     a = (torch.randn(8, 64, 512, generator=g, device="cuda") / 8).to(dtype)
     b = (torch.randn(8, 1000, 64, generator=g, device="cuda") / 8).to(dtype)
-    got = merge_lora(w.clone(), a, b, 0.5, sign, backend=backend)
+    got = merge_lora(w.clone(), a, b, 0.5, sign, backend=backend, config=config)
     ref = merge_lora_reference(w.clone().float(), a.float(), b.float(), 0.5, sign)
     delta = ref - w.float()
     err = ((got.float() - ref).norm() / delta.norm()).item()

@@ -30,7 +30,7 @@ def _cutlass_ok(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tenso
 
 
 def merge_lora(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               scale: float | torch.Tensor, sign: int = 1, backend: str = "auto") -> torch.Tensor:
+               scale: float | torch.Tensor, sign: int = 1, backend: str = "auto", config: str | None = None) -> torch.Tensor:
     """Merge (sign=+1) or unmerge (sign=-1) one adapter into a stack of same-shaped weights, in place.
 
     Semantics: W[l] += sign * scale[l] * B[l] @ A[l]   for every l
@@ -39,8 +39,10 @@ def merge_lora(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
         lora_a  [L, r, d_in]      PEFT lora_A.weight of each layer
         lora_b  [L, d_out, r]     PEFT lora_B.weight of each layer
         scale   float, or [L] tensor of per-layer scales
-    One batched GEMM with beta=1, W read and written once: the CUTLASS kernel of ``vlora_atmm_ext``
-    (``backend="cutlass"``; ``"auto"`` uses it where it can) or ``torch.baddbmm_`` (``"torch"``).
+    One pass over W (read and written once) by one of: ``torch.baddbmm_`` (``"torch"``, what ``"auto"``
+    picks), a batched CUTLASS GEMM with beta=1 (``"cutlass"``), or the hand-written WMMA kernel of
+    ``vlora_atmm_ext`` (``"fused"``). ``config`` names one of ``vlora_atmm_ext.merge_configs()``.
+    Measured times on the H100 are in benchmarks/RESULTS.md.
     """
     _check(weights, lora_a, lora_b, sign)
     if isinstance(scale, torch.Tensor) and scale.numel() > 1:
@@ -49,20 +51,21 @@ def merge_lora(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
         alpha = 1.0
     else:
         alpha = sign * float(scale)
-    if backend not in ("auto", "torch", "cutlass"):
-        raise ValueError(f"merge_lora: backend must be auto, torch or cutlass, got {backend!r}")
-    if backend != "torch":
+    if backend not in ("auto", "torch", "cutlass", "fused"):
+        raise ValueError(f"merge_lora: backend must be auto, torch, cutlass or fused, got {backend!r}")
+    if backend in ("cutlass", "fused"):
         from vlora.atmm.dispatch import default_kernels
 
         ext = default_kernels().ext
         if ext is not None and hasattr(ext, "merge") and _cutlass_ok(weights, lora_a, lora_b):
             L, d_out, d_in = weights.shape
+            names = ext.merge_configs()
+            index = names.index(config) if config else (0 if backend == "cutlass" else 2)
             ext.merge(weights.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(), L, d_out, d_in, lora_a.shape[1], alpha,
-                      "bf16" if weights.dtype == torch.bfloat16 else "fp16", 0,
+                      "bf16" if weights.dtype == torch.bfloat16 else "fp16", index,
                       torch.cuda.current_stream(weights.device).cuda_stream)
             return weights
-        if backend == "cutlass":
-            raise ValueError(f"merge_lora: the CUTLASS merge cannot serve W{tuple(weights.shape)} {weights.dtype} "
+        raise ValueError(f"merge_lora: the {backend} merge cannot serve W{tuple(weights.shape)} {weights.dtype} "
                              f"rank {lora_a.shape[1]} (needs the extension, CUDA fp16/bf16, d_in and rank multiples of 8)")
     return weights.baddbmm_(lora_b, lora_a, alpha=alpha)
 
