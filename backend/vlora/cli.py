@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("vlora.server.launcher", "start tritonserver with the vlora model and print where to send requests"),
     "doctor": ("vlora.server.doctor", "report what this machine can run: Python, torch, CUDA, tritonserver, ATMM extension"),
+    "loadtest": ("vlora.loadtest.cli", "load a server with a workload through locust (headless) and write a report"),
 }
 
 

@@ -1,0 +1,181 @@
+"""Scrape Triton's metrics endpoint during a load test: a timeline of batch size, queue depth and mode.
+
+Every ``interval_s`` the scraper reads the Prometheus text once and keeps one row per sample:
+
+- ``vlora_batch_size`` (requests in the latest engine step) and, from the
+  ``vlora_batch_size_per_step`` histogram, the mean batch size over the interval;
+- ``vlora_running_requests``, ``vlora_waiting_requests`` (the engine) and Triton's own
+  ``nv_inference_pending_request_count`` (requests waiting in Triton's queue);
+- engine steps and generated tokens per second (from the counters);
+- the inference mode when the orchestrator exports one: any ``vlora_*mode*`` family with a ``mode``
+  label; a gauge names the current mode by its largest value, a ``*_total`` counter by its largest
+  increase over the interval.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+TIMELINE_COLUMNS = ("t_s", "batch_size_last", "batch_size_mean", "running", "waiting", "triton_queue",
+                    "steps_per_s", "tokens_per_s", "mode")
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        out.append((m.group(1), labels, value))
+    return out
+
+
+def _total(samples, name: str, **match) -> Optional[float]:
+    values = [v for n, labels, v in samples if n == name and all(labels.get(k) == x for k, x in match.items())]
+    return sum(values) if values else None
+
+
+@dataclass
+class Snapshot:
+    t_s: float
+    samples: list
+
+
+@dataclass
+class MetricsScraper:
+    """Polls ``metrics_url`` on its own thread until ``stop()``; ``t0`` is the run's monotonic start."""
+
+    metrics_url: str
+    interval_s: float = 0.5
+    snapshots: list[Snapshot] = field(default_factory=list)
+    errors: int = 0
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vlora-metrics-scraper", daemon=True)
+        self._lock = threading.Lock()
+
+    def start(self) -> "MetricsScraper":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def scrape_once(self) -> Optional[list]:
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+                return parse_prometheus(r.read().decode("utf-8", errors="replace"))
+        except OSError:
+            self.errors += 1
+            return None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            samples = self.scrape_once()
+            if samples is not None:
+                with self._lock:
+                    self.snapshots.append(Snapshot(t, samples))
+            self._stop.wait(max(self.interval_s - (time.monotonic() - t), 0.01))
+
+    def latest(self) -> Optional[Snapshot]:
+        with self._lock:
+            return self.snapshots[-1] if self.snapshots else None
+
+    def timeline(self, t0: float) -> list[dict]:
+        with self._lock:
+            snaps = list(self.snapshots)
+        return build_timeline(snaps, t0)
+
+    def write(self, path: Path, t0: float) -> list[dict]:
+        rows = self.timeline(t0)
+        with open(path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=TIMELINE_COLUMNS)
+            w.writeheader()
+            for row in rows:
+                w.writerow(row)
+        return rows
+
+
+def build_timeline(snaps: list[Snapshot], t0: float) -> list[dict]:
+    rows = []
+    prev = None
+    for snap in snaps:
+        s = snap.samples
+        row = {
+            "t_s": round(snap.t_s - t0, 3),
+            "batch_size_last": _total(s, "vlora_batch_size"),
+            "running": _total(s, "vlora_running_requests"),
+            "waiting": _total(s, "vlora_waiting_requests"),
+            "triton_queue": _total(s, "nv_inference_pending_request_count"),
+            "batch_size_mean": None,
+            "steps_per_s": None,
+            "tokens_per_s": None,
+            "mode": current_mode(s, prev.samples if prev else None),
+        }
+        if prev is not None:
+            dt = snap.t_s - prev.t_s
+            hs, hc = _delta(s, prev.samples, "vlora_batch_size_per_step_sum"), _delta(s, prev.samples, "vlora_batch_size_per_step_count")
+            if hc:
+                row["batch_size_mean"] = hs / hc
+            steps = _delta(s, prev.samples, "vlora_engine_steps_total")
+            tokens = _delta(s, prev.samples, "vlora_output_tokens_total")
+            if dt > 0:
+                row["steps_per_s"] = None if steps is None else steps / dt
+                row["tokens_per_s"] = None if tokens is None else tokens / dt
+        rows.append(row)
+        prev = snap
+    return rows
+
+
+def _delta(now, before, name: str) -> Optional[float]:
+    a, b = _total(now, name), _total(before, name)
+    if a is None or b is None:
+        return None
+    return max(a - b, 0.0)
+
+
+def current_mode(samples, previous) -> str:
+    """The orchestrator's mode, from any vlora_*mode* family with a ``mode`` label; "" when none is exported."""
+    gauges: dict[str, float] = {}
+    counters: dict[str, float] = {}
+    for name, labels, value in samples:
+        if not name.startswith("vlora_") or "mode" not in name or "mode" not in labels:
+            continue
+        target = counters if name.endswith("_total") else gauges
+        target[labels["mode"]] = target.get(labels["mode"], 0.0) + value
+    if gauges:
+        best = max(gauges.items(), key=lambda kv: kv[1])
+        return best[0] if best[1] > 0 else ""
+    if counters and previous is not None:
+        before: dict[str, float] = {}
+        for name, labels, value in previous:
+            if name.startswith("vlora_") and "mode" in name and "mode" in labels and name.endswith("_total"):
+                before[labels["mode"]] = before.get(labels["mode"], 0.0) + value
+        grown = {m: v - before.get(m, 0.0) for m, v in counters.items()}
+        best = max(grown.items(), key=lambda kv: kv[1])
+        return best[0] if best[1] > 0 else ""
+    return ""
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not (isinstance(x, float) and math.isnan(x))

@@ -1,0 +1,188 @@
+"""The load-test harness without a server: workloads, generators, popularity, heads, summary, metrics parsing."""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from vlora.config import ConfigError
+from vlora.loadtest.generators import WorkloadGenerator
+from vlora.loadtest.heads import HeadPolicy
+from vlora.loadtest.scrape import build_timeline, current_mode, parse_prometheus, Snapshot
+from vlora.loadtest.summary import percentile, summarize
+from vlora.loadtest.transport import RequestRecord, classify_error
+from vlora.loadtest.workload import LengthDistribution, Popularity, Workload, resolve_workload, workloads_dir
+
+ADAPTERS = tuple(f"a{i}" for i in range(1000))
+
+
+def small(name: str = "visual_retrieval", **overrides) -> Workload:
+    wl = Workload.from_yaml(resolve_workload(name))
+    return wl.with_overrides(image_size=32, **overrides)
+
+
+@pytest.mark.parametrize("path", sorted(workloads_dir().glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_workload_file_loads_and_survives_its_json_round_trip(path: Path):
+    wl = Workload.from_yaml(path)
+    assert Workload.from_dict(wl.to_dict()) == wl
+    assert wl.describe()
+
+
+def test_bad_workloads_are_refused_with_the_field_named():
+    with pytest.raises(ConfigError, match="arrivals.mode"):
+        small(mode="sometimes")
+    with pytest.raises(ConfigError, match="skewness 0.1 is below 1/num_adapters"):
+        Popularity(kind="skewness", num_adapters=4, skewness=0.1)
+    with pytest.raises(ConfigError, match=r"num_adapters must be in \[1, 1000\]"):
+        Popularity(num_adapters=1001)
+    with pytest.raises(ConfigError, match="unknown key"):
+        Workload.from_dict({"name": "x", "applications": [{"name": "a", "kind": "video_analytics", "fps": 3}]})
+    with pytest.raises(ConfigError, match="kind must be one of"):
+        Workload.from_dict({"name": "x", "applications": [{"name": "a", "kind": "audio"}]})
+
+
+def test_skewness_gives_the_most_popular_adapter_its_share():
+    probs = Popularity(kind="skewness", num_adapters=8, skewness=0.6).probabilities()
+    assert probs[0] == pytest.approx(0.6) and sum(probs) == pytest.approx(1.0)
+    assert probs[1:] == pytest.approx([0.4 / 7] * 7)
+    wl = small(skewness=0.6, num_adapters=8, rate=50.0, duration_s=60.0)
+    specs = WorkloadGenerator(wl, ADAPTERS).schedule()
+    share = Counter(s.adapter for s in specs)["a0"] / len(specs)
+    assert abs(share - 0.6) < 0.03, share
+
+
+def test_zipf_over_a_thousand_adapters():
+    probs = Popularity(kind="zipf", num_adapters=1000, zipf_alpha=1.0).probabilities()
+    assert probs[0] / probs[9] == pytest.approx(10.0)
+    assert sum(probs) == pytest.approx(1.0)
+    wl = small(zipf_alpha=1.2, num_adapters=1000, rate=100.0, duration_s=20.0)
+    specs = WorkloadGenerator(wl, ADAPTERS).schedule()
+    counts = Counter(s.adapter for s in specs)
+    assert counts["a0"] > counts["a1"] > counts["a5"]
+    assert len(counts) > 100  # the long tail is reached
+
+
+def test_base_share_sends_requests_without_adapter():
+    wl = Workload.from_yaml(resolve_workload("smoke")).with_overrides(rate=40.0, duration_s=20.0)
+    specs = WorkloadGenerator(wl, ADAPTERS).schedule()
+    share = sum(1 for s in specs if s.adapter is None) / len(specs)
+    assert 0.05 < share < 0.2
+    assert all("lora_name" not in s.sampling_parameters() for s in specs if s.adapter is None)
+
+
+def test_the_schedule_is_seeded():
+    wl = small(rate=5.0, duration_s=10.0)
+    a = WorkloadGenerator(wl, ADAPTERS).schedule()
+    b = WorkloadGenerator(wl, ADAPTERS).schedule()
+    c = WorkloadGenerator(wl.with_overrides(seed=1), ADAPTERS).schedule()
+    assert a == b
+    assert [s.send_at for s in a] != [s.send_at for s in c]
+
+
+def test_poisson_arrivals_have_the_set_rate_and_exponential_gaps():
+    wl = small(rate=20.0, duration_s=200.0)
+    times = [s.send_at for s in WorkloadGenerator(wl, ADAPTERS).schedule()]
+    assert abs(len(times) / 200.0 - 20.0) < 1.0
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    mean = sum(gaps) / len(gaps)
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
+    assert sd / mean == pytest.approx(1.0, abs=0.1)  # exponential: coefficient of variation 1
+
+
+def test_video_streams_send_one_chunk_per_period():
+    wl = small("video", rate=4.0, duration_s=30.0)
+    gen = WorkloadGenerator(wl, ADAPTERS)
+    assert gen.num_streams() == {"video_analytics": 4}
+    specs = gen.schedule()
+    assert len(specs) == 4 * 30
+    per_stream = Counter(s.stream_id for s in specs)
+    assert set(per_stream.values()) == {30}
+    times = sorted(s.send_at for s in specs if s.stream_id == 0)
+    assert all(b - a == pytest.approx(1.0) for a, b in zip(times, times[1:]))
+    for s in specs:
+        if s.task == "action":
+            assert len(s.images) == 8 and s.prompt.count("<image>") == 8
+        else:
+            assert s.task == "detection" and len(s.images) == 1
+        assert s.max_tokens == {"action": 8, "detection": 24}[s.task] and s.head_task is None
+    frac = WorkloadGenerator(small("video", rate=2.5, duration_s=40.0), ADAPTERS)
+    assert frac.num_streams() == {"video_analytics": 3}
+    assert len(frac.schedule()) == pytest.approx(100, abs=3)
+
+
+def test_task_heads_are_used_only_where_an_adapter_declares_them():
+    wl = small("video", rate=8.0, duration_s=5.0, skewness=0.25)
+    heads = HeadPolicy({"a0": frozenset({"action"}), "a1": frozenset({"detection", "action"})})
+    specs = WorkloadGenerator(wl, ADAPTERS, heads).schedule()
+    for s in specs:
+        declared = s.adapter in ("a0", "a1") and s.task in heads.heads[s.adapter]
+        assert (s.head_task == s.task) == declared
+        assert ("task" in s.sampling_parameters()) == declared
+        if declared:
+            assert s.max_tokens == 1 and s.expected_output_tokens is None
+    assert HeadPolicy.from_adapter_root(None, ("a0",)).heads == {}
+
+
+def test_lengths_follow_the_azure_shape_and_scale():
+    dist = LengthDistribution(median=129, mean=211, max=100_000)
+    rng = random.Random(0)
+    draws = sorted(dist.sample(rng) for _ in range(20_000))
+    assert abs(draws[len(draws) // 2] - 129) < 6
+    assert abs(sum(draws) / len(draws) - 211) < 15
+    tiny = small(length_scale=0.05, rate=20.0, duration_s=30.0)
+    specs = WorkloadGenerator(tiny, ADAPTERS).schedule()
+    median = sorted(s.max_tokens for s in specs)[len(specs) // 2]
+    assert 4 <= median <= 9  # 129 * 0.05
+
+
+def record(app="app", outcome="ok", e2e=1.0, ttft=0.1, n_out=10, start=0.0) -> RequestRecord:
+    return RequestRecord(index=0, application=app, task="t", adapter="a", protocol="grpc", start_s=start,
+                         e2e_s=e2e, ttft_s=ttft, num_output_tokens=n_out if outcome == "ok" else 0, outcome=outcome,
+                         expected_output_tokens=n_out, error="" if outcome == "ok" else "Exceeds maximum queue size")
+
+
+def test_summary_average_token_latency_and_slo_attainment():
+    wl = Workload.from_dict({"name": "x", "applications": [
+        {"name": "app", "kind": "visual_retrieval", "slo": {"e2e_s": 1.5}}]})
+    records = [record(e2e=1.0, n_out=10), record(e2e=2.0, n_out=30, start=1.0), record(outcome="rejected", e2e=0.01)]
+    s = summarize(records, wl, scheduled=4)
+    assert s["avg_token_latency_s"] == pytest.approx(3.0 / 40)  # sum of e2e / total output tokens
+    assert s["ok"] == 2 and s["rejected"] == 1 and s["errors"] == 1 and s["lost"] == 1
+    assert s["applications"]["app"]["slo_attainment"] == pytest.approx(1 / 3)  # a rejection misses its SLO
+    assert s["throughput_rps"] == pytest.approx(2 / 3.0)
+    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5) and percentile([], 50) is None
+
+
+def test_errors_are_classified():
+    assert classify_error("Exceeds maximum queue size") == "rejected"
+    assert classify_error("server overloaded: no room within 30s") == "rejected"
+    assert classify_error("anything", status=503) == "rejected"
+    assert classify_error("unknown adapter 'x'") == "error"
+    assert classify_error("no response within 60s") == "timeout"
+
+
+METRICS = """# HELP vlora_batch_size x
+vlora_batch_size{model="vlora",version="1"} 3
+vlora_batch_size_per_step_sum{model="vlora",version="1"} %s
+vlora_batch_size_per_step_count{model="vlora",version="1"} %s
+vlora_engine_steps_total{model="vlora",version="1"} %s
+nv_inference_pending_request_count{model="vlora",version="1"} 5
+vlora_mode_seconds_total{mode="merge"} %s
+vlora_mode_seconds_total{mode="unmerge"} %s
+"""
+
+
+def test_metrics_timeline_and_mode():
+    s0 = parse_prometheus(METRICS % (10, 5, 5, 1.0, 1.0))
+    s1 = parse_prometheus(METRICS % (22, 9, 9, 1.1, 1.4))
+    rows = build_timeline([Snapshot(100.0, s0), Snapshot(101.0, s1)], t0=100.0)
+    assert rows[1]["batch_size_mean"] == pytest.approx(3.0)
+    assert rows[1]["steps_per_s"] == pytest.approx(4.0)
+    assert rows[1]["triton_queue"] == 5 and rows[1]["batch_size_last"] == 3
+    assert rows[1]["mode"] == "unmerge"
+    gauge = parse_prometheus('vlora_inference_mode{mode="merge"} 0\nvlora_inference_mode{mode="mixture"} 1\n')
+    assert current_mode(gauge, None) == "mixture"
+    assert current_mode(parse_prometheus("vlora_batch_size 2\n"), None) == ""
