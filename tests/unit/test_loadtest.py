@@ -115,15 +115,31 @@ def test_video_streams_send_one_chunk_per_period():
 
 def test_task_heads_are_used_only_where_an_adapter_declares_them():
     wl = small("video", rate=8.0, duration_s=5.0, skewness=0.25)
-    heads = HeadPolicy({"a0": frozenset({"action"}), "a1": frozenset({"detection", "action"})})
+    heads = HeadPolicy({"a0": {"action": "action"}, "a1": {"detection": "count_cars", "action": "moves"}})
     specs = WorkloadGenerator(wl, ADAPTERS, heads).schedule()
+    assert any(s.head_task for s in specs) and any(not s.head_task for s in specs)
     for s in specs:
-        declared = s.adapter in ("a0", "a1") and s.task in heads.heads[s.adapter]
-        assert (s.head_task == s.task) == declared
-        assert ("task" in s.sampling_parameters()) == declared
-        if declared:
-            assert s.max_tokens == 1 and s.expected_output_tokens is None
+        head = heads.heads.get(s.adapter, {}).get(s.task)
+        assert s.head_task == head
+        assert s.sampling_parameters().get("task") == head
+        if head:
+            assert s.max_tokens == 1 and s.expected_output_tokens == 1
     assert HeadPolicy.from_adapter_root(None, ("a0",)).heads == {}
+
+
+def test_heads_are_read_from_the_adapter_folder(tmp_path):
+    import json
+
+    from vlora.heads import HEADS_CONFIG
+
+    (tmp_path / "with").mkdir()
+    (tmp_path / "without").mkdir()
+    (tmp_path / "with" / HEADS_CONFIG).write_text(json.dumps({"format": "vlora-task-heads", "version": 1, "heads": [
+        {"task": "count_cars", "task_type": "counting", "labels": ["0", "1"]},
+        {"task": "motion", "task_type": "action", "labels": ["left", "right"]}]}))
+    policy = HeadPolicy.from_adapter_root(tmp_path, ("with", "without"))
+    assert policy.heads == {"with": {"detection": "count_cars", "action": "motion"}}
+    assert policy.head_task("with", "action") == "motion" and policy.head_task("without", "action") is None
 
 
 def test_lengths_follow_the_azure_shape_and_scale():

@@ -60,9 +60,9 @@ class RequestSpec:
         return params
 
     @property
-    def expected_output_tokens(self) -> Optional[int]:
-        """With ignore_eos a generating request must produce exactly max_tokens; a head answers its label."""
-        return None if self.head_task else self.max_tokens
+    def expected_output_tokens(self) -> int:
+        """With ignore_eos a generating request produces exactly max_tokens; a head's label counts as one."""
+        return 1 if self.head_task else self.max_tokens
 
     @property
     def image_bytes(self) -> int:

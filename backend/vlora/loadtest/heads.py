@@ -1,13 +1,15 @@
 """The one place that decides whether a load-test request is answered by a task head or by generation.
 
-A video-analytics request (detection, action) uses ``task`` in ``sampling_parameters`` only when its
-adapter declares a head for that task; otherwise it generates a short label with ``max_tokens``.
-Heads are declared inside the adapter folder (issue 5); ``vlora.heads`` reads them. Until that module
-offers a reader, or when the adapter folders are not visible to the load generator (a remote server
-given with ``--url`` and no ``--adapters``), no adapter has heads and every request generates.
+A video-analytics request (detection, action) sends ``task`` in ``sampling_parameters`` only when its
+adapter declares a head for it; otherwise it generates a short label with ``max_tokens``. Heads live
+beside ``adapter_config.json`` in ``vlora_heads.json`` (``vlora.heads``). A workload task matches a head
+with the same task name, else a head of a matching task type (``WORKLOAD_TASK_TYPES``). When the
+adapter folders are not visible to the load generator (a remote server given with ``--url`` and no
+``--adapters``), no adapter has heads and every request generates.
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,16 +17,15 @@ from typing import Mapping, Optional
 
 log = logging.getLogger(__name__)
 
-# Names of a vlora.heads function that, given an adapter folder, lists its heads (task names, or
-# objects with a ``task`` or ``name`` attribute, or a mapping keyed by task).
-_HEAD_READERS = ("list_heads", "read_heads", "load_head_specs")
+# Workload task -> head task types that answer it (vlora.heads.TASK_TYPES).
+WORKLOAD_TASK_TYPES = {"action": ("action",), "detection": ("counting", "presence")}
 
 
 @dataclass(frozen=True)
 class HeadPolicy:
-    """adapter name -> the tasks it has heads for."""
+    """adapter name -> {workload task: the head's task name}."""
 
-    heads: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    heads: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @classmethod
     def none(cls) -> "HeadPolicy":
@@ -37,55 +38,50 @@ class HeadPolicy:
         root = Path(adapter_root)
         found = {}
         for name in names:
-            tasks = declared_head_tasks(root / name)
-            if tasks:
-                found[name] = frozenset(tasks)
+            declared = declared_heads(root / name)
+            mapping = {task: head for task in WORKLOAD_TASK_TYPES if (head := match_head(task, declared))}
+            if mapping:
+                found[name] = mapping
         return cls(found)
 
     def head_task(self, adapter: Optional[str], task: str) -> Optional[str]:
         """The ``task`` value to send, or None to generate the answer instead."""
-        if adapter is not None and task in self.heads.get(adapter, ()):
-            return task
-        return None
+        if adapter is None:
+            return None
+        return self.heads.get(adapter, {}).get(task)
+
+    def to_dict(self) -> dict[str, dict[str, str]]:
+        return {a: dict(m) for a, m in self.heads.items()}
 
     def describe(self) -> str:
         if not self.heads:
             return "no adapter declares task heads: video tasks generate short labels"
-        return "task heads: " + "; ".join(f"{a}: {', '.join(sorted(t))}" for a, t in sorted(self.heads.items()))
+        return "task heads: " + "; ".join(
+            f"{a}: " + ", ".join(f"{t}->{h}" for t, h in sorted(m.items())) for a, m in sorted(self.heads.items()))
 
 
-def declared_head_tasks(adapter_dir: Path) -> tuple[str, ...]:
-    """The task names of the heads in one adapter folder, through ``vlora.heads`` when it can say."""
+def match_head(task: str, declared: Mapping[str, str]) -> Optional[str]:
+    """The head (task name) that answers workload ``task``, from {head task: task type}."""
+    if task in declared:
+        return task
+    for head, task_type in sorted(declared.items()):
+        if task_type in WORKLOAD_TASK_TYPES.get(task, ()):
+            return head
+    return None
+
+
+def declared_heads(adapter_dir: Path) -> dict[str, str]:
+    """{head task: task type} from an adapter folder's heads file; {} when it has none or cannot be read."""
     try:
         from vlora import heads as heads_module
     except ImportError:
-        return ()
-    for attr in _HEAD_READERS:
-        reader = getattr(heads_module, attr, None)
-        if reader is None:
-            continue
-        try:
-            declared = reader(adapter_dir)
-        except FileNotFoundError:
-            return ()
-        except Exception as e:  # a broken head file is the server's to report; here it means "generate"
-            log.warning("vlora.heads.%s(%s) failed (%s); treating the adapter as head-less", attr, adapter_dir, e)
-            return ()
-        return _task_names(declared)
-    return ()
-
-
-def _task_names(declared) -> tuple[str, ...]:
-    if not declared:
-        return ()
-    if isinstance(declared, Mapping):
-        return tuple(str(k) for k in declared)
-    names = []
-    for item in declared:
-        if isinstance(item, str):
-            names.append(item)
-        else:
-            name = getattr(item, "task", None) or getattr(item, "name", None)
-            if name:
-                names.append(str(name))
-    return tuple(names)
+        return {}
+    config_name = getattr(heads_module, "HEADS_CONFIG", None)
+    if config_name is None or not heads_module.has_heads(adapter_dir):
+        return {}
+    try:
+        config = json.loads((Path(adapter_dir) / config_name).read_text(encoding="utf-8"))
+        return {str(h["task"]): str(h.get("task_type", "")) for h in config["heads"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:  # the server reports a broken head file
+        log.warning("%s: cannot read its task heads (%s); treating the adapter as head-less", adapter_dir, e)
+        return {}

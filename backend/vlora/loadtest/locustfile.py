@@ -146,7 +146,7 @@ class LoadContext:
         self.environment = environment
         self.plan = plan
         self.workload = Workload.from_dict(plan["workload"])
-        heads = HeadPolicy({k: frozenset(v) for k, v in plan.get("heads", {}).items()})
+        heads = HeadPolicy(plan.get("heads", {}))
         self.generator = WorkloadGenerator(self.workload, tuple(plan["adapter_names"]), heads)
         out = Path(plan["out_dir"])
         self.timeout_s = self.workload.request_timeout_s

@@ -79,7 +79,7 @@ def run_point(workload: Workload, target: Target, out_dir: Path, adapter_names: 
     plan = {
         "workload": workload.to_dict(),
         "adapter_names": list(adapter_names),
-        "heads": {k: sorted(v) for k, v in heads.heads.items()},
+        "heads": heads.to_dict(),
         "http_url": target.http_url,
         "grpc_url": target.grpc_url,
         "model": target.model,

@@ -47,7 +47,7 @@ class RequestRecord:
     tpot_s: float = float("nan")
     num_input_tokens: int = 0
     num_output_tokens: int = 0
-    expected_output_tokens: int = -1  # -1: not checked (head requests)
+    expected_output_tokens: int = -1  # max_tokens (ignore_eos), or 1 for a task head's label
     finish_reason: str = ""
     outcome: str = "error"
     error: str = ""
@@ -131,7 +131,7 @@ def new_record(spec, protocol: str, run_start: float) -> RequestRecord:
         protocol=protocol, stream_id=-1 if spec.stream_id is None else spec.stream_id,
         scheduled_s=spec.send_at if spec.send_at is not None else float("nan"),
         start_s=time.monotonic() - run_start,
-        expected_output_tokens=-1 if spec.expected_output_tokens is None else spec.expected_output_tokens,
+        expected_output_tokens=spec.expected_output_tokens,
         head_task=spec.head_task or "",
     )
 
