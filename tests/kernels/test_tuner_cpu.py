@@ -29,3 +29,16 @@ def test_cache_key_depends_on_every_input():
 def test_shape_grid_skips_more_segments_than_tokens():
     grid = list(tuner.shape_grid([4096], [16], [1, 64], [1, 4]))
     assert grid == [(4096, 16, 1, 1), (4096, 16, 64, 1), (4096, 16, 64, 4)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_sidecar_without_cuda_swaps_nothing(tmp_path):
+    from vlora.atmm import AtmmKernels
+
+    kernels = AtmmKernels(load_table=False)
+    car = tuner.TunerSidecar(kernels, tmp_path / "table.json", ["--cache-dir", str(tmp_path / "cache")])
+    car.start()
+    car.proc.wait(timeout=120)
+    assert car.proc.returncode == 0
+    assert car.poll() is False
+    assert kernels.table_source == "built-in default rule"

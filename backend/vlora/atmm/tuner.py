@@ -126,8 +126,10 @@ def shape_grid(widths: list[int], ranks: list[int], tokens: list[int], segments:
 
 
 def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], tokens: list[int],
-         segments: list[int], progress: Callable[[str], None] = lambda s: None) -> list[dict]:
-    """Profile the grid; return table entries (both directions) with their measured times."""
+         segments: list[int], progress: Callable[[str], None] = lambda s: None,
+         budget_s: float | None = None) -> list[dict]:
+    """Profile the grid; return table entries (both directions) with their measured times.
+    With ``budget_s``, stop after the shape that crosses it (the table is then partial)."""
     smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     shrink_cfgs = feasible_configs(kernels, "shrink", smem)
     expand_cfgs = feasible_configs(kernels, "expand", smem)
@@ -145,6 +147,9 @@ def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], 
         progress(f"[{i + 1}/{len(grid)}] {dtype} d={d} r={r} T={T} S={S}: shrink {sc}/{sk} {st:.1f} us, "
                  f"expand {ec} {et:.1f} us ({time.monotonic() - t0:.0f} s)")
         del p
+        if budget_s is not None and time.monotonic() - t0 > budget_s:
+            progress(f"time budget of {budget_s:.0f} s spent after {i + 1} of {len(grid)} shapes; the table is partial")
+            break
     return entries
 
 
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segments", type=_ints, default=[1, 4, 16, 64])
     ap.add_argument("--out", type=Path, default=None, help="table file (default configs/tiling/<gpu>.json)")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "vlora" / "tiling")
+    ap.add_argument("--budget-s", type=float, default=None, help="stop profiling after this many seconds")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -189,13 +195,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlora.atmm.tuner: cached table {cached} -> {out}", file=sys.stderr)
         return 0
     entries = tune(kernels, args.dtype, args.widths, args.ranks, tokens, args.segments,
-                   progress=lambda s: print(s, file=sys.stderr, flush=True))
+                   progress=lambda s: print(s, file=sys.stderr, flush=True), budget_s=args.budget_s)
+    complete = len(entries) == 2 * len(list(shape_grid(args.widths, args.ranks, tokens, args.segments)))
     header = {"gpu": gpu, "cuda_archs": kernels.ext.CUDA_ARCHS, "dtype": args.dtype, "widths": args.widths,
               "ranks": args.ranks, "segments": args.segments, "token_grid": [min(tokens), max(tokens), len(tokens)],
-              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timing": "CUDA-graph replay, >256 MB rotated inputs"}
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timing": "CUDA-graph replay, >256 MB rotated inputs", "complete": complete}
     write_table(out, header, entries)
-    args.cache_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(out, cached)
+    if complete:  # a partial table is written but never cached
+        args.cache_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, cached)
     print(f"vlora.atmm.tuner: wrote {len(entries)} entries to {out}", file=sys.stderr)
     return 0
 
