@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             adapter_root = args.adapters
             names = list(workload.adapter_names) or _names_from(adapter_root) or _demo_names()
         else:
-            server, adapter_root, names = _start_server(args, workload, out_dir, out)
+            server, adapter_root, names = start_server(args, workload, out_dir, out)
             target = Target(server.http_url.replace("http://", ""), server.grpc_url, server.metrics_url)
         heads = HeadPolicy.none() if args.no_heads else HeadPolicy.from_adapter_root(adapter_root, tuple(names))
         settings = {"command": "vlora loadtest " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
@@ -151,7 +151,7 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _start_server(args, workload: Workload, out_dir: Path, out):
+def start_server(args, workload: Workload, out_dir: Path, out):
     """`vlora serve` on free loopback ports, through the launcher; writes --num-adapters adapters first."""
     from vlora.config import default_cache_dir
     from vlora.server import launcher

@@ -35,6 +35,7 @@ from locust.exception import StopUser
 
 from vlora.loadtest.generators import RequestSpec, WorkloadGenerator
 from vlora.loadtest.heads import HeadPolicy
+from vlora.loadtest.summary import error_kind
 from vlora.loadtest.transport import (
     HttpTransport,
     RequestRecord,
@@ -206,8 +207,8 @@ class LoadContext:
 
 
 def _short(message: str) -> str:
-    """Group failures by kind: drop request-specific details after the first line."""
-    return (message.splitlines() or [""])[0][:160]
+    """Group failures by kind: drop the request id and everything after the first line."""
+    return error_kind(message)
 
 
 def context_of(environment) -> LoadContext:

@@ -50,19 +50,22 @@ def plot_timeline(records: list[RequestRecord], timeline: list[dict], path: Path
         if series:
             ax.plot(*zip(*series), label=label, lw=1.2)
     modes = [r.get("mode") or "" for r in timeline]
+    handles = []
     if any(modes):
+        from matplotlib.patches import Patch
+
         names = sorted(set(m for m in modes if m))
         colours = ["#dbe9f6", "#fde0c5", "#d5f0d5", "#eadcf2"]
         for i in range(len(t) - 1):
             if modes[i]:
                 ax.axvspan(t[i], t[i + 1], color=colours[names.index(modes[i]) % len(colours)], lw=0)
-        ax.text(0.99, 0.95, "modes: " + ", ".join(f"{n} ({colours[k % len(colours)]})" for k, n in enumerate(names)),
-                transform=ax.transAxes, ha="right", va="top", fontsize=7)
+        handles = [Patch(color=colours[k % len(colours)], label=f"mode: {n}") for k, n in enumerate(names)]
     else:
         ax.text(0.99, 0.95, "no inference mode exported by the server", transform=ax.transAxes,
                 ha="right", va="top", fontsize=7, color="gray")
+    lines, labels = ax.get_legend_handles_labels()
+    ax.legend(handles=lines + handles, fontsize=7, loc="upper left")
     ax.set_ylabel("requests per step")
-    ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3)
 
     ax = axes[2]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable, Optional
@@ -85,6 +86,10 @@ def summarize(records: list[RequestRecord], workload: Workload, scheduled: Optio
     if scheduled is not None:
         summary["scheduled"] = scheduled
         summary["lost"] = scheduled - len(records)
+        summary["offered_actual_rps"] = scheduled / workload.duration_s
+    rejected = [r.e2e_s for r in records if r.outcome == "rejected"]
+    summary["rejection_latency_p50_s"] = percentile(rejected, 50)
+    summary["rejection_latency_max_s"] = max(rejected) if rejected else None
     lateness = [r.start_s - r.scheduled_s for r in records if r.scheduled_s == r.scheduled_s and r.start_s == r.start_s]
     summary["send_lateness_p99_s"] = percentile(lateness, 99)
     apps = {}
@@ -104,11 +109,19 @@ def summarize(records: list[RequestRecord], workload: Workload, scheduled: Optio
     adapters = Counter(r.adapter or "base" for r in records)
     summary["requests_per_adapter"] = dict(adapters.most_common(20))
     summary["distinct_adapters"] = len(adapters)
-    errors = Counter(f"{r.outcome}: {(r.error.splitlines() or [''])[0][:120]}" for r in records if r.outcome != "ok")
+    errors = Counter(f"{r.outcome}: {error_kind(r.error)}" for r in records if r.outcome != "ok")
     summary["error_messages"] = dict(errors.most_common(10))
     if extra:
         summary.update(extra)
     return summary
+
+
+_REQUEST_ID = re.compile(r"\[request id: [^\]]*\]\s*")
+
+
+def error_kind(message: str) -> str:
+    """A failure message without its request-specific parts, to group failures by kind."""
+    return _REQUEST_ID.sub("", (message.splitlines() or [""])[0])[:120]
 
 
 def _nan_none(x: float) -> Optional[float]:
@@ -130,3 +143,13 @@ def timeline_stats(rows: Iterable[dict]) -> dict:
     modes = Counter(r["mode"] for r in rows if r.get("mode"))
     out["modes"] = dict(modes)
     return out
+
+
+def queue_built(summary: dict, threshold: float = 0.5) -> bool:
+    """Whether requests queued up in this run: on average at least ``threshold`` requests waited (in
+    Triton's queue or the engine's waiting list), or fewer than 90% of the offered requests per second
+    were answered."""
+    server = summary.get("server") or {}
+    waiting = (server.get("mean_triton_queue") or 0.0) + (server.get("mean_waiting") or 0.0)
+    offered = summary.get("offered_actual_rps") or summary.get("offered_rate_rps") or 0.0
+    return waiting >= threshold or (offered > 0 and summary["throughput_rps"] < 0.9 * offered)
