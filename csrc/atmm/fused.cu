@@ -181,48 +181,30 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 2) fused_expand_kernel
   }
 
   // v tile: sum of the split-K partials, rounded to T; zero past the rows and the padded rank.
-  // Trip counts are compile-time (sized for rank 128) so each thread issues all its loads at once.
-  constexpr int kV4 = kMaxK / 4;                        // float4 slots per v row
-  constexpr int kVIters = (BM * kV4 + F::kThreads - 1) / F::kThreads;
-  {
-    float4 acc4[kVIters];
-#pragma unroll
-    for (int it = 0; it < kVIters; ++it) acc4[it] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int c = 0; c < a.splits; ++c) {
-      const float* pc = a.partial + (int64_t(c) * a.num_tokens + row0) * a.r_max;
-#pragma unroll
-      for (int it = 0; it < kVIters; ++it) {
-        int v = threadIdx.x + it * F::kThreads;
-        int r = v / kV4, k = (v % kV4) * 4;
-        if (r < rows && k < K) {
-          float4 u = *reinterpret_cast<const float4*>(pc + int64_t(r) * a.r_max + k);
-          acc4[it].x += u.x; acc4[it].y += u.y; acc4[it].z += u.z; acc4[it].w += u.w;
-        }
+  const int kv4 = K16 / 4;
+  for (int v = threadIdx.x; v < BM * kv4; v += F::kThreads) {
+    int r = v / kv4, k = (v % kv4) * 4;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < rows && k < K) {
+      const float* p = a.partial + int64_t(row0 + r) * a.r_max + k;
+#pragma unroll 8
+      for (int c = 0; c < a.splits; ++c) {
+        float4 u = *reinterpret_cast<const float4*>(p + int64_t(c) * a.num_tokens * a.r_max);
+        s.x += u.x; s.y += u.y; s.z += u.z; s.w += u.w;
       }
     }
-#pragma unroll
-    for (int it = 0; it < kVIters; ++it) {
-      int v = threadIdx.x + it * F::kThreads;
-      int r = v / kV4, k = (v % kV4) * 4;
-      if (r < BM && k < K16) {
-        T* d = sv + r * kKP + k;
-        d[0] = from_f<T>(acc4[it].x); d[1] = from_f<T>(acc4[it].y); d[2] = from_f<T>(acc4[it].z); d[3] = from_f<T>(acc4[it].w);
-      }
-    }
+    T* d = sv + r * kKP + k;
+    d[0] = from_f<T>(s.x); d[1] = from_f<T>(s.y); d[2] = from_f<T>(s.z); d[3] = from_f<T>(s.w);
   }
   // B tile: rows col0.. of lora_b[slot] ([d_out, r_max]), columns < K16 (zero past K).
   const T* B = static_cast<const T*>(a.lora_b) + int64_t(slot) * a.d_out * a.r_max;
-  constexpr int kB8 = kMaxK / 8;
-  constexpr int kBIters = (BN * kB8 + F::kThreads - 1) / F::kThreads;
-#pragma unroll
-  for (int it = 0; it < kBIters; ++it) {
-    int v = threadIdx.x + it * F::kThreads;
-    int n = v / kB8, k = (v % kB8) * 8;
-    if (n < BN && k < K16) {
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (col0 + n < a.d_out && k < K) val = *reinterpret_cast<const uint4*>(B + int64_t(col0 + n) * a.r_max + k);
-      *reinterpret_cast<uint4*>(sb + n * kKP + k) = val;
-    }
+  const int kv8 = K16 / 8;
+#pragma unroll 4
+  for (int v = threadIdx.x; v < BN * kv8; v += F::kThreads) {
+    int n = v / kv8, k = (v % kv8) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (col0 + n < a.d_out && k < K) val = *reinterpret_cast<const uint4*>(B + int64_t(col0 + n) * a.r_max + k);
+    *reinterpret_cast<uint4*>(sb + n * kKP + k) = val;
   }
   __syncthreads();
 
@@ -301,29 +283,21 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 2) fused_merge_kernel(
     wv[q] = make_uint4(0, 0, 0, 0);
     if (r < rows && col < a.d_in) wv[q] = *reinterpret_cast<const uint4*>(W + int64_t(row0 + r) * a.d_in + col);
   }
-  constexpr int kB8 = kMaxK / 8;
-  constexpr int kRIters = (BM * kB8 + F::kThreads - 1) / F::kThreads;
-#pragma unroll
-  for (int it = 0; it < kRIters; ++it) {
-    int v = threadIdx.x + it * F::kThreads;
-    int r = v / kB8, k = (v % kB8) * 8;
-    if (r < BM && k < K16) {
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (r < rows && k < K) val = *reinterpret_cast<const uint4*>(Bl + int64_t(row0 + r) * a.rank + k);
-      *reinterpret_cast<uint4*>(sv + r * kKP + k) = val;
-    }
+  const int kv8 = K16 / 8;
+#pragma unroll 4
+  for (int v = threadIdx.x; v < BM * kv8; v += F::kThreads) {
+    int r = v / kv8, k = (v % kv8) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < rows && k < K) val = *reinterpret_cast<const uint4*>(Bl + int64_t(row0 + r) * a.rank + k);
+    *reinterpret_cast<uint4*>(sv + r * kKP + k) = val;
   }
-  constexpr int kN8 = BN / 8;
-  constexpr int kAIters = (kMaxK * kN8 + F::kThreads - 1) / F::kThreads;
-#pragma unroll
-  for (int it = 0; it < kAIters; ++it) {
-    int v = threadIdx.x + it * F::kThreads;
-    int k = v / kN8, c = (v % kN8) * 8;
-    if (k < K16) {
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (k < K && col0 + c < a.d_in) val = *reinterpret_cast<const uint4*>(Al + int64_t(k) * a.d_in + col0 + c);
-      *reinterpret_cast<uint4*>(sa + k * kBP + c) = val;
-    }
+  const int nv8 = BN / 8;
+#pragma unroll 4
+  for (int v = threadIdx.x; v < K16 * nv8; v += F::kThreads) {
+    int k = v / nv8, c = (v % nv8) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (k < K && col0 + c < a.d_in) val = *reinterpret_cast<const uint4*>(Al + int64_t(k) * a.d_in + col0 + c);
+    *reinterpret_cast<uint4*>(sa + k * kBP + c) = val;
   }
   __syncthreads();
   const int warp = threadIdx.x / 32;
