@@ -184,3 +184,13 @@ def _merge_case(backend, dtype, sign, config):
     err = ((got.float() - ref).norm() / delta.norm()).item()
     assert err <= (1e-2 if dtype == torch.bfloat16 else 5e-3) * 8, f"merge error {err:.2e} relative to the delta"
     assert ((got.float() - ref).norm() / ref.norm()).item() <= (1e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+def test_committed_tables_load_and_validate(kernels):
+    """Every committed table names only compiled configs (the C++ table refuses unknown ones)."""
+    from vlora.atmm.tiling import default_table_dir
+
+    for path in default_table_dir().glob("*.json"):
+        assert kernels.load_table(path) > 0
+    with pytest.raises(ValueError, match="not compiled"):
+        kernels.ext.TilingTable().add("shrink", "bf16", 32, 4096, 64, 1, "t999x999", 1)
