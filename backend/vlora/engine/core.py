@@ -3,10 +3,11 @@
 ``LLMEngine`` is synchronous and single-threaded (the engine thread of :mod:`vlora.engine.async_engine`
 drives it; tests drive it directly). Each ``step()``:
 1. finishes cancelled requests;
-2. admits waiting requests FIFO while the batch (MaxBS), the token budget, the KV cache and the
-   adapter slots allow;
-3. runs one packed forward over every running request's new tokens, ordered by adapter slot so that
-   LoRA segments are contiguous;
+2. asks the orchestrator's policy for the next batch and inference mode (merge, unmerge, mixture),
+   switches modes between steps, and admits picked waiting requests while the batch (MaxBS), the
+   token budget, the KV cache and the adapter slots allow;
+3. runs one packed forward over the batch's new tokens, ordered by adapter slot so that LoRA
+   segments are contiguous;
 4. samples, applies stop conditions, and reports each request's new text through its callback. A request
    with a ``task`` is answered by its adapter's task head from the prefill's hidden state, and finishes.
 """
@@ -27,6 +28,8 @@ from vlora.engine.metrics import EngineMetrics, NullMetrics
 from vlora.engine.model_runner import ModelRunner, SeqInput, StepResult
 from vlora.engine.sampler import make_generator, sample
 from vlora.lora.manager import LoraManager
+from vlora.orchestrator.orchestrator import Orchestrator
+from vlora.orchestrator.policies import UNMERGE, Candidate, Decision
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class PreparedRequest:
     pixel_values: Optional[torch.Tensor] = None
     image_keys: tuple[bytes, ...] = ()
     task: Optional[str] = None
+    latency_target: Optional[float] = None  # seconds: this application's target, for the scheduler's credits
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -59,6 +63,8 @@ class Sequence:
     generator: Optional[torch.Generator] = None
     prefilled: bool = False
     answer: Optional[dict] = None  # a task head's answer (task, label, labels, scores)
+    candidate: Optional[Candidate] = None  # what the scheduling policy sees of this request
+    just_admitted: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -81,11 +87,15 @@ class LLMEngine:
         self.last_step: Optional[dict] = None  # what the last step ran; read by tests and benchmarks
         self.inputs = None  # the InputProcessor that prepares requests for this engine (set by build_engine)
         self.model_info: dict = {}
+        self.orchestrator = Orchestrator(config.orchestrator, config.scheduler.max_batch_size, runner, loras, self.metrics)
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
         max_len = min(self.max_model_len, len(req.prompt_ids) + (1 if req.task else req.sampling.max_tokens))
-        self.waiting.append(Sequence(req=req, callback=callback, max_len=max_len, generator=make_generator(req.sampling)))
+        seq = Sequence(req=req, callback=callback, max_len=max_len, generator=make_generator(req.sampling))
+        seq.candidate = Candidate(req.request_id, req.lora_name, self.orchestrator.clock(),
+                                  self.orchestrator.latency_target(req.lora_name, req.latency_target))
+        self.waiting.append(seq)
         self.metrics.request_admitted(req.lora_name)
 
     def abort(self, request_id: str) -> None:
@@ -97,70 +107,133 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> Optional[StepResult]:
         self._process_aborts()
-        new = self._admit()
-        batch = sorted(self.running, key=lambda s: s.slot)
+        batch, new = self._schedule()
         if not batch:
             return None
         t0 = time.perf_counter()
+        orch = self.orchestrator
         inputs = []
         for s in batch:
+            plus, minus = orch.lora_slots(s.slot)
             if s.prefilled:
-                inputs.append(SeqInput([s.output_ids[-1]], s.num_tokens - 1, s.blocks, s.slot))
+                inputs.append(SeqInput([s.output_ids[-1]], s.num_tokens - 1, s.blocks, plus, delora_slot=minus))
             else:
-                inputs.append(SeqInput(s.req.prompt_ids, 0, s.blocks, s.slot, s.req.pixel_values, s.req.image_keys))
+                inputs.append(SeqInput(s.req.prompt_ids, 0, s.blocks, plus, delora_slot=minus,
+                                       pixel_values=s.req.pixel_values, image_keys=s.req.image_keys))
         try:
             result = self.runner.forward(inputs)
+            tokens = sample(result.logits, [s.req.sampling for s in batch], [s.generator for s in batch])
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("step failed")
-            for s in list(self.running):
+            for s in batch:
                 self._finish(s, "error", error=f"internal error during inference: {e}")
             return None
-        tokens = sample(result.logits, [s.req.sampling for s in batch], [s.generator for s in batch])
+        elapsed = time.perf_counter() - t0
+        orch.observe_step(elapsed)
+        now = orch.clock()
+        n_prefill_reqs = sum(1 for s in batch if not s.prefilled)
         n_prefill = sum(len(s.req.prompt_ids) for s in batch if not s.prefilled)
         self.last_step = {
             "request_ids": [s.req.request_id for s in batch],
-            "num_prefill": sum(1 for s in batch if not s.prefilled),
-            "num_decode": sum(1 for s in batch if s.prefilled),
+            "num_prefill": n_prefill_reqs,
+            "num_decode": len(batch) - n_prefill_reqs,
             "slots": [s.slot for s in batch],
             "admitted": [s.req.request_id for s in new],
+            "mode": orch.mode,
+            "merged": orch.merged,
+            "paused": [s.req.request_id for s in self.running if s not in batch],
         }
         for i, (s, tok) in enumerate(zip(batch, tokens)):
+            s.candidate.last_served = now
             if s.req.task is not None and not s.prefilled:
                 self._answer_with_head(s, result.hidden[i])
                 continue
             s.prefilled = True
             s.output_ids.append(tok)
             self._advance(s, tok)
-        self.metrics.step(len(batch), n_prefill, len(batch) - len(new), time.perf_counter() - t0)
+        self.metrics.step(len(batch), n_prefill, len(batch) - n_prefill_reqs, elapsed)
+        self.metrics.mode_step(orch.mode, orch.merged, elapsed)
         self.metrics.queue_depth(len(self.running), len(self.waiting))
         return result
 
-    def _admit(self) -> list[Sequence]:
+    def _schedule(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Ask the policy for the next batch and mode, switch, then admit what fits.
+
+        The batch comes from every known request, running or waiting; a running request the policy
+        leaves out waits with its KV cache intact. Waiting requests are admitted (KV blocks reserved
+        for prompt + max_tokens, adapter slot pinned) when they are picked and there is room.
+        """
+        cands = self.running + list(self.waiting)
+        if not cands:
+            return [], []
+        orch = self.orchestrator
+        decision = orch.decide([s.candidate for s in cands])
+        if not orch.can_merge or not orch.enter(decision.mode, decision.merged):
+            decision = self._fifo_unmerged(cands)
+        batch, new = self._fill(decision.batch, cands)
+        if not batch and orch.mode != UNMERGE:  # nothing of that mode fits now: make progress unmerged
+            decision = self._fifo_unmerged(cands)
+            batch, new = self._fill(decision.batch, cands)
+        orch.mode_impl.check([s.slot for s in batch], orch.merged_slot)
+        return sorted(batch, key=lambda s: orch.lora_slots(s.slot)), new
+
+    def _fifo_unmerged(self, cands: list[Sequence]) -> Decision:
+        self.orchestrator.enter(UNMERGE, None)
+        return Decision(UNMERGE, None, sorted((s.candidate for s in cands), key=lambda c: c.last_served))
+
+    def _fill(self, picked, cands: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         sch = self.config.scheduler
-        budget = sch.max_num_batched_tokens - len(self.running)
-        admitted: list[Sequence] = []
-        while self.waiting and len(self.running) < sch.max_batch_size:
-            s = self.waiting[0]
-            n = len(s.req.prompt_ids)
-            if n > budget and (admitted or self.running):
-                break  # a prompt larger than the whole budget still runs, alone
-            need = self.runner.kv.blocks_for(s.max_len)
-            if need > self.runner.kv.allocator.num_free:
-                if not self.running and not admitted and need > self.runner.kv.num_blocks:
-                    self.waiting.popleft()
-                    self._finish(s, "error", error=f"request needs {need} KV blocks, the cache has {self.runner.kv.num_blocks}")
-                    continue
+        by_id = {s.req.request_id: s for s in cands}
+        budget = sch.max_num_batched_tokens
+        batch: list[Sequence] = []
+        new: list[Sequence] = []
+        for c in picked:
+            if len(batch) >= sch.max_batch_size:
                 break
-            slot = self.loras.acquire(s.req.lora_name)
-            if slot is None:
-                break  # every adapter slot is pinned by running requests; wait for one to finish
-            self.waiting.popleft()
-            s.slot = slot
-            s.blocks = SequenceBlocks(self.runner.kv.allocator.allocate(need))
-            self.running.append(s)
-            admitted.append(s)
+            s = by_id[c.request_id]
+            n = 1 if s.prefilled else len(s.req.prompt_ids)
+            if n > budget and batch:
+                continue  # a prompt larger than the whole budget still runs, alone
+            if s not in self.running and not self._admit_one(s):
+                continue
+            if s.just_admitted:
+                new.append(s)
+                s.just_admitted = False
+            batch.append(s)
             budget -= n
-        return admitted
+        # Top up with running requests the mode can serve, so a request that could run never idles
+        # because the policy's pick could not be admitted.
+        orch = self.orchestrator
+        for s in sorted(self.running, key=lambda s: s.candidate.last_served):
+            if len(batch) >= sch.max_batch_size:
+                break
+            n = 1 if s.prefilled else len(s.req.prompt_ids)
+            if s in batch or (n > budget and batch) or not orch.mode_impl.accepts(s.slot, orch.merged_slot):
+                continue
+            batch.append(s)
+            budget -= n
+        return batch, new
+
+    def _admit_one(self, s: Sequence) -> bool:
+        """Reserve KV blocks and pin an adapter slot for a waiting request."""
+        if len(self.running) >= self.config.scheduler.max_batch_size:
+            return False
+        need = self.runner.kv.blocks_for(s.max_len)
+        if need > self.runner.kv.num_blocks:
+            self.waiting.remove(s)
+            self._finish(s, "error", error=f"request needs {need} KV blocks, the cache has {self.runner.kv.num_blocks}")
+            return False
+        if need > self.runner.kv.allocator.num_free:
+            return False
+        slot = self.loras.acquire(s.req.lora_name)
+        if slot is None:
+            return False  # every adapter slot is pinned by running requests; wait for one to finish
+        self.waiting.remove(s)
+        s.slot = slot
+        s.blocks = SequenceBlocks(self.runner.kv.allocator.allocate(need))
+        s.just_admitted = True
+        self.running.append(s)
+        return True
 
     # -- stopping and reporting ----------------------------------------------------------------
     def _advance(self, s: Sequence, tok: int) -> None:

@@ -14,6 +14,10 @@ class EngineMetrics(Protocol):
 
     def queue_depth(self, running: int, waiting: int) -> None: ...
 
+    def mode_step(self, mode: str, merged: Optional[str], duration_s: float) -> None: ...
+
+    def mode_switch(self, from_mode: str, to_mode: str, duration_s: float) -> None: ...
+
 
 class NullMetrics:
     """Records nothing."""
@@ -28,4 +32,10 @@ class NullMetrics:
         pass
 
     def queue_depth(self, running: int, waiting: int) -> None:
+        pass
+
+    def mode_step(self, mode: str, merged: Optional[str], duration_s: float) -> None:
+        pass
+
+    def mode_switch(self, from_mode: str, to_mode: str, duration_s: float) -> None:
         pass

@@ -32,7 +32,8 @@ class SeqInput:
     token_ids: list[int]
     start_pos: int  # position of token_ids[0]
     blocks: SequenceBlocks
-    slot: int = -1  # adapter slot, -1: base model
+    slot: int = -1  # adapter slot whose delta this sequence adds, -1: none
+    delora_slot: int = -1  # merged slot whose delta this sequence subtracts (mixture mode), -1: none
     pixel_values: Optional[torch.Tensor] = None  # [n_images, 3, H, W] for a prefill with images
     image_keys: tuple[bytes, ...] = ()  # content hashes, so one image shared by requests is encoded once
 
@@ -148,11 +149,14 @@ class ModelRunner:
         attn = _AttentionPlan.build(seqs, lengths, self.kv, dev)
         cos, sin = self.lm.rotary_emb(hidden[None], positions[None])
         self.lora_ctx.mapping = LoraBatchMapping.from_token_slots(lengths, [s.slot for s in seqs], dev)
+        if any(s.delora_slot >= 0 for s in seqs):
+            self.lora_ctx.delora = LoraBatchMapping.from_token_slots(lengths, [s.delora_slot for s in seqs], dev)
         try:
             for li, layer in enumerate(self.lm.layers):
                 hidden = self._layer(li, layer, hidden, cos, sin, slot_mapping, attn)
         finally:
             self.lora_ctx.mapping = None
+            self.lora_ctx.delora = None
         last = torch.tensor(attn.last_index, dtype=torch.long, device=dev)
         h_last = self.lm.norm(hidden.index_select(0, last))
         logits = self.lm_head(h_last).float()

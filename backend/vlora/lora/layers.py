@@ -6,7 +6,7 @@ wrappers, so the per-step metadata is built once and never per layer.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -16,10 +16,17 @@ from vlora.lora.mapping import LoraBatchMapping
 
 
 class LoraContext:
-    """Holds the mapping of the step being run. Set by the engine before the forward, cleared after."""
+    """What the LoRA layers read during one step: set by the engine before the forward, cleared after.
 
-    def __init__(self) -> None:
+    ``mapping``: which slot's delta each token adds. ``delora``: which merged slot's delta each token
+    subtracts (mixture mode), or None. ``compute``: the batched LoRA operator (ATMM, or the padded
+    einsum of the dLoRA baseline), with :func:`vlora.atmm.atmm`'s signature.
+    """
+
+    def __init__(self, compute: Callable = atmm) -> None:
         self.mapping: Optional[LoraBatchMapping] = None
+        self.delora: Optional[LoraBatchMapping] = None
+        self.compute = compute
 
 
 class LoraLinear(nn.Module):
@@ -42,6 +49,7 @@ class LoraLinear(nn.Module):
         self.scales: list[float] = [0.0] * num_slots
         self._ranks_t: tuple[int, ...] = tuple(self.ranks)
         self._scales_t: tuple[float, ...] = tuple(self.scales)
+        self._neg_scales_t: tuple[float, ...] = tuple(self.scales)
 
     @property
     def weight(self) -> torch.Tensor:  # modules that peek at .weight (dtype checks) keep working
@@ -59,16 +67,22 @@ class LoraLinear(nn.Module):
             self.lora_b[slot, :, :r].copy_(b, non_blocking=True)
             self.ranks[slot], self.scales[slot] = r, float(scale)
         self._ranks_t, self._scales_t = tuple(self.ranks), tuple(self.scales)
+        self._neg_scales_t = tuple(-x for x in self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        mapping = self.ctx.mapping
-        if mapping is None or not mapping.has_lora:
+        ctx = self.ctx
+        plus = ctx.mapping is not None and ctx.mapping.has_lora
+        minus = ctx.delora is not None and ctx.delora.has_lora
+        if not (plus or minus):
             return y
         shape = y.shape
         x2 = x.reshape(-1, self.in_features)
         y2 = y.reshape(-1, self.out_features)
-        if x2.shape[0] != mapping.num_tokens:
-            raise RuntimeError(f"LoraLinear: {x2.shape[0]} tokens but the step mapping covers {mapping.num_tokens}")
-        atmm(y2, x2, self.lora_a, self.lora_b, self._ranks_t, self._scales_t, mapping)
+        if plus:
+            if x2.shape[0] != ctx.mapping.num_tokens:
+                raise RuntimeError(f"LoraLinear: {x2.shape[0]} tokens but the step mapping covers {ctx.mapping.num_tokens}")
+            ctx.compute(y2, x2, self.lora_a, self.lora_b, self._ranks_t, self._scales_t, ctx.mapping)
+        if minus:  # deLoRA: take the merged adapter's delta back out for tokens of other adapters
+            ctx.compute(y2, x2, self.lora_a, self.lora_b, self._ranks_t, self._neg_scales_t, ctx.delora)
         return y2.view(shape)

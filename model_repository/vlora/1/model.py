@@ -67,6 +67,11 @@ class TritonModelMetrics:
             "step_hist": fam("vlora_step_duration_seconds", "Duration of one engine step", fam.HISTOGRAM),
             "running": fam("vlora_running_requests", "Requests in the running batch", fam.GAUGE),
             "waiting": fam("vlora_waiting_requests", "Requests admitted and waiting for the running batch", fam.GAUGE),
+            "mode_seconds": fam("vlora_mode_seconds_total", "Engine step time spent in each inference mode", fam.COUNTER),
+            "mode_steps": fam("vlora_mode_steps_total", "Engine steps run in each inference mode", fam.COUNTER),
+            "mode_active": fam("vlora_mode_active", "1 for the inference mode of the latest step, 0 for the others", fam.GAUGE),
+            "switches": fam("vlora_mode_switches_total", "Merges, unmerges and adapter swaps of the base weights", fam.COUNTER),
+            "switch_hist": fam("vlora_mode_switch_seconds", "Duration of one mode switch", fam.HISTOGRAM),
         }
         f = self._families
         self._steps = f["steps"].Metric(labels=self._labels)
@@ -77,6 +82,13 @@ class TritonModelMetrics:
         self._step_hist = f["step_hist"].Metric(labels=self._labels, buckets=self.STEP_BUCKETS)
         self._running = f["running"].Metric(labels=self._labels)
         self._waiting = f["waiting"].Metric(labels=self._labels)
+        self._switches = f["switches"].Metric(labels=self._labels)
+        self._switch_hist = f["switch_hist"].Metric(labels=self._labels, buckets=self.STEP_BUCKETS)
+        self._modes = {m: (f["mode_seconds"].Metric(labels={**self._labels, "mode": m}),
+                           f["mode_steps"].Metric(labels={**self._labels, "mode": m}),
+                           f["mode_active"].Metric(labels={**self._labels, "mode": m}))
+                       for m in ("merge", "unmerge", "mixture")}
+        self._last_mode: Optional[str] = None
         self._per_label: dict[tuple[str, ...], Any] = {}  # touched only by the metrics thread
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="vlora-metrics", daemon=True)
@@ -97,6 +109,12 @@ class TritonModelMetrics:
 
     def queue_depth(self, running: int, waiting: int) -> None:
         self._queue.put(("depth", running, waiting))
+
+    def mode_step(self, mode: str, merged: Optional[str], duration_s: float) -> None:
+        self._queue.put(("mode", mode, duration_s))
+
+    def mode_switch(self, from_mode: str, to_mode: str, duration_s: float) -> None:
+        self._queue.put(("switch", duration_s))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -131,6 +149,18 @@ class TritonModelMetrics:
                 elif kind == "depth":
                     self._running.set(item[1])
                     self._waiting.set(item[2])
+                elif kind == "mode":
+                    _, mode, duration = item
+                    seconds, steps, active = self._modes[mode]
+                    seconds.increment(duration)
+                    steps.increment(1)
+                    if mode != self._last_mode:
+                        for m, (_, _, gauge) in self._modes.items():
+                            gauge.set(1 if m == mode else 0)
+                        self._last_mode = mode
+                elif kind == "switch":
+                    self._switches.increment(1)
+                    self._switch_hist.observe(item[1])
                 else:
                     self._labelled(kind, item[1]).increment(item[2])
             except Exception:  # a metric must never take the server down

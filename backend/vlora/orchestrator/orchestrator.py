@@ -1,0 +1,94 @@
+"""The orchestrator: per engine step, the policy picks the batch and the inference mode, the switcher
+merges or unmerges adapters between steps, and every step and switch is timed to feed the policy.
+
+KV caches stay valid across a switch: they hold the keys and values each request computed with its
+own adapter, whatever mode produced them, and a request that the policy leaves out of a step simply
+waits, its cache untouched.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Callable, Optional
+
+from vlora.atmm import atmm
+from vlora.config import OrchestratorConfig
+from vlora.orchestrator.einsum import lora_padded_einsum
+from vlora.orchestrator.modes import MODES, InferenceMode
+from vlora.orchestrator.policies import MERGE, UNMERGE, Candidate, Decision, Estimates, make_policy
+from vlora.orchestrator.switcher import SWITCHERS, Switcher
+
+log = logging.getLogger(__name__)
+
+COMPUTE = {"atmm": atmm, "padded-einsum": lora_padded_einsum}
+
+
+class Orchestrator:
+    def __init__(self, cfg: OrchestratorConfig, max_batch_size: int, runner, loras, metrics=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.loras = loras
+        self.metrics = metrics
+        self.clock = clock
+        self.policy = make_policy(cfg.policy, max_batch_size, cfg.theta_s, cfg.merge_share)
+        runner.lora_ctx.compute = COMPUTE[cfg.resolved_lora_compute]
+        # Only policies that merge need the contiguous weight stacks.
+        self.switcher: Optional[Switcher] = None
+        if cfg.policy != "unmerge-only":
+            self.switcher = SWITCHERS[cfg.resolved_switcher](runner.lora_layers, runner.num_layers)
+        self.estimates = Estimates(alpha=cfg.ema)
+        self.mode = UNMERGE
+        self.merged: Optional[str] = None  # adapter name merged into the base weights
+        self.merged_slot: Optional[int] = None
+        self.mode_seconds: dict[str, float] = defaultdict(float)
+        self.switches = 0
+        self.last_switch_s = 0.0
+
+    @property
+    def mode_impl(self) -> InferenceMode:
+        return MODES[self.mode]
+
+    def latency_target(self, adapter: Optional[str], requested: Optional[float]) -> Optional[float]:
+        return requested if requested is not None else self.cfg.latency_targets.get(adapter) if adapter else None
+
+    def decide(self, cands: list[Candidate]) -> Decision:
+        return self.policy.decide(cands, self.clock(), self.mode, self.merged, self.estimates)
+
+    def enter(self, mode: str, merged: Optional[str]) -> bool:
+        """Switch to ``mode`` with ``merged`` in the weights. False if the adapter has no free slot."""
+        if mode == UNMERGE:
+            merged = None
+        if merged != self.merged:
+            new_slot = None
+            if merged is not None:
+                new_slot = self.loras.acquire(merged)  # pinned for as long as it stays merged
+                if new_slot is None:
+                    return False
+            if self.switcher is None:
+                raise RuntimeError(f"policy {self.cfg.policy} cannot merge: no switcher")
+            dt = self.switcher.switch(new_slot)
+            if self.merged_slot is not None:
+                self.loras.release(self.merged_slot)
+            self.merged, self.merged_slot = merged, new_slot
+            self.estimates.observe_switch(dt)
+            if self.metrics is not None:
+                self.metrics.mode_switch(self.mode, mode, dt)
+            self.switches += 1
+            self.last_switch_s = dt
+        self.mode = mode
+        return True
+
+    def observe_step(self, seconds: float) -> None:
+        self.estimates.observe_step(self.mode, seconds)
+        self.mode_seconds[self.mode] += seconds
+
+    def lora_slots(self, slot: int) -> tuple[int, int]:
+        return self.mode_impl.lora_slots(slot, self.merged_slot)
+
+    @property
+    def can_merge(self) -> bool:
+        return self.switcher is not None
+
+
+__all__ = ["Orchestrator", "MERGE", "UNMERGE"]
