@@ -90,6 +90,8 @@ def fuse(trainer: AdapterTrainer, tasks: Sequence[FusionTask], *, out_dir: Optio
         random.Random(seed).shuffle(queue)
     floors = {t.dataset.name: t.floor for t in tasks}
     t_start = time.perf_counter()
+    if trainer.heads:  # start from a fresh adapter, not from whatever the trainer last trained
+        trainer.new_adapter()
     prepared: dict[str, PreparedDataset] = {}
     for t in queue:
         say(f"preparing {t.dataset.name} ({t.dataset.source})")
