@@ -37,10 +37,12 @@ namespace atmm {
   cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const&, cudaStream_t);
 #define ATMM_CONFIG(NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS) ATMM_DECLARE_##DIRS(NAME)
 #define ATMM_GEMV_SHRINK(NAME) ATMM_DECLARE_FUSED(NAME)
-#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN) ATMM_DECLARE_FUSED(NAME)
+#define ATMM_WMMA_SHRINK(NAME) ATMM_DECLARE_FUSED(NAME)
+#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB) ATMM_DECLARE_FUSED(NAME)
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
+#undef ATMM_WMMA_SHRINK
 #undef ATMM_FUSED_EXPAND
 
 #define ATMM_FNS_ATMM_BOTH(NAME) \
@@ -55,12 +57,16 @@ const std::vector<KernelConfig>& kernel_configs() {
 #define ATMM_GEMV_SHRINK(NAME)                                                                   \
   KernelConfig{#NAME, 4, 128, 8, 4, 128, 8, 1, true, nullptr, nullptr, nullptr, nullptr, Kind::kGemvShrink, \
                atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16},
-#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN)                                                      \
+#define ATMM_WMMA_SHRINK(NAME)                                                                   \
+  KernelConfig{#NAME, 64, 128, 128, 32, 32, 16, 1, true, nullptr, nullptr, nullptr, nullptr, Kind::kWmmaShrink, \
+               atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16},
+#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB)                                                \
   KernelConfig{#NAME, BM, BN, 16, BM / WM, BN / WN, 16, 1, false, nullptr, nullptr, nullptr, nullptr, \
                Kind::kFusedExpand, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16},
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
+#undef ATMM_WMMA_SHRINK
 #undef ATMM_FUSED_EXPAND
   };
   return configs;
@@ -74,7 +80,8 @@ GroupedFn KernelConfig::fn(Direction d, DType t) const {
 bool KernelConfig::serves(Direction d, DType t) const {
   switch (kind) {
     case Kind::kCutlass: return fn(d, t) != nullptr;
-    case Kind::kGemvShrink: return d == Direction::kShrink;
+    case Kind::kGemvShrink:
+    case Kind::kWmmaShrink: return d == Direction::kShrink;
     case Kind::kFusedExpand: return d == Direction::kExpand;
   }
   return false;
@@ -337,6 +344,8 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   for (int r : a.ranks) r_pad_max = std::max(r_pad_max, (r + kAlignment - 1) / kAlignment * kAlignment);
   if (ce.kind == Kind::kFusedExpand && r_pad_max > 128)
     return std::string("atmm: config ") + ce.name + " serves ranks up to 128: " + shape_of(a);
+  if (cs.kind == Kind::kWmmaShrink && r_pad_max > 128)
+    return std::string("atmm: config ") + cs.name + " serves ranks up to 128: " + shape_of(a);
 
   // Split d_in into chunks that are multiples of 64, so every chunk stays aligned for any tile K.
   int k_chunk = (a.d_in + a.split_k - 1) / a.split_k;

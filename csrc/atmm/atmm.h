@@ -49,7 +49,9 @@ struct FusedArgs;
 // A hand-written kernel (fused.cu): gemv shrink or fused expand.
 using FusedFn = cudaError_t (*)(FusedArgs const&, cudaStream_t);
 
-enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2 };
+enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2, kWmmaShrink = 3 };
+// Hand-written kinds that serve ranks up to 128 only.
+inline bool rank_limited(Kind k) { return k == Kind::kFusedExpand || k == Kind::kWmmaShrink; }
 
 struct KernelConfig {
   const char* name;

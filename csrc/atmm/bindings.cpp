@@ -59,7 +59,9 @@ PYBIND11_MODULE(vlora_atmm_ext, m) {
       d["stages"] = c.stages;
       d["shrink"] = c.serves(Direction::kShrink, DType::kBF16);
       d["expand"] = c.serves(Direction::kExpand, DType::kBF16);
-      d["kind"] = c.kind == Kind::kCutlass ? "cutlass" : (c.kind == Kind::kGemvShrink ? "gemv" : "fused");
+      d["kind"] = c.kind == Kind::kCutlass ? "cutlass"
+                  : c.kind == Kind::kGemvShrink ? "gemv"
+                  : c.kind == Kind::kWmmaShrink ? "wmma" : "fused";
       out.append(d);
     }
     return out;

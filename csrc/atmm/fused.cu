@@ -104,44 +104,20 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_shrink_kernel(FusedArgs a) 
   }
 }
 
-// ------------------------------------------------------------------------------------------------
-// fused expand: block (column tile, row tile over all segments' tiles).
-//   v = dtype(sum_c partial[c, rows, :K]);  y[rows, cols] += scale * v @ B[slot, cols, :K]^T
-// ------------------------------------------------------------------------------------------------
+
 constexpr int kMaxK = 128;
 constexpr int kKP = kMaxK + 8;  // padded smem row (elements): 16-byte skew against bank conflicts
 
-template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
-struct FusedExpand {
-  static constexpr int kThreads = 32 * WARPS_M * WARPS_N;
-  static constexpr int kWarpM = BM / WARPS_M, kWarpN = BN / WARPS_N;
-  static constexpr int kFragM = kWarpM / 16, kFragN = kWarpN / 16;
-  static constexpr int kCP = BN + 4;  // fp32 accumulator tile row stride
-  static constexpr size_t kSmemOperands = size_t(BM + BN) * kKP * sizeof(T);
-  static constexpr size_t kSmemAcc = size_t(BM) * kCP * sizeof(float);
-  static constexpr size_t kSmem = kSmemOperands > kSmemAcc ? kSmemOperands : kSmemAcc;
-  static constexpr int kYVec = BM * BN / 8 / kThreads;  // 16-byte vectors of y per thread
-  static_assert(kWarpM % 16 == 0 && kWarpN % 16 == 0, "warp tile must be a multiple of 16");
-  static_assert((BM * BN / 8) % kThreads == 0, "y tile must split evenly over threads");
-};
-
-template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
-__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 2) fused_expand_kernel(FusedArgs a) {
-  using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
-  using namespace nvcuda;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sv = reinterpret_cast<T*>(smem_raw);  // [BM][kKP]
-  T* sb = sv + BM * kKP;                   // [BN][kKP]
-  float* sc = reinterpret_cast<float*>(smem_raw);  // [BM][kCP], after the MMA
-  __shared__ int s_seg, s_tile;
-  using Scan = cub::BlockScan<int, F::kThreads>;
+// Which segment, and which of its BM-row tiles, block-row `target` serves: a block scan of the tile
+// counts over the segments (segments with no adapter or rank 0 have none). -1: no tile.
+template <int BM, int THREADS>
+__device__ inline void find_tile(FusedArgs const& a, int target, int& seg_out, int& tile_out) {
+  using Scan = cub::BlockScan<int, THREADS>;
   __shared__ typename Scan::TempStorage scan_tmp;
-
-  // Which segment and which of its row tiles is this block's? Scan tile counts over segments.
-  const int target = blockIdx.y;
+  __shared__ int s_seg, s_tile;
   if (threadIdx.x == 0) s_seg = -1;
   int carry = 0;
-  for (int base = 0; base < a.num_segments; base += F::kThreads) {
+  for (int base = 0; base < a.num_segments; base += THREADS) {
     int i = base + threadIdx.x;
     int n = 0;
     if (i < a.num_segments && seg_rank(a, i) > 0) n = (a.seg_indptr[i + 1] - a.seg_indptr[i] + BM - 1) / BM;
@@ -158,7 +134,132 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 2) fused_expand_kernel
     if (s_seg >= 0 || carry > target) break;
   }
   __syncthreads();
-  const int seg = s_seg;
+  seg_out = s_seg;
+  tile_out = s_tile;
+}
+
+// ------------------------------------------------------------------------------------------------
+// WMMA shrink: block (row tile over all segments' tiles, d_in chunk c).
+//   partial[c, rows, :rp] = x[rows, chunk] @ A[slot, :rp, chunk]^T, in sub-chunks of 128 columns.
+// 64-row tiles, 8 warps as 2 x 4, each warp 32 rows x 32 rank columns; ranks up to 128.
+// ------------------------------------------------------------------------------------------------
+constexpr int kWxBM = 64, kWxKS = 128, kWxThreads = 256;
+constexpr int kWxXP = kWxKS + 8;    // smem row stride of the staged x and A sub-chunks
+constexpr int kWxCP = kMaxK + 4;    // fp32 staging row stride
+
+template <typename T>
+__global__ void __launch_bounds__(kWxThreads, 2) wmma_shrink_kernel(FusedArgs a) {
+  using namespace nvcuda;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sx = reinterpret_cast<T*>(smem_raw);  // [kWxBM][kWxXP]
+  T* sa = sx + kWxBM * kWxXP;              // [kMaxK][kWxXP]
+  float* sc = reinterpret_cast<float*>(smem_raw);
+  int seg, tile;
+  find_tile<kWxBM, kWxThreads>(a, blockIdx.x, seg, tile);
+  if (seg < 0) return;
+  const int c = blockIdx.y;
+  const int k0 = c * a.k_chunk;
+  const int kc = min(a.k_chunk, a.d_in - k0);
+  if (kc <= 0) return;
+  const int slot = a.seg_slot[seg];
+  const int rp = a.slots.rank_padded[slot];
+  const int N16 = (rp + 15) / 16 * 16;
+  const int row0 = a.seg_indptr[seg] + tile * kWxBM;
+  const int rows = min(kWxBM, a.seg_indptr[seg + 1] - row0);
+  const T* X = static_cast<const T*>(a.x) + int64_t(row0) * a.ld_x + k0;
+  const T* A = static_cast<const T*>(a.lora_a) + int64_t(slot) * a.r_max * a.d_in + k0;
+  const int warp = threadIdx.x / 32, wm = warp / 4, wn = warp % 4;
+  const bool active = wn * 32 < N16;  // warp-uniform: this warp's rank columns exist
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+  constexpr int kV = kWxKS / 8;  // 16-byte vectors per staged row
+  for (int ks = 0; ks < kc; ks += kWxKS) {
+    const int sub = min(kWxKS, kc - ks);
+    const int sub16 = (sub + 15) / 16 * 16;
+    if (ks > 0) __syncthreads();  // the previous sub-chunk's MMA is done with sx/sa
+#pragma unroll
+    for (int it = 0; it < kWxBM * kV / kWxThreads; ++it) {
+      int v = threadIdx.x + it * kWxThreads;
+      int r = v / kV, k = (v % kV) * 8;
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (r < rows && k < sub) val = *reinterpret_cast<const uint4*>(X + int64_t(r) * a.ld_x + ks + k);
+      *reinterpret_cast<uint4*>(sx + r * kWxXP + k) = val;
+    }
+#pragma unroll
+    for (int it = 0; it < kMaxK * kV / kWxThreads; ++it) {
+      int v = threadIdx.x + it * kWxThreads;
+      int n = v / kV, k = (v % kV) * 8;
+      if (n < N16) {
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (n < rp && k < sub) val = *reinterpret_cast<const uint4*>(A + int64_t(n) * a.d_in + ks + k);
+        *reinterpret_cast<uint4*>(sa + n * kWxXP + k) = val;
+      }
+    }
+    __syncthreads();
+    if (active) {
+      for (int k = 0; k < sub16; k += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[2];
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], sx + (wm * 32 + i * 16) * kWxXP + k, kWxXP);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(fb[j], sa + (wn * 32 + j * 16) * kWxXP + k, kWxXP);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+      }
+    }
+  }
+  __syncthreads();  // sx/sa are reused as the fp32 staging tile
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        wmma::store_matrix_sync(sc + (wm * 32 + i * 16) * kWxCP + wn * 32 + j * 16, acc[i][j], kWxCP, wmma::mem_row_major);
+  }
+  __syncthreads();
+  float* P = a.partial + (int64_t(c) * a.num_tokens + row0) * a.r_max;
+  const int n4 = rp / 4;
+  for (int v = threadIdx.x; v < rows * n4; v += kWxThreads) {
+    int r = v / n4, n = (v % n4) * 4;
+    *reinterpret_cast<float4*>(P + int64_t(r) * a.r_max + n) = *reinterpret_cast<const float4*>(sc + r * kWxCP + n);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// fused expand: block (column tile, row tile over all segments' tiles).
+//   v = dtype(sum_c partial[c, rows, :K]);  y[rows, cols] += scale * v @ B[slot, cols, :K]^T
+// ------------------------------------------------------------------------------------------------
+
+template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
+struct FusedExpand {
+  static constexpr int kThreads = 32 * WARPS_M * WARPS_N;
+  static constexpr int kWarpM = BM / WARPS_M, kWarpN = BN / WARPS_N;
+  static constexpr int kFragM = kWarpM / 16, kFragN = kWarpN / 16;
+  static constexpr int kCP = BN + 4;  // fp32 accumulator tile row stride
+  static constexpr size_t kSmemOperands = size_t(BM + BN) * kKP * sizeof(T);
+  static constexpr size_t kSmemAcc = size_t(BM) * kCP * sizeof(float);
+  static constexpr size_t kSmem = kSmemOperands > kSmemAcc ? kSmemOperands : kSmemAcc;
+  static constexpr int kYVec = BM * BN / 8 / kThreads;  // 16-byte vectors of y per thread
+  static_assert(kWarpM % 16 == 0 && kWarpN % 16 == 0, "warp tile must be a multiple of 16");
+  static_assert((BM * BN / 8) % kThreads == 0, "y tile must split evenly over threads");
+};
+
+template <typename T, int BM, int BN, int WARPS_M, int WARPS_N, int MINB>
+__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, MINB) fused_expand_kernel(FusedArgs a) {
+  using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
+  using namespace nvcuda;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sv = reinterpret_cast<T*>(smem_raw);  // [BM][kKP]
+  T* sb = sv + BM * kKP;                   // [BN][kKP]
+  float* sc = reinterpret_cast<float*>(smem_raw);  // [BM][kCP], after the MMA
+  int seg, s_tile;
+  find_tile<BM, F::kThreads>(a, blockIdx.y, seg, s_tile);
   if (seg < 0) return;
   const int slot = a.seg_slot[seg];
   const int K = a.slots.rank_padded[slot];
@@ -362,12 +463,12 @@ cudaError_t gemv_shrink(FusedArgs const& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
+template <typename T, int BM, int BN, int WARPS_M, int WARPS_N, int MINB>
 cudaError_t fused_expand(FusedArgs const& a, cudaStream_t stream) {
   using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
   static bool raised = false;
   if (!raised) {
-    cudaError_t e = cudaFuncSetAttribute(fused_expand_kernel<T, BM, BN, WARPS_M, WARPS_N>,
+    cudaError_t e = cudaFuncSetAttribute(fused_expand_kernel<T, BM, BN, WARPS_M, WARPS_N, MINB>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, int(F::kSmem));
     if (e != cudaSuccess) return e;
     raised = true;
@@ -375,7 +476,7 @@ cudaError_t fused_expand(FusedArgs const& a, cudaStream_t stream) {
   int64_t row_tiles = a.num_tokens / BM + a.num_segments;  // >= the tiles of every segment together
   dim3 grid((a.d_out + BN - 1) / BN, unsigned(std::min<int64_t>(row_tiles, 65535)));
   if (row_tiles > 65535) return cudaErrorInvalidConfiguration;
-  fused_expand_kernel<T, BM, BN, WARPS_M, WARPS_N><<<grid, F::kThreads, F::kSmem, stream>>>(a);
+  fused_expand_kernel<T, BM, BN, WARPS_M, WARPS_N, MINB><<<grid, F::kThreads, F::kSmem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -397,6 +498,23 @@ cudaError_t fused_merge(MergeArgs const& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename T>
+cudaError_t wmma_shrink(FusedArgs const& a, cudaStream_t stream) {
+  constexpr size_t ops = size_t(kWxBM + kMaxK) * kWxXP * sizeof(T), stage = size_t(kWxBM) * kWxCP * sizeof(float);
+  constexpr size_t smem = ops > stage ? ops : stage;
+  static bool raised = false;
+  if (!raised) {
+    cudaError_t e = cudaFuncSetAttribute(wmma_shrink_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (e != cudaSuccess) return e;
+    raised = true;
+  }
+  int64_t row_tiles = a.num_tokens / kWxBM + a.num_segments;
+  if (row_tiles > (int64_t(1) << 31) - 1 || a.splits > 65535) return cudaErrorInvalidConfiguration;
+  dim3 grid(unsigned(row_tiles), a.splits);
+  wmma_shrink_kernel<T><<<grid, kWxThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
 cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream) {
   if (variant == 0)
     return a.bf16 ? fused_merge<__nv_bfloat16, 64, 128, 2, 4>(a, stream) : fused_merge<__half, 64, 128, 2, 4>(a, stream);
@@ -411,13 +529,18 @@ cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream) {
   cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) { return gemv_shrink<__half>(a, s); } \
   cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) { return gemv_shrink<__nv_bfloat16>(a, s); } \
   }
-#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN)                                                          \
+#define ATMM_WMMA_SHRINK(NAME)                                                                          \
+  namespace atmm {                                                                                      \
+  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) { return wmma_shrink<__half>(a, s); } \
+  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) { return wmma_shrink<__nv_bfloat16>(a, s); } \
+  }
+#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB)                                                          \
   namespace atmm {                                                                                      \
   cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                              \
-    return fused_expand<__half, BM, BN, WM, WN>(a, s);                                                  \
+    return fused_expand<__half, BM, BN, WM, WN, MINB>(a, s);                                                  \
   }                                                                                                     \
   cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                             \
-    return fused_expand<__nv_bfloat16, BM, BN, WM, WN>(a, s);                                           \
+    return fused_expand<__nv_bfloat16, BM, BN, WM, WN, MINB>(a, s);                                           \
   }                                                                                                     \
   }
 #define ATMM_CONFIG(...)

@@ -94,7 +94,7 @@ LookupResult TilingTable::lookup(ShapeKey key) const {
   auto it = index_.find(pack_key(b));
   if (it != index_.end()) {
     TableEntry const& e = entries_[it->second];
-    if (!(kernel_configs()[e.config].kind == Kind::kFusedExpand && key.rank > 128))
+    if (!(rank_limited(kernel_configs()[e.config].kind) && key.rank > 128))
       return LookupResult{e.config, e.split_k, true, false, e.key};
   }
   // Nearest key of the same direction and dtype: distance in log2 space, widths weigh most.
@@ -110,7 +110,7 @@ LookupResult TilingTable::lookup(ShapeKey key) const {
     }
   }
   if (!pick) return default_choice(key);
-  if (kernel_configs()[pick->config].kind == Kind::kFusedExpand && key.rank > 128) return default_choice(key);
+  if (rank_limited(kernel_configs()[pick->config].kind) && key.rank > 128) return default_choice(key);
   return LookupResult{pick->config, pick->split_k, false, false, pick->key};
 }
 

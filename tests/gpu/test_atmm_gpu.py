@@ -106,6 +106,7 @@ def test_every_compiled_config(kernels, dtype):
 
 @pytest.mark.parametrize("split", [1, 2, 5, 16, 64])
 @pytest.mark.parametrize("pair", [("t64x64_k32_s10", "t128x128_k32_s4"), ("gemv_shrink", "fx_m64n128"),
+                                  ("wx_shrink", "fx1_m64n128"), ("wx_shrink", "t128x128_k32_s4"),
                                   ("t64x64_k32_s10", "fx_m32n128"), ("gemv_shrink", "t64x128_k32_s6")])
 def test_split_k(kernels, split, pair):
     check(kernels, 129, 5120, 4096, torch.bfloat16, "7x1", seed=split, shrink=(pair[0], split), expand=pair[1])
@@ -115,9 +116,11 @@ def test_split_k(kernels, split, pair):
 @pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter"])
 @pytest.mark.parametrize("T", [1, 7, 300, 2048])
 def test_hand_written_kernels(kernels, dtype, pattern, T):
-    for expand in ("fx_m64n128", "fx_m16n256", "fx_m128n128"):
+    for expand in ("fx_m64n128", "fx_m16n256", "fx_m128n128", "fx1_m16n256"):
         shrink = ("gemv_shrink", 8) if T <= 300 else ("t64x64_k64_s5", 2)
         check(kernels, T, 4096, 5120, dtype, pattern, seed=T + 3, shrink=shrink, expand=expand)
+    for split in (1, 16, 40):
+        check(kernels, T, 5120, 4096, dtype, pattern, seed=T + split, shrink=("wx_shrink", split), expand="fx_m64n128")
 
 
 def test_rank_not_multiple_of_8_uses_zero_padding(kernels):

@@ -106,7 +106,7 @@ def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], exp
     max_rank = max(p.ranks)
     shrink = {}
     for c in shrink_cfgs:
-        if c["kind"] == "gemv" and longest > 32:
+        if (c["kind"] == "gemv" and longest > 32) or (c["kind"] == "wmma" and max_rank > 128):
             continue
         for k in splits:
             shrink[(c["name"], k)] = time_option(kernels, p, (c["name"], k), base_expand, PHASE_PREP | PHASE_SHRINK)
