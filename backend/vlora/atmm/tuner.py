@@ -29,7 +29,7 @@ from vlora.atmm.tiling import default_table_dir, gpu_slug, table_path, write_tab
 from vlora.atmm.timing import graph_time_us, sets_needed
 from vlora.lora.mapping import LoraBatchMapping
 
-SPLITS = (1, 2, 4, 8, 16)
+SPLITS = (1, 2, 4, 8, 16, 32)
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
