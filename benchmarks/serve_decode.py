@@ -117,7 +117,8 @@ def main() -> None:
         from vlora.models.random_init import make_random_llava
 
         t = time.perf_counter()
-        model_dir = make_random_llava(args.preset, work / Path(args.preset).stem)
+        model_dir = make_random_llava(args.preset, work / Path(args.preset).stem,
+                                      device="cuda" if torch.cuda.is_available() else "cpu")
         print(f"model ready in {time.perf_counter() - t:.0f}s: {model_dir}", flush=True)
         cfg = json.loads((model_dir / "config.json").read_text())["text_config"]
         adapters_dir = work / f"adapters-r{args.rank}"
