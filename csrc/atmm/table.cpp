@@ -71,19 +71,20 @@ LookupResult TilingTable::default_choice(ShapeKey const& key) {
   r.exact = false;
   r.matched = bucketed(key);
   if (key.direction == Direction::kShrink) {
-    // Few tokens: one 64-row tile per segment, and split d_in so that enough CTAs stream lora_A.
-    r.config = find_config(key.tokens <= 2 * key.segments && key.tokens <= 256 ? "gemv_shrink"
-                           : key.rank > 64 ? "t64x128_k64_s3" : "t64x64_k64_s5");
+    // Few tokens per segment: the gemv kernel; otherwise the CUTLASS 64x64 tile, which measured
+    // best for every rank up to 128 on the H100. Split d_in so that enough CTAs stream lora_A.
+    r.config = find_config(key.tokens <= 2 * key.segments && key.tokens <= 256 ? "gemv_shrink" : "t64x64_k64_s5");
     int64_t m_tiles = key.tokens / 64 + key.segments;
     int split = 1;
     while (split < 16 && m_tiles * split < 132 && key.width / (split * 2) >= 256) split *= 2;
     r.split_k = split;
   } else {
-    // The fused kernel (reduce + expand + scaled update in one launch) serves ranks up to 128.
-    if (key.rank <= 128)
-      r.config = find_config(key.tokens >= 2048 ? "fx_m64n128" : "fx_m32n128");
+    // From the H100 measurements (csrc/atmm/NOTES.md): the fused kernel (reduce + expand + scaled
+    // update in one launch, ranks <= 128) wins up to a few hundred tokens, CUTLASS above.
+    if (key.rank <= 128 && key.tokens <= 512)
+      r.config = find_config("fx_m16n256");
     else
-      r.config = find_config(key.tokens >= 2048 ? "t128x128_k32_s4" : "t64x128_k32_s6");
+      r.config = find_config(key.tokens >= 4096 ? "t64x128_k32_s6" : "t128x128_k32_s4");
     r.split_k = 1;
   }
   return r;
