@@ -9,7 +9,7 @@ import pytest
 from e2e_helpers import MODEL, b64, png_bytes, post_json
 from vlora_client import VloraClient, VloraClientError
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # a safety net: nothing here may hang CI
 
 GOOD_PROMPT = "USER: Say something. ASSISTANT:"
 LONG_PROMPT = " ".join(f"token{i} zx{i * 7919 % 1000}" for i in range(3000))  # far more tokens than the context

@@ -13,7 +13,7 @@ import pytest
 from e2e_helpers import MODEL, b64, png_bytes, post_json, post_sse
 from vlora_client import VloraClient
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # a safety net: nothing here may hang CI
 
 
 def make_cases(adapters: list[str]) -> list[dict]:

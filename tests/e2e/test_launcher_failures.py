@@ -9,7 +9,7 @@ import pytest
 
 from e2e_helpers import free_ports
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # a safety net: nothing here may hang CI
 
 
 def serve(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:

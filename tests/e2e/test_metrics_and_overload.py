@@ -10,7 +10,7 @@ import pytest
 from e2e_helpers import start_server
 from vlora_client import VloraClient, VloraClientError
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # a safety net: nothing here may hang CI
 
 
 def metric_values(text: str, name: str) -> dict[str, float]:
