@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/vlora-load", help="raw results (CSV, logs, server workspace)")
     p.add_argument("--out", help="reports to keep (default: benchmarks/load_results/<name>-<device>)")
     p.add_argument("--preset", help="generate a random model of this preset (configs/models/*.yaml) and serve it")
+    p.add_argument("--closed-users", type=int, help="instead of the sweeps: one closed-loop run with N users "
+                   "(the throughput the server holds; used for 1, 2 and 4 GPUs)")
     p.add_argument("loadtest_args", nargs=argparse.REMAINDER,
                    help="after --: `vlora loadtest` flags (server, adapters, lengths); default: the CPU settings")
     args = p.parse_args(argv)
@@ -76,6 +78,8 @@ def main(argv=None) -> int:
     settings = {"benchmark": f"python benchmarks/load_sweep.py {' '.join(sys.argv[1:])}".strip(),
                 "server flags": " ".join(extra), "device": device_name(), "commit": git_commit()}
     t_start = time.time()
+    if args.closed_users:
+        return closed_loop(args, workload, target, work, names, heads, settings, server, extra, out)
     try:
         rates = run_sweep(workload, sweep_points(args.rates, []), target, work / "rates", names, heads, out=out,
                           settings=settings, title=f"{args.name}: rate sweep ({workload.name})")
@@ -139,6 +143,39 @@ def main(argv=None) -> int:
     for k, v in checks.items():
         print(f"  {'ok  ' if v else 'FAIL'} {k}")
     return 0 if all(checks.values()) else 1
+
+
+def closed_loop(args, workload, target, work, names, heads, settings, server, extra, out) -> int:
+    """One closed-loop point: N users back to back; records the throughput and latency it gets."""
+    try:
+        s = run_point(workload.with_overrides(users=args.closed_users, mode="closed"), target, work / "closed",
+                      names, heads, out=out, settings=settings)
+    finally:
+        server.stop()
+    keep = Path(args.out) if args.out else ROOT / "benchmarks" / "load_results" / f"{args.name}-{device_name()}"
+    keep.mkdir(parents=True, exist_ok=True)
+    for src in (work / "closed").iterdir():
+        if src.is_file() and src.name.endswith(KEEP):
+            shutil.copy2(src, keep / src.name)
+    gpus = _visible_gpus()
+    result = {"commit": git_commit(), "device": device_name(), "gpus": gpus, "users": args.closed_users,
+              "workload": workload.describe(), "server_flags": extra,
+              **{k: s.get(k) for k in ("requests", "ok", "errors", "throughput_rps", "output_tokens_per_s",
+                                       "avg_token_latency_s", "ttft_p50_s", "e2e_p50_s", "e2e_p99_s", "server")}}
+    record_result(args.name, device_name(), result,
+                  f"{workload.name}, {gpus} GPU(s), {args.closed_users} closed-loop users: {s['throughput_rps']:.2f} req/s, "
+                  f"{s['output_tokens_per_s']:.0f} tok/s, avg token latency {_ms(s['avg_token_latency_s'])}, "
+                  f"{s['errors']} errors (V-LoRA paper: 6.07 / 11.48 / 23.97 req/s on 1 / 2 / 4 A100s)")
+    return 0 if s["errors"] == 0 else 1
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
 
 
 def _ms(x) -> str:

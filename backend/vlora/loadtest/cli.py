@@ -47,9 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--length-scale", type=float, help="multiply the prompt and answer lengths (e.g. 0.05 for the tiny model)")
     parser.add_argument("--image-size", type=int, help="side of the generated images in pixels")
+    parser.add_argument("--frames-per-chunk", type=int, help="frames per video chunk (the server accepts limits.max_images)")
     parser.add_argument("--request-timeout", type=float, help="seconds before a request counts as timed out")
     parser.add_argument("--out", metavar="DIR", help="results folder (default: .work/loadtest/<workload>-<time>)")
     parser.add_argument("--title", help="title of the sweep page")
+    parser.add_argument("--report", metavar="DIR", help="only rebuild the reports under DIR from its raw files "
+                        "(e.g. results copied back from a machine without matplotlib); sends nothing")
     target = parser.add_argument_group("server (default: start one on loopback)")
     target.add_argument("--url", metavar="HOST:PORT", help="a running server's HTTP address; gRPC is PORT+1, metrics PORT+2 unless given")
     target.add_argument("--grpc-url", metavar="HOST:PORT")
@@ -82,6 +85,7 @@ def workload_from_args(args) -> Workload:
         image_size=args.image_size,
         request_timeout_s=args.request_timeout,
         adapter_names=names,
+        frames_per_chunk=args.frames_per_chunk,
     )
 
 
@@ -89,7 +93,15 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     import importlib.util
 
-    missing = [m for m in ("locust", "matplotlib", "tritonclient") if importlib.util.find_spec(m) is None]
+    if args.report:
+        from vlora.loadtest.runner import rebuild_reports
+
+        if rebuild_reports(Path(args.report), out) == 0:
+            print(f"vlora loadtest: no runs (plan.json) under {args.report}", file=sys.stderr)
+            return 2
+        return 0
+
+    missing = [m for m in ("locust", "tritonclient") if importlib.util.find_spec(m) is None]
     if missing:
         print(f"vlora loadtest: {', '.join(missing)} not installed; pip install -e \".[load]\"", file=sys.stderr)
         return 2

@@ -18,6 +18,12 @@ OUTCOME_STYLE = {"ok": ("tab:blue", "o"), "rejected": ("tab:red", "x"), "incompl
                  "timeout": ("tab:purple", "v"), "error": ("black", "D")}
 
 
+def can_plot() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _plt():
     import matplotlib
 
@@ -204,6 +210,9 @@ def run_markdown(summary: dict, plots: dict[str, str], settings: dict) -> str:
     lines += ["", "Requests per adapter (top): " + ", ".join(f"{k} {v}" for k, v in s["requests_per_adapter"].items()), ""]
     for title, rel in plots.items():
         lines += [f"## {title}", "", f"![{title}]({rel})", ""]
+    if not plots:
+        lines += ["(No plots: matplotlib is not installed here. `vlora loadtest --report DIR` rebuilds this page "
+                  "with them from the raw files.)", ""]
     lines += ["Raw data: `requests.csv` (one row per request), `server_timeline.csv` (scraped metrics), "
               "`locust_stats.csv` / `locust_failures.csv` (locust's own), `summary.json`.", ""]
     return "\n".join(lines)

@@ -69,7 +69,8 @@ class Point:
 
 def run_point(workload: Workload, target: Target, out_dir: Path, adapter_names: Sequence[str],
               heads: HeadPolicy, out: TextIO = sys.stdout, grpc_workers: int = 256,
-              progress_interval_s: float = 2.0, settings: Optional[dict] = None) -> dict:
+              progress_interval_s: float = 2.0, settings: Optional[dict] = None,
+              sweep_title: Optional[str] = None) -> dict:
     """One locust run of ``workload``; returns its summary (also written to ``out_dir/summary.json``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = WorkloadGenerator(workload, tuple(adapter_names), heads)
@@ -85,6 +86,9 @@ def run_point(workload: Workload, target: Target, out_dir: Path, adapter_names: 
         "model": target.model,
         "out_dir": str(out_dir.resolve()),
         "grpc_workers": grpc_workers,
+        "scheduled": scheduled,
+        "settings": settings or {},
+        "sweep_title": sweep_title,
     }
     plan_path = out_dir / "plan.json"
     report.write_json(plan_path, plan)
@@ -126,24 +130,89 @@ def run_point(workload: Workload, target: Target, out_dir: Path, adapter_names: 
     if code != 0 or not (out_dir / "requests.csv").exists():
         raise RuntimeError(f"locust exited with code {code}; see {log_path}:\n" + _tail(log_path, 30))
     clock = json.loads((out_dir / "clock.json").read_text())
-    timeline = scraper.write(out_dir / "server_timeline.csv", clock["t0_monotonic"])
-    records = read_records(out_dir / "requests.csv")
-    summary = summarize(records, workload, scheduled=scheduled,
-                        extra={"server": timeline_stats(timeline), "started_at": clock["t0_unix"]})
-    report.write_json(out_dir / "summary.json", summary)
-    plots = {
-        "Timeline: latency per request, batch size and mode, queues": report.plot_timeline(
-            records, timeline, out_dir / "timeline.png", workload.describe()).name,
-        "Latency distribution": report.plot_cdf(records, out_dir / "latency_cdf.png").name,
-    }
-    run_settings = {"workload file": workload.source or "-", "server (HTTP / gRPC)": f"{target.http_url} / {target.grpc_url}",
-                    **(settings or {}), "heads": heads.describe()}
-    (out_dir / "report.md").write_text(report.run_markdown(summary, plots, run_settings))
+    scraper.write(out_dir / "server_timeline.csv", clock["t0_monotonic"])
+    summary = finish_run(out_dir)
     _say(out, f"[{out_dir.name}] done: {summary['requests']} requests, {summary['ok']} answered, "
               f"{summary['rejected']} rejected, {summary['errors'] - summary['rejected']} other failures, "
               f"lost {summary.get('lost', '-')}; throughput {summary['throughput_rps']:.2f} req/s; "
               f"avg token latency {_ms(summary['avg_token_latency_s'])}; report {out_dir / 'report.md'}")
     return summary
+
+
+def finish_run(out_dir: Path) -> dict:
+    """summary.json, plots and report.md of one run, from its raw files alone (plan, requests, timeline).
+
+    Plots need matplotlib; without it the report says so, and ``vlora loadtest --report DIR`` on a
+    machine that has it rebuilds them from the same files.
+    """
+    plan = json.loads((out_dir / "plan.json").read_text())
+    workload = Workload.from_dict(plan["workload"])
+    clock = json.loads((out_dir / "clock.json").read_text())
+    timeline = read_timeline(out_dir / "server_timeline.csv")
+    records = read_records(out_dir / "requests.csv")
+    summary = summarize(records, workload, scheduled=plan.get("scheduled"),
+                        extra={"server": timeline_stats(timeline), "started_at": clock["t0_unix"]})
+    summary["run"] = out_dir.name
+    report.write_json(out_dir / "summary.json", summary)
+    plots: dict[str, str] = {}
+    if report.can_plot():
+        plots["Timeline: latency per request, batch size and mode, queues"] = report.plot_timeline(
+            records, timeline, out_dir / "timeline.png", workload.describe()).name
+        plots["Latency distribution"] = report.plot_cdf(records, out_dir / "latency_cdf.png").name
+    run_settings = {"workload file": workload.source or "-",
+                    "server (HTTP / gRPC)": f"{plan['http_url']} / {plan['grpc_url']}",
+                    **plan.get("settings", {}), "heads": HeadPolicy(plan.get("heads", {})).describe()}
+    (out_dir / "report.md").write_text(report.run_markdown(summary, plots, run_settings))
+    return summary
+
+
+def read_timeline(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    with open(path, newline="") as fh:
+        for row in csv.DictReader(fh):
+            rows.append({k: (v if k == "mode" else (float(v) if v not in ("", "None") else None)) for k, v in row.items()})
+    return rows
+
+
+def write_sweep_page(out_dir: Path, summaries: list[dict], workload: Workload, settings: dict,
+                     title: Optional[str] = None) -> Path:
+    """The sweep page: latency against rate and against skewness when the sweep varies them."""
+    plots = {}
+    if report.can_plot():
+        if len({s.get("offered_rate_rps") for s in summaries}) > 1:
+            path = report.plot_sweep(summaries, "offered_rate_rps", "offered request rate (req/s)",
+                                     out_dir / "latency_vs_rate.png", f"{workload.name}: latency against request rate")
+            if path:
+                plots["Latency against request rate"] = path.name
+        if len({s.get("skewness") for s in summaries}) > 1:
+            path = report.plot_sweep(summaries, "skewness", "skewness (share of the most popular adapter)",
+                                     out_dir / "latency_vs_skewness.png", f"{workload.name}: latency against skewness")
+            if path:
+                plots["Latency against skewness"] = path.name
+    report.write_json(out_dir / "sweep.json", summaries)
+    page = out_dir / "report.md"
+    page.write_text(report.sweep_markdown(title or f"Load test sweep: {workload.name}", summaries, plots,
+                                          {"workload": workload.describe(), **settings}))
+    return page
+
+
+def rebuild_reports(folder: Path, out: TextIO = sys.stdout) -> int:
+    """Rebuild every run's report under ``folder`` (and the sweep pages) from the raw files."""
+    runs = sorted(p.parent for p in folder.rglob("plan.json"))
+    by_parent: dict[Path, list[tuple[Path, dict]]] = {}
+    for run_dir in runs:
+        summary = finish_run(run_dir)
+        _say(out, f"rebuilt {run_dir / 'report.md'}")
+        by_parent.setdefault(run_dir.parent, []).append((run_dir, summary))
+    for parent, items in by_parent.items():
+        if len(items) > 1 and parent != folder.parent:
+            plan = json.loads((items[0][0] / "plan.json").read_text())
+            write_sweep_page(parent, [s for _d, s in items], Workload.from_dict(plan["workload"]),
+                             plan.get("settings", {}), plan.get("sweep_title"))
+            _say(out, f"rebuilt {parent / 'report.md'}")
+    return len(runs)
 
 
 def run_sweep(workload: Workload, points: Sequence[Point], target: Target, out_dir: Path,
@@ -158,26 +227,12 @@ def run_sweep(workload: Workload, points: Sequence[Point], target: Target, out_d
         sub = out_dir if len(points) == 1 else out_dir / point.label(workload)
         if i > 0:
             wait_idle(target.metrics_url, settle_timeout_s, out)
-        summary = run_point(wl, target, sub, adapter_names, heads, out=out, grpc_workers=grpc_workers, settings=settings)
-        summary["run"] = sub.name
+        summary = run_point(wl, target, sub, adapter_names, heads, out=out, grpc_workers=grpc_workers,
+                            settings=settings, sweep_title=title)
         summaries.append(summary)
     if len(points) > 1:
-        plots = {}
-        if len({p.rate for p in points}) > 1:
-            path = report.plot_sweep(summaries, "offered_rate_rps", "offered request rate (req/s)",
-                                     out_dir / "latency_vs_rate.png", f"{workload.name}: latency against request rate")
-            if path:
-                plots["Latency against request rate"] = path.name
-        if len({p.skewness for p in points}) > 1:
-            path = report.plot_sweep(summaries, "skewness", "skewness (share of the most popular adapter)",
-                                     out_dir / "latency_vs_skewness.png", f"{workload.name}: latency against skewness")
-            if path:
-                plots["Latency against skewness"] = path.name
-        report.write_json(out_dir / "sweep.json", summaries)
-        (out_dir / "report.md").write_text(report.sweep_markdown(
-            title or f"Load test sweep: {workload.name}", summaries, plots,
-            {"workload": workload.describe(), **(settings or {})}))
-        _say(out, f"sweep report: {out_dir / 'report.md'}")
+        page = write_sweep_page(out_dir, summaries, workload, settings or {}, title)
+        _say(out, f"sweep report: {page}")
     return summaries
 
 

@@ -290,11 +290,13 @@ class Workload:
                        num_adapters: Optional[int] = None, protocol: Optional[str] = None,
                        seed: Optional[int] = None, length_scale: Optional[float] = None,
                        image_size: Optional[int] = None, adapter_names: Optional[tuple[str, ...]] = None,
-                       request_timeout_s: Optional[float] = None) -> "Workload":
+                       request_timeout_s: Optional[float] = None,
+                       frames_per_chunk: Optional[int] = None) -> "Workload":
         """A copy with command-line overrides applied (``None`` keeps the file's value).
 
         ``--skewness`` or ``--zipf`` also switch the popularity kind; ``--protocol`` applies to every
-        application; ``--length-scale`` multiplies every length distribution's scale.
+        application; ``--length-scale`` multiplies every length distribution's scale;
+        ``--frames-per-chunk`` applies to every video application.
         """
         arrivals = self.arrivals
         if mode is not None or rate is not None or users is not None:
@@ -313,7 +315,7 @@ class Workload:
         if changes:
             pop = Popularity(**{**dataclasses.asdict(pop), **changes})
         apps = self.applications
-        if protocol is not None or length_scale is not None:
+        if protocol is not None or length_scale is not None or frames_per_chunk is not None:
             from vlora.loadtest.generators import GENERATORS
 
             new_apps = []
@@ -321,8 +323,10 @@ class Workload:
                 params = dict(a.params)
                 if length_scale is not None:
                     params = GENERATORS[a.kind].scale_lengths(params, length_scale)
-                new_apps.append(dataclasses.replace(a, protocol=protocol if protocol is not None else a.protocol,
-                                                    params=params))
+                if frames_per_chunk is not None and "frames_per_chunk" in GENERATORS[a.kind].PARAMS:
+                    params["frames_per_chunk"] = frames_per_chunk
+                new_apps.append(Application(name=a.name, kind=a.kind, share=a.share, slo=a.slo,
+                                            protocol=protocol if protocol is not None else a.protocol, params=params))
             apps = tuple(new_apps)
         return dataclasses.replace(
             self,
