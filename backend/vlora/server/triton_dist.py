@@ -7,6 +7,7 @@ environment's packages, which it does when this interpreter's ``bin`` comes firs
 """
 from __future__ import annotations
 
+import ctypes.util
 import filecmp
 import importlib.util
 import os
@@ -62,11 +63,12 @@ class TritonDistribution:
         if not libs.is_dir():
             raise TritonNotFound(f"nvidia-pytriton at {pkg}: shared libraries not found (nvidia_pytriton.libs)")
         libdir = Path(sysconfig.get_config_var("LIBDIR") or "")
-        soname = sysconfig.get_config_var("INSTSONAME") or f"libpython{version}.so.1.0"
-        if not (libdir / soname).exists() and not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        if not _find_libpython(version, libdir):
             raise TritonNotFound(
-                f"this Python ({sys.executable}) was built without a shared libpython ({soname} not in "
-                f"{libdir}); the Triton Python backend stub needs one. Use a Python built with --enable-shared."
+                f"no shared libpython{version}.so.1.0 for this Python ({sys.executable}): looked in {libdir}, "
+                "LD_LIBRARY_PATH and the system's library cache. The Triton Python backend stub links it; "
+                f"install it (Debian/Ubuntu: apt-get install libpython{version}) or use a Python built with "
+                "--enable-shared."
             )
         return cls(root=root, binary=binary, backends=root / "backends", stub=stub, libs=libs, python_libdir=libdir)
 
@@ -114,3 +116,12 @@ def _sync_tree(src: Path, dst: Path, ignore: tuple[str, ...] = ()) -> None:
             if tt.st_size == st.st_size and int(tt.st_mtime) == int(st.st_mtime):
                 continue
         shutil.copy2(path, target)
+
+
+def _find_libpython(version: str, libdir: Path) -> bool:
+    """Whether the dynamic loader can find libpython<version>.so.1.0 for the stub."""
+    name = f"libpython{version}.so.1.0"
+    dirs = [libdir] + [Path(d) for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    if any((d / name).exists() for d in dirs):
+        return True
+    return ctypes.util.find_library(f"python{version}") is not None
