@@ -17,6 +17,13 @@ export PYTHONPATH=$PWD/backend:$PWD/client:${PYTHONPATH:-}
 SITE_PACKAGES=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 printf '%s\n%s\n' "$PWD/backend" "$PWD/client" > "$SITE_PACKAGES/vlora-checkout.pth"
 export PYTHONUNBUFFERED=1
+# The Python backend of Triton 2.51 reads BYTES tensors with NumPy 1 semantics; with NumPy 2 the stub
+# dies in deserialize_bytes_tensor. Where the machine's NumPy is 2.x, put a carried NumPy 1.26 first.
+if python3 -c 'import numpy, sys; sys.exit(0 if numpy.__version__.startswith("2") else 1)' && ls .whl/numpy-1.*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/numpy1 .whl/numpy-1.*.whl
+  echo "import sys; sys.path.insert(0, '/tmp/numpy1')" > "$SITE_PACKAGES/0-vlora-numpy1.pth"
+  python3 -c 'import numpy; print("numpy", numpy.__version__, "for the Triton Python backend")'
+fi
 # The Triton Python backend stub links libpython3.X.so; bring one where the system has none.
 PYV=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 LIBDIR=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
@@ -37,6 +44,7 @@ python3 benchmarks/serve_decode.py --preset configs/models/llava-1.5-7b.yaml --w
 cp /tmp/vlora-bench/server.log "$OUT/server.log" 2>/dev/null
 tail -c 200000 /tmp/vlora-bench/triton-ws/tritonserver.log > "$OUT/tritonserver.log" 2>/dev/null
 python3 benchmarks/engine_decode.py --work /tmp/vlora-bench 2>&1 | tee "$OUT/engine-decode.log" || rc=1
+[ -z "${PROFILE:-}" ] || python3 benchmarks/profile_step.py --work /tmp/vlora-bench 2>&1 | tee "$OUT/profile.log"
 cp benchmarks/results/serve-decode-*.json benchmarks/results/engine-decode-*.json "$OUT/" 2>/dev/null
 tail -n 3 benchmarks/RESULTS.md > "$OUT/RESULTS-lines.md" 2>/dev/null
 exit $rc
