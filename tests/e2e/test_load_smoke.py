@@ -13,14 +13,19 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # a safety net: nothing here may hang CI
 
 
-def test_smoke_load_run_answers_every_request_in_full(server, tmp_path):
+def test_smoke_load_run_answers_every_request_in_full(server, demo_adapter_root, tmp_path):
+    from vlora.heads import has_heads
+
     out = tmp_path / "run"
+    # Adapters with task heads (when the demo set has them) first: they are the most popular, so video
+    # requests to them use their heads; the others generate labels.
+    names = sorted(server.adapters, key=lambda n: (not has_heads(demo_adapter_root / n), n))
     cmd = [sys.executable, "-m", "vlora.cli", "loadtest", "--workload", "smoke", "--url", server.http_url,
            "--grpc-url", server.grpc_url, "--metrics-url", server.metrics_url,
-           "--adapter-names", ",".join(server.adapters), "--out", str(out)]
+           "--adapters", str(demo_adapter_root), "--adapter-names", ",".join(names), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "done 0/" in proc.stdout or "done " in proc.stdout  # progress was shown
@@ -37,10 +42,10 @@ def test_smoke_load_run_answers_every_request_in_full(server, tmp_path):
     assert len(rows) == summary["requests"]
     assert {r["protocol"] for r in rows} == {"grpc", "http", "http-stream"}
     assert {r["application"] for r in rows} == {"visual_retrieval", "video_analytics", "captions"}
-    for r in rows:  # every request got its full answer: max_tokens tokens (ignore_eos), finished by length
+    for r in rows:  # every request got its full answer: max_tokens tokens (ignore_eos), or a head's label
         assert r["outcome"] == "ok", r
         assert int(r["num_output_tokens"]) == int(r["expected_output_tokens"]) >= 1, r
-        assert r["finish_reason"] == "length" and r["text"], r
+        assert r["finish_reason"] == ("stop" if r["head_task"] else "length") and r["text"], r
         assert int(r["num_input_tokens"]) > 0
         assert 0 < float(r["ttft_s"]) <= float(r["e2e_s"]), r
 
@@ -56,3 +61,12 @@ def test_smoke_load_run_answers_every_request_in_full(server, tmp_path):
     with open(out / "server_timeline.csv", newline="") as fh:
         timeline = list(csv.DictReader(fh))
     assert any(float(r["batch_size_last"] or 0) >= 1 for r in timeline), "no batch size scraped from the server"
+
+    # The reports can be rebuilt from the raw files alone (what a GPU run without matplotlib needs).
+    for name in ("report.md", "summary.json", "timeline.png"):
+        (out / name).unlink()
+    rebuilt = subprocess.run([sys.executable, "-m", "vlora.cli", "loadtest", "--report", str(out)],
+                             capture_output=True, text=True, timeout=120)
+    assert rebuilt.returncode == 0, rebuilt.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["ok"] == summary["ok"]
+    assert (out / "timeline.png").is_file() and "](timeline.png)" in (out / "report.md").read_text()

@@ -12,7 +12,7 @@ from vlora.config import ConfigError
 from vlora.loadtest.generators import WorkloadGenerator
 from vlora.loadtest.heads import HeadPolicy
 from vlora.loadtest.scrape import build_timeline, current_mode, parse_prometheus, Snapshot
-from vlora.loadtest.summary import percentile, summarize
+from vlora.loadtest.summary import percentile, queue_built, summarize
 from vlora.loadtest.transport import RequestRecord, classify_error
 from vlora.loadtest.workload import LengthDistribution, Popularity, Workload, resolve_workload, workloads_dir
 
@@ -108,6 +108,10 @@ def test_video_streams_send_one_chunk_per_period():
         else:
             assert s.task == "detection" and len(s.images) == 1
         assert s.max_tokens == {"action": 8, "detection": 24}[s.task] and s.head_task is None
+    six = WorkloadGenerator(small("video", rate=8.0, duration_s=3.0, frames_per_chunk=6), ADAPTERS).schedule()
+    assert {len(s.images) for s in six if s.task == "action"} == {6}
+    with pytest.raises(ConfigError, match="frames_per_chunk"):
+        small("video", frames_per_chunk=0)
     frac = WorkloadGenerator(small("video", rate=2.5, duration_s=40.0), ADAPTERS)
     assert frac.num_streams() == {"video_analytics": 3}
     assert len(frac.schedule()) == pytest.approx(100, abs=3)
@@ -170,6 +174,13 @@ def test_summary_average_token_latency_and_slo_attainment():
     assert s["applications"]["app"]["slo_attainment"] == pytest.approx(1 / 3)  # a rejection misses its SLO
     assert s["throughput_rps"] == pytest.approx(2 / 3.0)
     assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5) and percentile([], 50) is None
+
+
+def test_queue_built_by_waiting_requests_or_missing_throughput():
+    base = {"offered_actual_rps": 10.0, "throughput_rps": 9.8, "server": {"mean_triton_queue": 0.1, "mean_waiting": 0.0}}
+    assert not queue_built(base)
+    assert queue_built({**base, "server": {"mean_triton_queue": 0.4, "mean_waiting": 0.2}})
+    assert queue_built({**base, "throughput_rps": 8.5})
 
 
 def test_errors_are_classified():
