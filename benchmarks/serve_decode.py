@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--name", default="serve-decode")
+    ap.add_argument("--prepare-only", action="store_true", help="write the model and adapters, then stop")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -130,6 +131,8 @@ def main() -> None:
                 out.mkdir(parents=True, exist_ok=True)
                 write_adapter(spec, model_dir, cfg, out)
         adapter_names = [f"r{args.rank}-{i:03d}" for i in range(args.num_adapters)]
+        if args.prepare_only:
+            return
         serve += ["--model", str(model_dir), "--adapters", str(adapters_dir), "--dtype", "bfloat16"]
         del torch
     else:
