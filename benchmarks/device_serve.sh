@@ -17,12 +17,15 @@ export PYTHONPATH=$PWD/backend:$PWD/client:${PYTHONPATH:-}
 SITE_PACKAGES=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 printf '%s\n%s\n' "$PWD/backend" "$PWD/client" > "$SITE_PACKAGES/vlora-checkout.pth"
 export PYTHONUNBUFFERED=1
-# The Python backend of Triton 2.51 reads BYTES tensors with NumPy 1 semantics; with NumPy 2 the stub
-# dies in deserialize_bytes_tensor. Where the machine's NumPy is 2.x, put a carried NumPy 1.26 first.
+# The Python backend stub of Triton 2.51 (nvidia-pytriton 0.7, which requires numpy<2) dies in
+# deserialize_bytes_tensor under NumPy 2 (seen on this machine's image: "unpack_from requires a
+# buffer of at least 1330597715 bytes"). Where the machine's NumPy is 2.x, put a carried NumPy 1.26
+# first, and hide this image's scikit-learn/SciPy (built for NumPy 2, imported by transformers only
+# when found) from find_spec. Benchmark-machine plumbing only; `pip install vlora[serve]` gets numpy<2.
 if python3 -c 'import numpy, sys; sys.exit(0 if numpy.__version__.startswith("2") else 1)' && ls .whl/numpy-1.*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/numpy1 .whl/numpy-1.*.whl
-  echo "import sys; sys.path.insert(0, '/tmp/numpy1')" > "$SITE_PACKAGES/0-vlora-numpy1.pth"
-  python3 -c 'import numpy; print("numpy", numpy.__version__, "for the Triton Python backend")'
+  echo "import sys; sys.path.insert(0, '/tmp/numpy1'); import importlib.util as _u; _f = _u.find_spec; _u.find_spec = lambda n, p=None, _f=_f: None if n.split('.')[0] in ('sklearn', 'scipy') else _f(n, p)" > "$SITE_PACKAGES/0-vlora-numpy1.pth"
+  python3 -c 'import numpy, transformers; from transformers import LlavaForConditionalGeneration; print("numpy", numpy.__version__, "for the Triton Python backend")'
 fi
 # The Triton Python backend stub links libpython3.X.so; bring one where the system has none.
 PYV=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
