@@ -8,8 +8,10 @@ new adapter with that dataset. A dataset that cannot meet its floor even alone i
 keeps that adapter (nothing better exists) and is marked as below its floor; that adapter is closed.
 
 Each task gets its own head in the adapter (mode ``head`` or ``both``). Training on a new dataset
-updates the shared LoRA and the new head only; earlier heads are frozen, so what can make an earlier
-task fall is the LoRA drifting toward the new task: exactly what the floors guard.
+updates the shared LoRA and the new head; then (``refit_heads``, the default) the earlier heads are
+refitted as linear probes on the adapter's new features. What can make an earlier task fall is the
+shared LoRA's features losing what that task needs as they move toward the new one: exactly what
+the floors guard.
 """
 from __future__ import annotations
 
@@ -121,6 +123,9 @@ def fuse(trainer: AdapterTrainer, tasks: Sequence[FusionTask], *, out_dir: Optio
         t0 = time.perf_counter()
         say(f"training {current.name} on {name}")
         trainer.train([p], label=f"{current.name} + {name}")
+        if trainer.config.refit_heads:  # earlier heads follow the shared LoRA's new features
+            for x in current.tasks:
+                trainer.fit_head(prepared[x])
         acc = {x: trainer.evaluate(prepared[x], "val") for x in current.tasks + [name]}
         violations = [x for x, a in acc.items() if a < floors[x]]
         accepted = not violations or not current.tasks  # a fresh adapter keeps its first dataset

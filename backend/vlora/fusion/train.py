@@ -5,7 +5,10 @@ nowhere else), and each dataset gets a task head: ``nn.Linear(hidden, labels)`` 
 hidden state at the prompt's last token, the same state the engine hands to a head at serving time
 (``StepResult.hidden``). Modes:
 
-- ``head``: cross-entropy of the head; the LoRA learns features for it;
+- ``head``: cross-entropy of the head; the LoRA learns features for it. A new head starts from a
+  linear probe fitted (L-BFGS) on the adapter's current features, and after training every trained
+  head is refitted the same way on the final features (``refit_heads``): the head then matches the
+  features the LoRA ended with, however few steps it took;
 - ``lm``: no head; the LoRA learns to generate the label (``" <label></s>"``) through the LM head;
 - ``both``: the sum of the two losses; the adapter answers with a head and in text.
 
@@ -57,6 +60,7 @@ class TrainConfig:
     log_every: int = 25
     head_init: str = "probe"  # "probe": fit the new head on the adapter's current features first; "random"
     probe_samples: int = 256  # training samples the probe is fitted on
+    refit_heads: bool = True  # after training, refit the heads (probe) on the adapter's final features
 
     def __post_init__(self) -> None:
         if self.head_init not in ("probe", "random"):
@@ -290,6 +294,9 @@ class AdapterTrainer:
                 self.progress(f"{label or '+'.join(d.name for d in datasets)}: step {step + 1}/{steps} "
                               f"loss {sum(recent) / len(recent):.3f} ({time.perf_counter() - t0:.0f}s)")
         opt.zero_grad(set_to_none=True)
+        if cfg.uses_head and cfg.refit_heads:
+            for p in datasets:
+                self.fit_head(p)
         return losses
 
     @staticmethod
