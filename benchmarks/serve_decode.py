@@ -52,7 +52,9 @@ def stream_request(url: str, body: dict, out: dict) -> None:
                 if "error" in ev:
                     error = ev["error"]
                     break
-                times.append(time.perf_counter())
+                # An event carries the tokens generated since the previous one (several when some
+                # decode to no text yet); count tokens, not events.
+                times.extend([time.perf_counter()] * int(ev.get("num_output_tokens", 1) or 0))
                 out["final"] = ev
     except urllib.error.HTTPError as e:  # the server's JSON error names the problem
         error = f"{e}: {e.read().decode(errors='replace')[:500]}"
