@@ -47,12 +47,12 @@ rc=0
 case "$PART" in
   retrieval)
     python3 benchmarks/load_sweep.py --name load-7b-retrieval --workload visual_retrieval --preset $PRESET \
-      --rates 2,4,6,8 --duration 30 --skewness 0.1,0.5,0.9 --skew-duration 20 --overload-duration 30 \
+      --rates 2,4,6,8 --duration 30 --skewness 0.2,0.5,0.9 --skew-duration 20 --overload-duration 30 \
       --out "$OUT/load-7b-retrieval" -- "${SERVER[@]}" --serve-arg="--max-queue-size 32" || rc=1 ;;
   video)
     # LLaVA-1.5 has a 4096-token context: 6 frames x 576 image tokens per action-recognition request.
     python3 benchmarks/load_sweep.py --name load-7b-video --workload video --preset $PRESET \
-      --rates 2,4,8,12 --duration 30 --skewness 0.1,0.5,0.9 --skew-duration 20 --overload-duration 30 \
+      --rates 2,4,8,12 --duration 30 --skewness 0.2,0.5,0.9 --skew-duration 20 --overload-duration 30 \
       --out "$OUT/load-7b-video" -- "${SERVER[@]}" --frames-per-chunk 6 --serve-arg="--max-queue-size 32" || rc=1 ;;
   scaling)
     # One model instance per visible GPU (Triton's instance_group); closed loop, 32 users per GPU.

@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     cli.add_arguments(parser)
     lt_args = parser.parse_args(["--workload", args.workload, "--duration", str(args.duration), *extra])
     workload = cli.workload_from_args(lt_args)
+    for x in args.skewness:  # refuse now, not after the rate sweep
+        workload.with_overrides(skewness=x)
     out = sys.stdout
     server, adapter_root, names = cli.start_server(lt_args, workload, work, out)
     target = Target(server.http_url.replace("http://", ""), server.grpc_url, server.metrics_url)
@@ -87,11 +89,13 @@ def main(argv=None) -> int:
         knee = built[0]["offered_rate_rps"] if built else rates[-1]["offered_rate_rps"]
         below = [s["offered_rate_rps"] for s in rates if s["offered_rate_rps"] < knee]
         skew_rate = below[-1] if below else knee / 2
-        wait_idle(target.metrics_url, 120, out)
-        skews = run_sweep(workload.with_overrides(duration_s=args.skew_duration, num_adapters=4),
-                          [Point(skew_rate, x) for x in args.skewness], target, work / "skewness",
-                          names, heads, out=out, settings=settings,
-                          title=f"{args.name}: skewness sweep at {skew_rate:g} req/s ({workload.name})")
+        skews = []
+        if args.skewness:  # --skewness "" skips this sweep
+            wait_idle(target.metrics_url, 120, out)
+            skews = run_sweep(workload.with_overrides(duration_s=args.skew_duration),
+                              [Point(skew_rate, x) for x in args.skewness], target, work / "skewness",
+                              names, heads, out=out, settings=settings,
+                              title=f"{args.name}: skewness sweep at {skew_rate:g} req/s ({workload.name})")
         wait_idle(target.metrics_url, 120, out)
         overload_rate = 2 * knee
         overload = run_point(workload.with_overrides(rate=overload_rate, duration_s=args.overload_duration), target,
@@ -190,10 +194,11 @@ def index_page(name, workload, rates, skews, overload, knee, checks, settings) -
     lines += ["", f"## Rate sweep: the queue builds at {knee:g} req/s", "",
               "A point counts as queueing when on average at least 0.5 requests wait (Triton's queue plus the engine's "
               "waiting list, scraped every 0.5 s) or fewer than 90% of the offered requests per second are answered.", "",
-              "![latency against rate](rates/latency_vs_rate.png)", "", _table(rates, "rates"),
-              "", "## Skewness sweep", "", "![latency against skewness](skewness/latency_vs_skewness.png)", "",
-              _table(skews, "skewness"), "",
-              f"## Overload at {2 * knee:g} req/s (twice the knee)", "",
+              "![latency against rate](rates/latency_vs_rate.png)", "", _table(rates, "rates"), ""]
+    if skews:
+        lines += ["## Skewness sweep", "", "![latency against skewness](skewness/latency_vs_skewness.png)", "",
+                  _table(skews, "skewness"), ""]
+    lines += [f"## Overload at {2 * knee:g} req/s (twice the knee)", "",
               f"{overload['requests']} requests: {overload['ok']} answered in full, {overload['rejected']} rejected "
               f"explicitly, {overload['timeout']} timed out, {overload['error'] + overload['incomplete']} other failures, "
               f"{overload.get('lost')} lost. Rejections came back in at most "
@@ -201,9 +206,9 @@ def index_page(name, workload, rates, skews, overload, knee, checks, settings) -
               f"{', '.join(f'{n} x `{m}`' for m, n in overload['error_messages'].items()) or 'none'}.", "",
               "![overload timeline](overload/timeline.png)", "", "| check | |", "| --- | --- |"]
     lines += [f"| {k} | {'pass' if v else 'FAIL'} |" for k, v in checks.items()]
-    lines += ["", "Per-run pages: " + ", ".join(f"[{s['run']}](rates/{s['run']}/report.md)" for s in rates)
-              + ", " + ", ".join(f"[{s['run']}](skewness/{s['run']}/report.md)" for s in skews)
-              + ", [overload](overload/report.md).", ""]
+    pages = [f"[{s['run']}](rates/{s['run']}/report.md)" for s in rates]
+    pages += [f"[{s['run']}](skewness/{s['run']}/report.md)" for s in skews]
+    lines += ["", "Per-run pages: " + ", ".join(pages + ["[overload](overload/report.md)"]) + ".", ""]
     return "\n".join(lines)
 
 

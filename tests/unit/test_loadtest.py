@@ -48,7 +48,7 @@ def test_skewness_gives_the_most_popular_adapter_its_share():
     probs = Popularity(kind="skewness", num_adapters=8, skewness=0.6).probabilities()
     assert probs[0] == pytest.approx(0.6) and sum(probs) == pytest.approx(1.0)
     assert probs[1:] == pytest.approx([0.4 / 7] * 7)
-    wl = small(skewness=0.6, num_adapters=8, rate=50.0, duration_s=60.0)
+    wl = small(skewness=0.6, num_adapters=8, rate=50.0, duration_s=60.0, length_scale=0.02)
     specs = WorkloadGenerator(wl, ADAPTERS).schedule()
     share = Counter(s.adapter for s in specs)["a0"] / len(specs)
     assert abs(share - 0.6) < 0.03, share
@@ -58,7 +58,7 @@ def test_zipf_over_a_thousand_adapters():
     probs = Popularity(kind="zipf", num_adapters=1000, zipf_alpha=1.0).probabilities()
     assert probs[0] / probs[9] == pytest.approx(10.0)
     assert sum(probs) == pytest.approx(1.0)
-    wl = small(zipf_alpha=1.2, num_adapters=1000, rate=100.0, duration_s=20.0)
+    wl = small(zipf_alpha=1.2, num_adapters=1000, rate=100.0, duration_s=20.0, length_scale=0.02)
     specs = WorkloadGenerator(wl, ADAPTERS).schedule()
     counts = Counter(s.adapter for s in specs)
     assert counts["a0"] > counts["a1"] > counts["a5"]
@@ -83,7 +83,7 @@ def test_the_schedule_is_seeded():
 
 
 def test_poisson_arrivals_have_the_set_rate_and_exponential_gaps():
-    wl = small(rate=20.0, duration_s=200.0)
+    wl = small(rate=20.0, duration_s=200.0, length_scale=0.02)
     times = [s.send_at for s in WorkloadGenerator(wl, ADAPTERS).schedule()]
     assert abs(len(times) / 200.0 - 20.0) < 1.0
     gaps = [b - a for a, b in zip(times, times[1:])]
