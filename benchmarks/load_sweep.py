@@ -33,6 +33,7 @@ from vlora.loadtest.summary import queue_built  # noqa: E402
 CPU_DEFAULTS = ["--length-scale", "0.05", "--image-size", "64", "--device", "cpu",
                 "--serve-arg=--max-batch-size 8 --max-queue-size 8 --set scheduler.max_waiting=4"]
 KEEP = ("report.md", "summary.json", "sweep.json", ".png")  # what is copied next to the benchmarks
+RAW = ("requests.csv", "server_timeline.csv", "plan.json", "clock.json", "locust_stats.csv", "locust_failures.csv")
 
 
 def floats(text: str) -> list[float]:
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--overload-duration", type=float, default=60.0)
     p.add_argument("--work", default="/tmp/vlora-load", help="raw results (CSV, logs, server workspace)")
     p.add_argument("--out", help="reports to keep (default: benchmarks/load_results/<name>-<device>)")
+    p.add_argument("--keep-raw", action="store_true",
+                   help="copy the raw files too (what `vlora loadtest --report` needs to rebuild the plots elsewhere)")
     p.add_argument("--preset", help="generate a random model of this preset (configs/models/*.yaml) and serve it")
     p.add_argument("--closed-users", type=int, help="instead of the sweeps: one closed-loop run with N users "
                    "(the throughput the server holds; used for 1, 2 and 4 GPUs)")
@@ -116,8 +119,9 @@ def main(argv=None) -> int:
     keep = Path(args.out) if args.out else ROOT / "benchmarks" / "load_results" / f"{args.name}-{device_name()}"
     if keep.exists():
         shutil.rmtree(keep)
+    keep_names = KEEP + RAW if args.keep_raw else KEEP
     for src in work.rglob("*"):
-        if src.is_file() and src.name.endswith(KEEP) and "server" not in src.relative_to(work).parts:
+        if src.is_file() and src.name.endswith(keep_names) and "server" not in src.relative_to(work).parts:
             dst = keep / src.relative_to(work)
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst)
@@ -158,8 +162,9 @@ def closed_loop(args, workload, target, work, names, heads, settings, server, ex
         server.stop()
     keep = Path(args.out) if args.out else ROOT / "benchmarks" / "load_results" / f"{args.name}-{device_name()}"
     keep.mkdir(parents=True, exist_ok=True)
+    keep_names = KEEP + RAW if args.keep_raw else KEEP
     for src in (work / "closed").iterdir():
-        if src.is_file() and src.name.endswith(KEEP):
+        if src.is_file() and src.name.endswith(keep_names):
             shutil.copy2(src, keep / src.name)
     gpus = _visible_gpus()
     result = {"commit": git_commit(), "device": device_name(), "gpus": gpus, "users": args.closed_users,
