@@ -22,6 +22,7 @@ from vlora.lora.adapter import (
     resolve_adapter_dir,
 )
 from vlora.lora.demo import DEMO_ADAPTER_NAMES, DEMO_ADAPTERS, ensure_demo_adapters
+from vlora.fusion.demo import TRAINED_DEMO_NAMES
 
 NUM_LAYERS = 4
 
@@ -95,7 +96,7 @@ def test_demo_generation_is_idempotent_and_deterministic(tiny_model_dir, root, t
     other = ensure_demo_adapters(tiny_model_dir, tmp_path / "again")
     for n in DEMO_ADAPTER_NAMES:
         assert (root / n / "adapter_model.safetensors").read_bytes() == (other / n / "adapter_model.safetensors").read_bytes()
-    assert sorted(list_adapters(root)) == sorted(DEMO_ADAPTER_NAMES)
+    assert sorted(list_adapters(root)) == sorted(DEMO_ADAPTER_NAMES + TRAINED_DEMO_NAMES)
     assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no temporary folders left
 
 

@@ -408,14 +408,15 @@ class AdapterTrainer:
                                prompt=self.head_info[name].prompt)
                 for name, h in self.heads.items()}
 
-    def save(self, out: Path, *, description: str = "") -> Path:
-        """Write the adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors) plus its heads."""
+    def save(self, out: Path, *, description: str = "", name: Optional[str] = None) -> Path:
+        """Write the adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors) plus its heads;
+        ``name`` titles its README (default: the folder's name)."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         self.peft.save_pretrained(str(out))
         if self.heads:
             save_heads(out, self.head_objects())
-        lines = [f"# {out.name}", "", description or "A LoRA adapter trained by `vlora train` / `vlora fuse`.", "",
+        lines = [f"# {name or out.name}", "", description or "A LoRA adapter trained by `vlora train` / `vlora fuse`.", "",
                  f"PEFT LoRA r={self.config.r}, alpha={self.config.lora_alpha}, targets "
                  f"{', '.join(self.config.target_modules)}; mode {self.config.mode}.", ""]
         for name, ds in self.head_info.items():

@@ -66,18 +66,25 @@ DEMO_ADAPTERS = (
 DEMO_ADAPTER_NAMES = tuple(a.name for a in DEMO_ADAPTERS)
 
 
-def ensure_demo_adapters(model_dir: Path, out_root: Path) -> Path:
+def ensure_demo_adapters(model_dir: Path, out_root: Path, *, trained: bool = True) -> Path:
     """Write the demo adapters for the model in ``model_dir`` under ``out_root``; return ``out_root``.
 
     Idempotent: an adapter folder whose stamp matches (same demo spec, same model dimensions) is kept
     as it is. Otherwise it is built in a temporary folder and renamed into place, so a reader never
     sees a half-written adapter, and concurrent callers do not clash.
+
+    With ``trained``, the adapters with vision task heads of :mod:`vlora.fusion.demo` are added too
+    (copied from the committed ones when they were trained on this model, else trained here).
     """
     model_dir, out_root = Path(model_dir), Path(out_root)
     text_config = _text_config(model_dir)
     out_root.mkdir(parents=True, exist_ok=True)
     for spec in DEMO_ADAPTERS:
         _ensure_one(spec, model_dir, text_config, out_root)
+    if trained:
+        from vlora.fusion.demo import ensure_trained_demo_adapters
+
+        ensure_trained_demo_adapters(model_dir, out_root)
     return out_root
 
 

@@ -1,0 +1,46 @@
+"""The trained demo adapters: committed for the current tiny model, loadable with their heads, better
+than chance, and copied (not retrained) into the demo adapter root."""
+from __future__ import annotations
+
+import json
+
+from vlora.fusion.demo import (
+    COMMITTED_DIR,
+    STAMP_FILE,
+    TRAINED_DEMOS,
+    _stamp,
+    ensure_trained_demo_adapters,
+    example_request,
+    model_fingerprint,
+)
+from vlora.lora.adapter import decoder_module_dims, load_adapter
+
+
+def test_committed_demo_adapters_match_the_tiny_model(tiny_model_dir):
+    fingerprint = model_fingerprint(tiny_model_dir)
+    for spec in TRAINED_DEMOS:
+        stamp = json.loads((COMMITTED_DIR / spec.name / STAMP_FILE).read_text())
+        assert stamp == _stamp(spec, fingerprint), (
+            f"{spec.name} was trained for another tiny model or spec: retrain the committed copies with "
+            f"`python -m vlora.fusion.demo --write-committed`")
+
+
+def test_demo_adapters_load_with_heads_that_beat_chance(tiny_model_dir, tmp_path):
+    present = ensure_trained_demo_adapters(tiny_model_dir, tmp_path, train_missing=False)
+    assert present == [s.name for s in TRAINED_DEMOS]
+    text = json.loads((tiny_model_dir / "config.json").read_text())["text_config"]
+    for spec in TRAINED_DEMOS:
+        w = load_adapter(tmp_path, spec.name, num_layers=text["num_hidden_layers"], module_dims=decoder_module_dims(text),
+                         max_rank=64, supported_modules=("q_proj", "v_proj"))
+        assert sorted(w.heads) == sorted(spec.tasks)
+        acc = json.loads((tmp_path / spec.name / "vlora_demo_accuracy.json").read_text())
+        for task in spec.tasks:
+            assert acc["test_accuracy"][task] > acc["chance"][task] + 0.08, (task, acc)
+
+
+def test_example_request_is_a_head_request():
+    text = example_request("color", seed=2)
+    body = json.loads(text.split("-d '", 1)[1].rsplit("'", 1)[0])
+    params = json.loads(body["sampling_parameters"])
+    assert params == {"lora_name": "demo-shapes", "task": "color"} and len(body["image"]) == 1
+    assert body["text_input"].count("<image>") == 1
