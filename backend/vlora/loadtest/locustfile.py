@@ -31,6 +31,7 @@ from gevent.event import AsyncResult, Event
 from gevent.lock import Semaphore
 from gevent.pool import Group
 from locust import User, constant, events, task
+from locust import stats as locust_stats
 from locust.exception import StopUser
 
 from vlora.loadtest.generators import RequestSpec, WorkloadGenerator
@@ -252,6 +253,9 @@ def _stop_when_done(environment, ctx: LoadContext) -> None:
         if runner is not None and ctx.workload.arrivals.mode == "closed" and runner.user_count == 0:
             break
         gevent.sleep(0.2)
+    # locust rewrites its stats CSVs every CSV_STATS_INTERVAL_SEC and not at shutdown: let one more
+    # write happen, so that they count the last requests too.
+    gevent.sleep(locust_stats.CSV_STATS_INTERVAL_SEC + 0.5)
     if environment.runner is not None:
         environment.runner.quit()
 
