@@ -99,7 +99,8 @@ def _is_number(x: Any) -> bool:
 
 @dataclass
 class GenerationRequest:
-    """One client request, already decoded from its transport (images are raw encoded bytes)."""
+    """One client request, taken from its transport. ``images`` are as the client sent them (base64
+    text, as the Triton vLLM backend's clients send, or raw encoded bytes); preparation decodes them."""
 
     request_id: str
     prompt: str
