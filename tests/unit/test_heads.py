@@ -25,10 +25,10 @@ def make_head(task="count", labels=LABELS, hidden=HIDDEN, seed=0):
                     torch.randn(len(labels), generator=g), "USER: {images}\nHow many? ASSISTANT:")
 
 
-@pytest.fixture()
-def root(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def root(tiny_model_dir, tmp_path_factory):
     """Random demo adapters (no trained ones, to stay fast) with two heads on demo-r8-qv."""
-    r = ensure_demo_adapters(tiny_model_dir, tmp_path / "adapters", trained=False)
+    r = ensure_demo_adapters(tiny_model_dir, tmp_path_factory.mktemp("heads") / "adapters", trained=False)
     save_heads(r / "demo-r8-qv", {"count": make_head(), "yesno": make_head("yesno", ("yes", "no"), seed=1)})
     return r
 
@@ -108,7 +108,7 @@ def test_adapter_loads_its_heads_and_refuses_broken_ones(root, tiny_model_dir):
         load_adapter(root, "broken", **kw)
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def engine(tiny_model_dir, root):
     cfg = EngineConfig().with_overrides({"model.path": str(tiny_model_dir), "lora.adapter_root": str(root),
                                          "model.device": "cpu", "model.dtype": "float32", "lora.max_rank": "32"})

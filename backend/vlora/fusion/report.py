@@ -99,7 +99,7 @@ def plot_accuracy(result: FusionResult, path: Path) -> bool:
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("test accuracy")
     ax.set_title(f"{len(names)} tasks -> {len(result.adapters)} adapter(s); dashed: floor; number: adapter", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
