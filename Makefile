@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-e2e doctor clean
+.PHONY: setup serve test test-e2e doctor atmm-ext clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,14 @@ test-e2e: setup
 
 doctor: setup
 	$(VENV)/bin/vlora doctor
+
+# On a CUDA machine: build the ATMM extension (CUTLASS headers from the nvidia-cutlass wheel).
+# ATMM_CUDA_ARCHS: 90a for H100/H200, 80 for A100, "80;90a" for both. CI never builds it.
+ATMM_CUDA_ARCHS ?= 90a
+atmm-ext: setup
+	$(PY) -m pip install --quiet --no-deps nvidia-cutlass==4.2.0.0
+	$(PY) -m pip install --quiet pybind11 scikit-build-core
+	ATMM_CUDA_ARCHS="$(ATMM_CUDA_ARCHS)" $(PY) -m pip install --no-build-isolation ./csrc
 
 clean:
 	rm -rf $(VENV) .pytest_cache
