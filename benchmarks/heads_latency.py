@@ -8,7 +8,8 @@ longer answers such as "The shape moves to the left." take 8 or more). Both run 
 one request alone and ``--batch`` requests together, on generated frames.
 
     # GPU, LLaVA-1.5-7B width (random weights; latency does not depend on what the weights are):
-    python benchmarks/heads_latency.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-heads --device cuda
+    python benchmarks/heads_latency.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-heads --device cuda \
+        --json-out $OUT/heads-latency.json
     # CPU smoke run on the tiny model:
     python benchmarks/heads_latency.py --device cpu --repeats 2 --no-record
 
@@ -121,6 +122,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8, help="requests sent together in the batched case")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-record", action="store_true", help="do not write results/ or RESULTS.md")
+    p.add_argument("--json-out", metavar="FILE", help="also write the result JSON here (e.g. $OUT/heads-latency.json)")
     args = p.parse_args()
 
     import torch
@@ -176,6 +178,8 @@ def main() -> int:
     result = {"commit": git_commit(), "model": info.get("name"), "dtype": info.get("dtype"), "device": info.get("device"),
               "preset": args.preset, "frames": args.frames, "prompt_tokens": len(engine.inputs.prepare(requests("head", 1)[0]).prompt_ids),
               "results": results, "latency_cut_percent": cuts, "torch": torch.__version__}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
     if not args.no_record:
         dev = device_name()
         width = f"{Path(args.preset).stem}" if args.preset else "tiny"
