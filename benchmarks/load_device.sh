@@ -19,37 +19,14 @@
 # matplotlib is not carried: the reports come back without plots; rebuild them here with
 #   vlora loadtest --report <fetched folder>
 # Writes under $OUT (default benchmarks/load_results): the raw CSVs, summaries and reports.
-# The setup below follows benchmarks/device_serve.sh (keep them in step).
+# The machine setup is benchmarks/device_env.sh, shared with device_serve.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-retrieval}
 shift || true
 OUT=${OUT:-benchmarks/load_results}
 mkdir -p "$OUT"
-WHEELS=$(ls .whl/*.whl .work/whl-load/*.whl 2>/dev/null | grep -v '/numpy-')  # NumPy is handled below
-if [ -n "$WHEELS" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD/backend:$PWD/client:${PYTHONPATH:-}
-# The Triton Python backend stub reads site-packages, not PYTHONPATH: make this checkout importable there.
-SITE_PACKAGES=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-printf '%s\n%s\n' "$PWD/backend" "$PWD/client" > "$SITE_PACKAGES/vlora-checkout.pth"
-export PYTHONUNBUFFERED=1
-# Triton 2.51's Python backend stub needs NumPy 1 (see device_serve.sh for the failure under NumPy 2).
-NUMPY1=$(ls .whl/numpy-1.*.whl .work/whl-load/numpy-1.*.whl 2>/dev/null | head -1)
-if python3 -c 'import numpy, sys; sys.exit(0 if numpy.__version__.startswith("2") else 1)' && [ -n "$NUMPY1" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/numpy1 "$NUMPY1"
-  echo "import sys; sys.path.insert(0, '/tmp/numpy1'); import importlib.util as _u; _f = _u.find_spec; _u.find_spec = lambda n, p=None, _f=_f: None if n.split('.')[0] in ('sklearn', 'scipy') else _f(n, p)" > "$SITE_PACKAGES/0-vlora-numpy1.pth"
-fi
-PYV=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-LIBDIR=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
-if [ ! -e "$LIBDIR/libpython$PYV.so.1.0" ] && ! ldconfig -p | grep -q "libpython$PYV.so.1.0"; then
-  if [ -f ".whl/libpython$PYV.so.1.0.xz" ]; then
-    mkdir -p /tmp/pylib && xz -dc ".whl/libpython$PYV.so.1.0.xz" > "/tmp/pylib/libpython$PYV.so.1.0"
-    export LD_LIBRARY_PATH=/tmp/pylib:${LD_LIBRARY_PATH:-}
-  fi
-fi
+WHEEL_DIRS=".whl .work/whl-load" source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import locust, gevent, tritonclient; print("locust", locust.__version__)' || exit 1
 
