@@ -168,7 +168,7 @@ class LLMEngine:
             return [], []
         orch = self.orchestrator
         decision = orch.decide([s.candidate for s in cands])
-        if not orch.can_merge or not orch.enter(decision.mode, decision.merged):
+        if not orch.enter(decision.mode, decision.merged):  # the adapter to merge found no free slot
             decision = self._fifo_unmerged(cands)
         batch, new = self._fill(decision.batch, cands)
         if not batch and orch.mode != UNMERGE:  # nothing of that mode fits now: make progress unmerged

@@ -86,9 +86,5 @@ class Orchestrator:
     def lora_slots(self, slot: int) -> tuple[int, int]:
         return self.mode_impl.lora_slots(slot, self.merged_slot)
 
-    @property
-    def can_merge(self) -> bool:
-        return self.switcher is not None
-
 
 __all__ = ["Orchestrator", "MERGE", "UNMERGE"]
