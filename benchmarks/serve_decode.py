@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,12 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import device_name, git_commit, record_result  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream_request(url: str, body: dict, out: dict) -> None:
@@ -144,7 +137,9 @@ def main() -> None:
     import yaml
 
     cfg_path.write_text(yaml.safe_dump(overrides))
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    from vlora.server.ports import free_ports
+
+    http, grpc, metrics = free_ports(3)
     serve += ["--config", str(cfg_path), "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
               "--workspace", str(work / "triton-ws")]
     log = open(work / "server.log", "w")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import socket
 import sys
 from pathlib import Path
 from typing import Optional
@@ -23,6 +22,7 @@ from vlora.config import ConfigError
 from vlora.loadtest.heads import HeadPolicy
 from vlora.loadtest.runner import Target, default_out_dir, run_sweep, sweep_points
 from vlora.loadtest.workload import PROTOCOLS, Workload, resolve_workload
+from vlora.server.ports import free_ports
 
 
 def _floats(text: str) -> list[float]:
@@ -151,24 +151,12 @@ def _demo_names() -> list[str]:
     return list(DEMO_ADAPTER_NAMES)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
 def start_server(args, workload: Workload, out_dir: Path, out):
     """`vlora serve` on free loopback ports, through the launcher; writes --num-adapters adapters first."""
     from vlora.config import default_cache_dir
     from vlora.server import launcher
 
-    http_port, grpc_port, metrics_port = _free_ports(3)
+    http_port, grpc_port, metrics_port = free_ports(3)
     serve_argv = ["--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
                   "--metrics-port", str(metrics_port), "--workspace", str((out_dir / "server").resolve())]
     for flag, value in (("--model", args.model), ("--adapters", args.adapters), ("--device", args.device)):
