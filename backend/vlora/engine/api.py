@@ -78,19 +78,19 @@ class SamplingParams:
             raise InvalidRequest("ignore_eos must be true or false")
         return cls(**kw)
 
-    @classmethod
-    def from_json(cls, text: str | bytes | None) -> tuple["SamplingParams", dict[str, Any]]:
-        """Parse the ``sampling_parameters`` input. Returns the params and the extra keys (lora_name, task...)."""
-        if text is None or (isinstance(text, (str, bytes)) and not text.strip()):
-            return cls(), {}
-        try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise InvalidRequest("sampling_parameters must be a JSON object")
-        extras = {k: d.pop(k) for k in list(d) if k in cls.EXTRA_KEYS}
-        return cls.from_dict(d), extras
+
+def parse_sampling_json(text: str | bytes | None) -> dict[str, Any]:
+    """The ``sampling_parameters`` input as a dict (empty when absent); InvalidRequest unless a JSON object.
+    :meth:`SamplingParams.from_dict` takes it from there, after ``EXTRA_KEYS`` are split off."""
+    if text is None or not text.strip():
+        return {}
+    try:
+        d = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise InvalidRequest("sampling_parameters must be a JSON object")
+    return d
 
 
 def _is_number(x: Any) -> bool:

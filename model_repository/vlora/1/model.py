@@ -31,6 +31,7 @@ from vlora.engine.api import (
     GenerationRequest,
     InvalidRequest,
     SamplingParams,
+    parse_sampling_json,
 )
 
 BASE_LABEL = "__base__"  # the lora_name label of requests without an adapter
@@ -281,15 +282,7 @@ class TritonPythonModel:
 
         # Request parameters first, then the sampling_parameters input over them.
         options = _request_parameters(request)
-        raw = _single(request, "sampling_parameters")
-        if raw is not None and raw.strip():
-            try:
-                given = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
-            if not isinstance(given, dict):
-                raise InvalidRequest("sampling_parameters must be a JSON object")
-            options.update(given)
+        options.update(parse_sampling_json(_single(request, "sampling_parameters")))
         extras = {k: options.pop(k) for k in SamplingParams.EXTRA_KEYS if k in options}
         sampling = SamplingParams.from_dict(options)
         lora_name = extras.get("lora_name")
