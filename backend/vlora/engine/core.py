@@ -64,11 +64,15 @@ class Sequence:
     prefilled: bool = False
     answer: Optional[dict] = None  # a task head's answer (task, label, labels, scores)
     candidate: Optional[Candidate] = None  # what the scheduling policy sees of this request
-    just_admitted: bool = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.req.prompt_ids) + len(self.output_ids)
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens this request puts into its next step: the prompt, then one at a time."""
+        return 1 if self.prefilled else len(self.req.prompt_ids)
 
 
 class LLMEngine:
@@ -191,14 +195,13 @@ class LLMEngine:
             if len(batch) >= sch.max_batch_size:
                 break
             s = by_id[c.request_id]
-            n = 1 if s.prefilled else len(s.req.prompt_ids)
+            n = s.step_tokens
             if n > budget and batch:
                 continue  # a prompt larger than the whole budget still runs, alone
-            if s not in self.running and not self._admit_one(s):
-                continue
-            if s.just_admitted:
+            if s not in self.running:
+                if not self._admit_one(s):
+                    continue
                 new.append(s)
-                s.just_admitted = False
             batch.append(s)
             budget -= n
         # Top up with running requests the mode can serve, so a request that could run never idles
@@ -207,7 +210,7 @@ class LLMEngine:
         for s in sorted(self.running, key=lambda s: s.candidate.last_served):
             if len(batch) >= sch.max_batch_size:
                 break
-            n = 1 if s.prefilled else len(s.req.prompt_ids)
+            n = s.step_tokens
             if s in batch or (n > budget and batch) or not orch.mode_impl.accepts(s.slot, orch.merged_slot):
                 continue
             batch.append(s)
@@ -231,7 +234,6 @@ class LLMEngine:
         self.waiting.remove(s)
         s.slot = slot
         s.blocks = SequenceBlocks(self.runner.kv.allocator.allocate(need))
-        s.just_admitted = True
         self.running.append(s)
         return True
 
