@@ -39,13 +39,24 @@ class LoraManager:
         first = next(iter(layers.values()), None)
         self.device = first.lora_a.device if first is not None else None
         self.swaps_in = 0
+        self._in_memory: dict[str, AdapterWeights] = {}  # registered without a folder; never evicted
+
+    def register(self, name: str, weights: AdapterWeights) -> None:
+        """Make ``weights`` servable as ``name`` without a folder under the adapter root (benchmarks
+        and tests that need hundreds of adapters). Such adapters stay in the host tier for good."""
+        with self._lock:
+            self._in_memory[name] = weights
 
     # -- registry (any thread) -----------------------------------------------------------------
     def list_adapters(self) -> list[str]:
-        return list_adapters(self.root) if self.root is not None else []
+        on_disk = list_adapters(self.root) if self.root is not None else []
+        return sorted(set(on_disk) | set(self._in_memory))
 
     def validate(self, name: str) -> AdapterWeights:
         """Resolve, load and check ``name`` into the host tier. Raises InvalidRequest/AdapterError."""
+        w = self._in_memory.get(name)
+        if w is not None:
+            return w
         if self.root is None:
             raise InvalidRequest(f"unknown adapter {name!r}: this server has no adapter root configured")
         with self._lock:
