@@ -1,23 +1,54 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repository root: the engine's GPU tests, then the serving decode
-# benchmark through the real tritonserver at LLaVA-1.5-7B dimensions (random weights).
-# Wheels that the machine lacks (nvidia-pytriton, peft, pytest, and numpy 1.26 where its image has NumPy 2)
-# are read from .whl/ when present: see benchmarks/device_env.sh, which both device scripts source.
-# Writes logs and results under $OUT (or benchmarks/results when OUT is unset).
+# On the GPU machine, from the repository root: the GPU tests (engine parity and ATMM, with the ATMM
+# extension active), then the serving decode benchmark through the real tritonserver at LLaVA-1.5-7B
+# dimensions (random weights), the task-head latency, and the in-process engine decode rates.
+# What the machine lacks comes from .devpack/ (benchmarks/make_devpack.sh) or .whl/: see device_env.sh;
+# the ATMM extension from build_atmm.sh. Steps are skipped once less than their expected time is left
+# of DEVICE_BUDGET_S (default 570 s), so a 10-minute device call always returns its logs.
+#   STEPS="tests serve heads engine" (default all four)
+# Writes under $OUT (default benchmarks/device_out): log.txt (every step's output), bundle.tgz (server logs,
+# the results JSON and RESULTS.md lines this run wrote), and the built extension (few files: the device
+# tool brings back at most 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results}
+T0=$(date +%s)
+OUT=${OUT:-benchmarks/device_out}
 mkdir -p "$OUT"
+LOG=$OUT/log.txt
+touch /tmp/device-serve.start
+exec > >(tee -a "$LOG") 2>&1
+STEPS=${STEPS:-"tests serve heads engine"}
 source benchmarks/device_env.sh
+source benchmarks/build_atmm.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+want() {  # want STEP SECONDS: the step is asked for and about SECONDS are left
+  [[ " $STEPS " == *" $1 "* ]] || return 1
+  local left=$(( ${DEVICE_BUDGET_S:-570} - ($(date +%s) - T0) ))
+  [ "$left" -ge "$2" ] || { echo "skipping $1: ${left} s left"; return 1; }
+  echo "== $1 ($(( $(date +%s) - T0 )) s in)"
+}
 rc=0
-[ -n "${SKIP_GPU_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" || rc=1
-python3 benchmarks/serve_decode.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench "$@" 2>&1 | tee "$OUT/serve-decode.log" || rc=1
-cp /tmp/vlora-bench/server.log "$OUT/server.log" 2>/dev/null
-tail -c 200000 /tmp/vlora-bench/triton-ws/tritonserver.log > "$OUT/tritonserver.log" 2>/dev/null
-python3 benchmarks/engine_decode.py --work /tmp/vlora-bench 2>&1 | tee "$OUT/engine-decode.log" || rc=1
-[ -z "${PROFILE:-}" ] || python3 benchmarks/profile_step.py --work /tmp/vlora-bench 2>&1 | tee "$OUT/profile.log"
-cp benchmarks/results/serve-decode-*.json benchmarks/results/engine-decode-*.json "$OUT/" 2>/dev/null
-tail -n 3 benchmarks/RESULTS.md > "$OUT/RESULTS-lines.md" 2>/dev/null
+if want tests 120; then
+  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tail -15 || rc=1
+fi
+if want serve 150; then
+  python3 benchmarks/serve_decode.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench "$@" || rc=1
+fi
+if want heads 90; then
+  python3 benchmarks/heads_latency.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-heads --device cuda \
+    --json-out /tmp/heads-latency.json || rc=1
+fi
+if want engine 90; then
+  python3 benchmarks/engine_decode.py --work /tmp/vlora-bench || rc=1
+fi
+[ -z "${PROFILE:-}" ] || python3 benchmarks/profile_step.py --work /tmp/vlora-bench
+mkdir -p /tmp/bundle
+cp /tmp/vlora-bench/server.log /tmp/bundle/ 2>/dev/null
+tail -c 300000 /tmp/vlora-bench/triton-ws/tritonserver.log > /tmp/bundle/tritonserver.log 2>/dev/null
+tail -n 8 benchmarks/RESULTS.md > /tmp/bundle/RESULTS-tail.md
+find benchmarks/results -name '*.json' -newer /tmp/device-serve.start -exec cp {} /tmp/bundle/ \;
+cp /tmp/heads-latency.json /tmp/bundle/ 2>/dev/null
+tar -C /tmp -czf "$OUT/bundle.tgz" bundle
+echo "done in $(( $(date +%s) - T0 )) s"
 exit $rc
