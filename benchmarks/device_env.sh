@@ -4,10 +4,11 @@
 #   .devpack/  made here by benchmarks/make_devpack.sh (xz-packed, fits the device tool's 64 MiB carry)
 #   WHEEL_DIRS (default ".whl"): plain wheels, installed with pip --no-index.
 # A warm machine keeps /tmp between calls: start from a clean /tmp/site each time.
-rm -rf /tmp/site /tmp/numpy1 && mkdir -p /tmp/site
-for part in site load; do
-  [ ! -f ".devpack/$part.tar.xz" ] || { tar -C /tmp -xJf ".devpack/$part.tar.xz" && cp -a "/tmp/$part/." /tmp/site/ && rm -rf "/tmp/$part"; } || exit 1
+rm -rf /tmp/site /tmp/numpy1 /tmp/devpack-x && mkdir -p /tmp/site /tmp/devpack-x
+for part in site load; do  # each archive holds one folder named after it
+  [ ! -f ".devpack/$part.tar.xz" ] || { tar -C /tmp/devpack-x -xJf ".devpack/$part.tar.xz" && cp -a "/tmp/devpack-x/$part/." /tmp/site/; } || exit 1
 done
+rm -rf /tmp/devpack-x
 [ ! -f .devpack/numpy1.tar.xz ] || tar -C /tmp -xJf .devpack/numpy1.tar.xz || exit 1
 WHEELS=$(for d in ${WHEEL_DIRS:-.whl}; do ls "$d"/*.whl 2>/dev/null; done | grep -v '/numpy-')  # NumPy: below
 if [ -n "$WHEELS" ]; then
