@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -23,6 +24,10 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit; VLORA_COMMIT overrides it where the tree was copied without its history
+    (the GPU machine's copy of the working tree carries a stale .git)."""
+    if os.environ.get("VLORA_COMMIT"):
+        return os.environ["VLORA_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout

@@ -46,3 +46,5 @@ if [ ! -e "$LIBDIR/libpython$PYV.so.1.0" ] && ! ldconfig -p | grep -q "libpython
   fi
 fi
 # The ATMM extension is set up by benchmarks/build_atmm.sh, sourced after this file.
+# Packs made before make_devpack.sh kept file modes: make the server and the stub executable.
+chmod +x /tmp/site/pytriton/tritonserver/bin/* /tmp/site/pytriton/tritonserver/python_backend_stubs/*/triton_python_backend_stub 2>/dev/null || true

@@ -35,7 +35,16 @@ trap 'rm -rf "$tmp"' EXIT
 unpack() {  # unpack the wheels matching the patterns into $tmp/$1 (a wheel is a zip of its install tree)
   local dir=$tmp/$1; shift
   mkdir -p "$dir"
-  for pat in "$@"; do for w in "$WHEELS"/$pat; do python3 -m zipfile -e "$w" "$dir"; done; done
+  for pat in "$@"; do for w in "$WHEELS"/$pat; do
+    # Unzip keeping the file modes (tritonserver and the backend stub must stay executable).
+    python3 -c 'import os, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for i in z.infolist():
+    path = z.extract(i, sys.argv[2])
+    mode = i.external_attr >> 16
+    if mode and not i.is_dir():
+        os.chmod(path, mode & 0o777)' "$w" "$dir"
+  done; done
 }
 unpack site 'nvidia_pytriton-*.whl' 'tritonclient-*.whl' 'grpcio-*.whl' 'protobuf-*.whl' 'python_rapidjson-*.whl'
 # pytriton ships a stub per Python version: keep only the 3.12 one the GPU image runs.

@@ -49,6 +49,12 @@ class AtmmKernels:
         self._table: Any = ext.TilingTable() if ext is not None else None
         self.table_source = "built-in default rule"
         self._table_dir = table_dir
+        self._names: tuple[str, ...] = tuple(c["name"] for c in ext.configs()) if ext is not None else ()
+        # Hot-path caches (every LoRA layer of every step calls run()): the launch plan of a call
+        # signature, the static checks of a pair of slot buffers, and one growing workspace per device.
+        self._plans: dict[tuple, tuple] = {}
+        self._checked_buffers: dict[tuple, str] = {}
+        self._workspace: dict[Any, torch.Tensor] = {}
         if ext is not None and load_table and torch.cuda.is_available():
             path = table_path(torch.cuda.get_device_name(), table_dir)
             if path.exists():
@@ -60,7 +66,7 @@ class AtmmKernels:
 
     @property
     def config_names(self) -> list[str]:
-        return [c["name"] for c in self.ext.configs()] if self.ext is not None else []
+        return list(self._names)
 
     def load_table(self, path: Path) -> int:
         """Load ``path`` into a fresh table and swap it in. Raises ValueError naming a refused entry."""
@@ -71,6 +77,7 @@ class AtmmKernels:
         with self._lock:
             self._table = table
             self.table_source = str(path)
+            self._plans = {}
         log.info("atmm: tiling table %s loaded (%d entries)", path, len(entries))
         return len(entries)
 
@@ -88,34 +95,60 @@ class AtmmKernels:
         """Why the extension cannot serve this call ("" when it can)."""
         if self.ext is None:
             return self.unavailable_reason
-        if not (y.is_cuda and x.is_cuda and lora_a.is_cuda and lora_b.is_cuda and mapping.seg_indptr.is_cuda):
+        if not (y.is_cuda and x.is_cuda and mapping.seg_indptr.is_cuda):
             return "inputs not all on CUDA"
-        if y.dtype not in _DTYPES or not (x.dtype == lora_a.dtype == lora_b.dtype == y.dtype):
-            return f"dtypes {x.dtype}/{lora_a.dtype}/{lora_b.dtype}/{y.dtype}: need one of fp16, bf16"
-        if len({t.device for t in (y, x, lora_a, lora_b, mapping.seg_indptr, mapping.seg_slot)}) != 1:
-            return "inputs on different devices"
-        if x.dim() != 2 or y.dim() != 2 or lora_a.dim() != 3 or lora_b.dim() != 3:
-            return "x, y must be 2-D and lora_a, lora_b 3-D"
+        key = (lora_a.data_ptr(), lora_b.data_ptr(), tuple(lora_a.shape), tuple(lora_b.shape), lora_a.dtype, lora_b.dtype)
+        why = self._checked_buffers.get(key)
+        if why is None:  # the slot buffers are allocated once: check them once
+            why = self._check_buffers(lora_a, lora_b)
+            if len(self._checked_buffers) > 65536:
+                self._checked_buffers.clear()
+            self._checked_buffers[key] = why
+        if why:
+            return why
         n_slots, r_max, d_in = lora_a.shape
-        d_out = y.shape[1]
-        if x.shape[1] != d_in or tuple(lora_b.shape) != (n_slots, d_out, r_max) or x.shape[0] != y.shape[0]:
+        d_out = lora_b.shape[1]
+        if y.dtype != lora_a.dtype or x.dtype != lora_a.dtype:
+            return f"dtypes {x.dtype}/{lora_a.dtype}/{lora_b.dtype}/{y.dtype}: need one of fp16, bf16"
+        if y.device != lora_a.device or x.device != lora_a.device or mapping.seg_indptr.device != lora_a.device:
+            return "inputs on different devices"
+        if x.dim() != 2 or y.dim() != 2:
+            return "x, y must be 2-D and lora_a, lora_b 3-D"
+        if x.shape[1] != d_in or y.shape[1] != d_out or x.shape[0] != y.shape[0]:
             return f"shapes x{tuple(x.shape)} y{tuple(y.shape)} A{tuple(lora_a.shape)} B{tuple(lora_b.shape)} disagree"
-        if d_in % 8 or d_out % 8 or r_max % 8:
-            return f"d_in={d_in} d_out={d_out} r_max={r_max}: need multiples of 8"
-        if not (x.is_contiguous() and lora_a.is_contiguous() and lora_b.is_contiguous()):
+        if not x.is_contiguous():
             return "x, lora_a, lora_b must be contiguous"
         if y.stride(1) != 1 or y.stride(0) % 8:
             return "y rows must be contiguous with a stride that is a multiple of 8"
-        if any(t.data_ptr() % 16 for t in (y, x, lora_a, lora_b)):
+        if x.data_ptr() % 16 or y.data_ptr() % 16:
             return "operands must be 16-byte aligned"
-        if len(ranks) != n_slots or len(scales) != n_slots or n_slots > self.ext.MAX_SLOTS:
+        if len(ranks) != n_slots or len(scales) != n_slots:
             return f"{len(ranks)} ranks, {len(scales)} scales for {n_slots} slots (max {self.ext.MAX_SLOTS})"
-        if any(r < 0 or r > r_max for r in ranks):
-            return f"ranks {ranks} outside [0, {r_max}]"
-        if mapping.seg_indptr.dtype != torch.int32 or mapping.seg_slot.dtype != torch.int32:
-            return "mapping tensors must be int32"
         if mapping.num_tokens != x.shape[0]:
             return f"mapping covers {mapping.num_tokens} tokens, x has {x.shape[0]}"
+        return ""
+
+    def _check_buffers(self, lora_a: torch.Tensor, lora_b: torch.Tensor) -> str:
+        if not (lora_a.is_cuda and lora_b.is_cuda):
+            return "inputs not all on CUDA"
+        if lora_a.dtype not in _DTYPES or lora_a.dtype != lora_b.dtype:
+            return f"dtypes {lora_a.dtype}/{lora_b.dtype}: need one of fp16, bf16"
+        if lora_a.device != lora_b.device:
+            return "inputs on different devices"
+        if lora_a.dim() != 3 or lora_b.dim() != 3:
+            return "x, y must be 2-D and lora_a, lora_b 3-D"
+        n_slots, r_max, d_in = lora_a.shape
+        d_out = lora_b.shape[1]
+        if tuple(lora_b.shape) != (n_slots, d_out, r_max):
+            return f"shapes A{tuple(lora_a.shape)} B{tuple(lora_b.shape)} disagree"
+        if d_in % 8 or d_out % 8 or r_max % 8:
+            return f"d_in={d_in} d_out={d_out} r_max={r_max}: need multiples of 8"
+        if not (lora_a.is_contiguous() and lora_b.is_contiguous()):
+            return "x, lora_a, lora_b must be contiguous"
+        if lora_a.data_ptr() % 16 or lora_b.data_ptr() % 16:
+            return "operands must be 16-byte aligned"
+        if n_slots > self.ext.MAX_SLOTS:
+            return f"{n_slots} slots (max {self.ext.MAX_SLOTS})"
         return ""
 
     def run(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -128,6 +161,34 @@ class AtmmKernels:
         n_slots, r_max, d_in = lora_a.shape
         d_out = y.shape[1]
         T, S = x.shape[0], mapping.num_segments
+        key = (dtype, T, d_in, d_out, r_max, mapping.seg_slot_host, ranks, shrink, expand)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(dtype, T, d_in, d_out, r_max, ranks, mapping, shrink, expand)
+            if len(self._plans) > 8192:
+                self._plans.clear()
+            self._plans[key] = plan
+        shrink_idx, split_k, expand_idx, ranks_list, need = plan
+        if workspace is None:
+            workspace = self._workspace.get(y.device)
+            if workspace is None or workspace.numel() < need:
+                # One buffer per device, grown as needed: launches on one stream never overlap.
+                workspace = torch.empty(max(need, 1 << 20), dtype=torch.uint8, device=y.device)
+                self._workspace[y.device] = workspace
+        elif workspace.numel() < need:
+            workspace = torch.empty(need, dtype=torch.uint8, device=y.device)
+        self.ext.forward(
+            y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
+            mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), workspace.data_ptr(), workspace.numel(),
+            T, d_in, d_out, r_max, x.stride(0), y.stride(0), S, ranks_list, _float_list(scales), dtype,
+            shrink_idx, split_k, expand_idx, torch.cuda.current_stream(y.device).cuda_stream, phases)
+        return y
+
+
+    def _plan(self, dtype: str, T: int, d_in: int, d_out: int, r_max: int, ranks: tuple[int, ...],
+              mapping: LoraBatchMapping, shrink: tuple[str, int] | None, expand: str | None) -> tuple:
+        """(shrink config index, split_k, expand config index, ranks list, workspace bytes) of a call."""
+        S = mapping.num_segments
         used = [ranks[s] for s in mapping.seg_slot_host if s >= 0]
         rank = max(((r + 7) // 8 * 8 for r in used), default=8) or 8
         if shrink is None:
@@ -135,18 +196,21 @@ class AtmmKernels:
             shrink = (hit["config"], hit["split_k"])
         if expand is None:
             expand = self.lookup("expand", dtype, T, d_out, rank, S)["config"]
-        names = self.config_names
         split_k = int(shrink[1])
         need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
-        if workspace is None or workspace.numel() < need:
-            workspace = torch.empty(need, dtype=torch.uint8, device=y.device)
-        self.ext.forward(
-            y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
-            mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), workspace.data_ptr(), workspace.numel(),
-            T, d_in, d_out, r_max, x.stride(0), y.stride(0), S, list(ranks), [float(s) for s in scales], dtype,
-            names.index(shrink[0]), split_k, names.index(expand), torch.cuda.current_stream(y.device).cuda_stream,
-            phases)
-        return y
+        return self._names.index(shrink[0]), split_k, self._names.index(expand), list(ranks), need
+
+
+_FLOATS: dict[tuple, list] = {}
+
+
+def _float_list(scales: tuple[float, ...]) -> list[float]:
+    out = _FLOATS.get(scales)
+    if out is None:
+        if len(_FLOATS) > 4096:
+            _FLOATS.clear()
+        out = _FLOATS[scales] = [float(s) for s in scales]
+    return out
 
 
 class _Default:
