@@ -2,7 +2,8 @@
 # Load tests on the GPU machine at LLaVA-1.5-7B width (random weights) with rank-64 adapters, through the
 # same harness as the CPU (vlora loadtest / benchmarks/load_sweep.py) and a real tritonserver.
 #
-#   bash benchmarks/load_device.sh retrieval video  # rate sweep, skewness sweep, overload (~4 min each)
+#   bash benchmarks/load_device.sh retrieval video  # average token latency against request rate (~4 min each)
+#   SKEWNESS=0.2,0.5,0.9 OVERLOAD_S=20 bash ... # add a skewness sweep and an overload run (the CPU suite has them)
 #   SCALING_GPUS="1 2 4" bash benchmarks/load_device.sh scaling  # throughput per GPU count (~2 min per count)
 #
 # Parts run in the order given. Both sweeps fit one 10-minute device command. Wheels the machine lacks are read from .whl/ (nvidia-pytriton,
@@ -38,12 +39,12 @@ for PART in "${PARTS[@]}"; do
   case "$PART" in
     retrieval)
       python3 benchmarks/load_sweep.py --keep-raw --name load-7b-retrieval --workload visual_retrieval --preset $PRESET \
-        --rates ${RETRIEVAL_RATES:-1,2,4,8} --duration "$D" --skewness 0.2,0.5,0.9 --skew-duration "$D" --overload-duration "$D" \
+        --rates ${RETRIEVAL_RATES:-0.25,0.5,1,2} --duration "$D" --skewness "${SKEWNESS:-}" --skew-duration "$D" --overload-duration "${OVERLOAD_S:-0}" \
         --out "$W/load-7b-retrieval" -- "${SERVER[@]}" --serve-arg="--max-queue-size 32" || rc=1 ;;
     video)
       # LLaVA-1.5 has a 4096-token context: 6 frames x 576 image tokens per action-recognition request.
       python3 benchmarks/load_sweep.py --keep-raw --name load-7b-video --workload video --preset $PRESET \
-        --rates ${VIDEO_RATES:-1,2,4,8} --duration "$D" --skewness 0.2,0.5,0.9 --skew-duration "$D" --overload-duration "$D" \
+        --rates ${VIDEO_RATES:-1,2,4} --duration "$D" --skewness "${SKEWNESS:-}" --skew-duration "$D" --overload-duration "${OVERLOAD_S:-0}" \
         --out "$W/load-7b-video" -- "${SERVER[@]}" --frames-per-chunk 6 --serve-arg="--max-queue-size 32" || rc=1 ;;
     scaling)
       # One model instance per visible GPU (Triton's instance_group); closed loop, 32 users per GPU.

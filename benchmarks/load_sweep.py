@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=30.0, help="seconds per rate point")
     p.add_argument("--skewness", type=floats, default=floats("0.25,0.5,0.75,1.0"))
     p.add_argument("--skew-duration", type=float, default=20.0)
-    p.add_argument("--overload-duration", type=float, default=60.0)
+    p.add_argument("--overload-duration", type=float, default=60.0, help="0: no overload run")
     p.add_argument("--work", default="/tmp/vlora-load", help="raw results (CSV, logs, server workspace)")
     p.add_argument("--out", help="reports to keep (default: benchmarks/load_results/<name>-<device>)")
     p.add_argument("--keep-raw", action="store_true",
@@ -99,23 +99,26 @@ def main(argv=None) -> int:
                               [Point(skew_rate, x) for x in args.skewness], target, work / "skewness",
                               names, heads, out=out, settings=settings,
                               title=f"{args.name}: skewness sweep at {skew_rate:g} req/s ({workload.name})")
-        wait_idle(target.metrics_url, 120, out)
         overload_rate = 2 * knee
-        overload = run_point(workload.with_overrides(rate=overload_rate, duration_s=args.overload_duration), target,
-                             work / "overload", names, heads, out=out, settings=settings)
+        overload = None
+        if args.overload_duration > 0:
+            wait_idle(target.metrics_url, 120, out)
+            overload = run_point(workload.with_overrides(rate=overload_rate, duration_s=args.overload_duration), target,
+                                 work / "overload", names, heads, out=out, settings=settings)
     finally:
         server.stop()
 
-    checks = {
-        "every request answered or rejected": overload["ok"] + overload["rejected"] == overload["requests"],
-        "some requests rejected by the queue policy": overload["rejected"] > 0,
-        "rejections name the full queue": all(k.startswith("rejected: Exceeds maximum queue size")
-                                              or "overloaded" in k for k in overload["error_messages"]),
-        "none timed out (hung)": overload["timeout"] == 0,
-        "none lost": overload.get("lost") == 0,
-        "no other failure": overload["error"] == 0 and overload["incomplete"] == 0,
-        "sweep below the knee without failures": all(s["errors"] == 0 for s in rates if s["offered_rate_rps"] < knee),
-    }
+    checks = {"sweep below the knee without failures": all(s["errors"] == 0 for s in rates if s["offered_rate_rps"] < knee)}
+    if overload is not None:
+        checks.update({
+            "every request answered or rejected": overload["ok"] + overload["rejected"] == overload["requests"],
+            "some requests rejected by the queue policy": overload["rejected"] > 0,
+            "rejections name the full queue": all(k.startswith("rejected: Exceeds maximum queue size")
+                                                  or "overloaded" in k for k in overload["error_messages"]),
+            "none timed out (hung)": overload["timeout"] == 0,
+            "none lost": overload.get("lost") == 0,
+            "no other failure": overload["error"] == 0 and overload["incomplete"] == 0,
+        })
     keep = Path(args.out) if args.out else ROOT / "benchmarks" / "load_results" / f"{args.name}-{device_name()}"
     if keep.exists():
         shutil.rmtree(keep)
@@ -136,16 +139,18 @@ def main(argv=None) -> int:
 
     result = {"commit": git_commit(), "device": device_name(), "workload": workload.describe(),
               "server_flags": extra, "knee_rate_rps": knee, "overload_rate_rps": overload_rate,
-              "rates": [point(s) for s in rates], "skewness": [point(s) for s in skews], "overload": point(overload),
+              "rates": [point(s) for s in rates], "skewness": [point(s) for s in skews],
+              "overload": point(overload) if overload is not None else None,
               "checks": checks, "wall_s": round(time.time() - t_start, 1),
               "report": str(keep.relative_to(ROOT)) if keep.is_relative_to(ROOT) else str(keep)}
     best = max(rates, key=lambda s: s["throughput_rps"])
     summary = (f"{workload.name}: queue builds at {knee:g} req/s (max {best['throughput_rps']:.2f} req/s answered); "
                + "; ".join(f"{s['offered_rate_rps']:g} req/s: {_ms(s['avg_token_latency_s'])}/tok, "
                            f"p99 e2e {s['e2e_p99_s']:.2f}s" for s in rates)
-               + f"; overload {overload_rate:g} req/s: {overload['ok']} answered, {overload['rejected']} rejected "
-                 f"(max {overload['rejection_latency_max_s'] or 0:.3f}s), {overload['timeout']} hung, "
-                 f"{overload.get('lost')} lost; checks {'pass' if all(checks.values()) else 'FAIL'}")
+               + (f"; overload {overload_rate:g} req/s: {overload['ok']} answered, {overload['rejected']} rejected "
+                  f"(max {overload['rejection_latency_max_s'] or 0:.3f}s), {overload['timeout']} hung, "
+                  f"{overload.get('lost')} lost" if overload is not None else "; no overload run")
+               + f"; checks {'pass' if all(checks.values()) else 'FAIL'}")
     record_result(args.name, device_name(), result, summary)
     print(f"report: {keep / 'report.md'}")
     for k, v in checks.items():
@@ -203,6 +208,11 @@ def index_page(name, workload, rates, skews, overload, knee, checks, settings) -
     if skews:
         lines += ["## Skewness sweep", "", "![latency against skewness](skewness/latency_vs_skewness.png)", "",
                   _table(skews, "skewness"), ""]
+    if overload is None:
+        lines += ["| check | |", "| --- | --- |"] + [f"| {k} | {'pass' if v else 'FAIL'} |" for k, v in checks.items()]
+        pages = [f"[{s['run']}](rates/{s['run']}/report.md)" for s in rates]
+        pages += [f"[{s['run']}](skewness/{s['run']}/report.md)" for s in skews]
+        return "\n".join(lines + ["", "Per-run pages: " + ", ".join(pages) + ".", ""])
     lines += [f"## Overload at {2 * knee:g} req/s (twice the knee)", "",
               f"{overload['requests']} requests: {overload['ok']} answered in full, {overload['rejected']} rejected "
               f"explicitly, {overload['timeout']} timed out, {overload['error'] + overload['incomplete']} other failures, "
