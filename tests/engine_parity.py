@@ -89,6 +89,8 @@ def check_mixed_batch(engine, reference, rtol: float, exact_tokens: bool = True)
         if out.finished:
             finals[out.request_id] = out
 
+    for name in ADAPTERS:  # in their slots before the steps: on CUDA a copy into a slot completes asynchronously
+        engine.loras.release(engine.loras.acquire(name))
     seq_of = {}
     for rid in first:
         engine.add_request(prepared[rid], cb)

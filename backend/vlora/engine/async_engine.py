@@ -1,5 +1,6 @@
 """The engine behind the Triton model: input validation on the caller's thread, the iteration loop
-on its own thread, back-pressure on admission, cancellation, and a draining shutdown.
+on its own thread, back-pressure on admission, cancellation, a draining shutdown, and the adapter
+administration of clients (list, load, unload) run on the engine thread between steps.
 """
 from __future__ import annotations
 
@@ -7,15 +8,20 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Optional
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
 
 from vlora.config import EngineConfig
 from vlora.engine.api import EngineOverloaded, GenerationRequest, OutputCallback
 from vlora.engine.builder import build_engine
-from vlora.engine.core import PreparedRequest
+from vlora.engine.core import LLMEngine, PreparedRequest
 from vlora.engine.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
+
+# How long the loop waits when a step ran nothing although requests wait (their adapters are being
+# loaded): new requests and control calls wake it at once.
+IDLE_POLL_S = 0.002
 
 
 class AsyncEngine:
@@ -29,6 +35,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._cancels: set[str] = set()
+        self._control: deque[tuple[Callable[[LLMEngine], Any], Future]] = deque()
         self._backlog = 0
         self._stopping = False
         self._stopped = False
@@ -43,6 +50,32 @@ class AsyncEngine:
 
     def list_adapters(self) -> list[str]:
         return self.loras.list_adapters()
+
+    # -- adapters (any thread but the engine's) --------------------------------------------------
+    def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 120.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result (or raise
+        its exception). The engine's state is only touched there."""
+        fut: Future = Future()
+        with self._cond:
+            if self._stopping:
+                raise EngineOverloaded("server is shutting down")
+            self._control.append((fn, fut))
+            self._cond.notify_all()
+        return fut.result(timeout)
+
+    def adapters(self) -> list[dict]:
+        """Every adapter known to the server: id, tier (gpu, cpu, disk), rank, targets, heads, requests."""
+        return self.call(lambda eng: eng.describe_adapters())
+
+    def load_adapter(self, name: str) -> dict:
+        """Read and check ``name`` from the adapter root into host memory (on this thread: the engine
+        keeps decoding); refused with the reason (AdapterError) when it cannot be served."""
+        self.loras.load(name)
+        return self.call(lambda eng: eng.describe_adapters([name]))[0]
+
+    def unload_adapter(self, name: str) -> dict:
+        """Drop ``name`` from the device and host tiers; refused (AdapterBusy) while requests use it."""
+        return self.call(lambda eng: eng.unload_adapter(name))
 
     # -- requests --------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest) -> PreparedRequest:
@@ -85,13 +118,15 @@ class AsyncEngine:
                 self._cond.notify_all()
             self._thread.join(10.0)
         self._stopped = True
+        self.loras.close()
 
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine
         while True:
             with self._cond:
-                while not self._inbox and not self._cancels and not eng.has_work() and not self._stopping:
+                while (not self._inbox and not self._cancels and not self._control and not eng.has_work()
+                       and not self._stopping):
                     self._cond.wait()
                 while self._inbox:
                     eng.add_request(*self._inbox.popleft())
@@ -99,19 +134,38 @@ class AsyncEngine:
                 for rid in self._cancels:
                     eng.abort(rid)
                 self._cancels.clear()
+                control, self._control = self._control, deque()
                 if self._cancel_all:
                     eng.fail_all("cancelled", "server shut down before the request finished")
-                if self._stopping and not eng.has_work():
+                stop = self._stopping and not eng.has_work()
+            self._run_control(control)
+            if stop:
+                with self._cond:
                     self._backlog = 0
+                    for _, fut in self._control:
+                        fut.set_exception(EngineOverloaded("server is shutting down"))
+                    self._control.clear()
                     self._cond.notify_all()
-                    return
+                return
             try:
-                eng.step()
+                ran = eng.step()
             except Exception as e:  # never let the loop die with requests in flight
                 log.exception("engine step crashed")
                 eng.fail_all("error", f"internal error: {e}")
+                ran = None
             with self._cond:
                 self._backlog = len(eng.waiting)
                 self._cond.notify_all()
+                if ran is None and eng.has_work() and not (self._inbox or self._cancels or self._control):
+                    self._cond.wait(IDLE_POLL_S)  # the waiting requests' adapters are still loading
+
+    def _run_control(self, control: deque) -> None:
+        for fn, fut in control:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # the caller gets it; the loop goes on
+                fut.set_exception(e)
 
 

@@ -79,7 +79,7 @@ def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) 
     runner = ModelRunner(loaded.model, image_token_id=loaded.image_token_id, num_slots=config.lora.max_gpu_adapters,
                          max_rank=config.lora.max_rank, target_modules=config.lora.target_modules)
     runner.allocate_kv(config.cache.num_blocks, config.cache.block_size, config.cache.gpu_memory_fraction)
-    loras = LoraManager(adapter_root, runner.lora_layers, runner.num_layers, runner.module_dims(), config.lora)
+    loras = LoraManager(adapter_root, runner.lora_layers, runner.num_layers, runner.module_dims(), config.lora, metrics)
     engine = LLMEngine(config, runner, loras, loaded.tokenizer, max_model_len, eos_token_ids(loaded), metrics)
     engine.inputs = InputProcessor(loaded, config.limits, loras, max_model_len)
     engine.model_info = {"name": loaded.name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),

@@ -10,24 +10,28 @@ drives it; tests drive it directly). Each ``step()``:
    segments are contiguous;
 4. samples, applies stop conditions, and reports each request's new text through its callback. A request
    with a ``task`` is answered by its adapter's task head from the prefill's hidden state, and finishes.
+
+A waiting request is admitted only once its adapter is in a device slot and the copy into that slot has
+completed (:meth:`LoraManager.try_acquire` answers "not yet" meanwhile, without blocking), so a request
+whose adapter is being loaded waits for it while the others keep decoding.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from vlora.config import EngineConfig
-from vlora.engine.api import GenerationOutput, OutputCallback, SamplingParams
+from vlora.engine.api import GenerationOutput, InvalidRequest, OutputCallback, SamplingParams
 from vlora.engine.kv_cache import SequenceBlocks
 from vlora.engine.metrics import EngineMetrics, NullMetrics
 from vlora.engine.model_runner import ModelRunner, SeqInput, StepResult
 from vlora.engine.sampler import make_generator, sample
-from vlora.lora.manager import LoraManager
+from vlora.lora.manager import AdapterBusy, LoraManager
 from vlora.orchestrator.orchestrator import Orchestrator
 from vlora.orchestrator.policies import UNMERGE, Candidate, Decision
 
@@ -92,6 +96,7 @@ class LLMEngine:
         self.inputs = None  # the InputProcessor that prepares requests for this engine (set by build_engine)
         self.model_info: dict = {}
         self.orchestrator = Orchestrator(config.orchestrator, config.scheduler.max_batch_size, runner, loras, self.metrics)
+        self._reported: tuple = ()  # the per-adapter counts and residency last sent to the metrics
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
@@ -110,6 +115,14 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> Optional[StepResult]:
+        """One iteration; None when nothing ran (nothing to do, every pick still waits for its adapter,
+        or the step failed and failed its requests)."""
+        try:
+            return self._step()
+        finally:
+            self._report_adapters()
+
+    def _step(self) -> Optional[StepResult]:
         self._process_aborts()
         batch, new = self._schedule()
         if not batch:
@@ -125,6 +138,8 @@ class LLMEngine:
                 inputs.append(SeqInput(s.req.prompt_ids, 0, s.blocks, plus, delora_slot=minus,
                                        pixel_values=s.req.pixel_values, image_keys=s.req.image_keys))
         try:
+            # The copies into the slots this step reads were issued on the side stream: order them first.
+            self.loras.wait_ready([s.slot for s in batch] + [orch.merged_slot if orch.merged_slot is not None else -1])
             result = self.runner.forward(inputs)
             tokens = sample(result.logits, [s.req.sampling for s in batch], [s.generator for s in batch])
         except Exception as e:  # a failed step fails its requests, not the server
@@ -218,7 +233,7 @@ class LLMEngine:
         return batch, new
 
     def _admit_one(self, s: Sequence) -> bool:
-        """Reserve KV blocks and pin an adapter slot for a waiting request."""
+        """Reserve KV blocks and pin an adapter slot for a waiting request; False: it waits."""
         if len(self.running) >= self.config.scheduler.max_batch_size:
             return False
         need = self.runner.kv.blocks_for(s.max_len)
@@ -226,11 +241,18 @@ class LLMEngine:
             self.waiting.remove(s)
             self._finish(s, "error", error=f"request needs {need} KV blocks, the cache has {self.runner.kv.num_blocks}")
             return False
-        if need > self.runner.kv.allocator.num_free:
+        try:
+            # Asked before the KV check so that a load starts (and overlaps) even while the cache is full.
+            slot = self.loras.try_acquire(s.req.lora_name)
+        except InvalidRequest as e:  # unloaded, or its folder broke since the request was validated
+            self.waiting.remove(s)
+            self._finish(s, "error", error=str(e))
             return False
-        slot = self.loras.acquire(s.req.lora_name)
         if slot is None:
-            return False  # every adapter slot is pinned by running requests; wait for one to finish
+            return False  # its adapter is being read or copied, or every slot is pinned: a later step
+        if need > self.runner.kv.allocator.num_free:
+            self.loras.release(slot)
+            return False
         self.waiting.remove(s)
         s.slot = slot
         s.blocks = SequenceBlocks(self.runner.kv.allocator.allocate(need))
@@ -308,6 +330,50 @@ class LLMEngine:
         for s in [x for x in self.waiting if x.req.request_id in ids]:
             self.waiting.remove(s)
             self._finish(s, "cancelled")
+
+    # -- adapters (engine thread) ---------------------------------------------------------------
+    def adapter_requests(self) -> dict[Optional[str], tuple[int, int]]:
+        """(running, waiting) requests per adapter name (None: the base model)."""
+        running = Counter(s.req.lora_name for s in self.running)
+        waiting = Counter(s.req.lora_name for s in self.waiting)
+        return {name: (running[name], waiting[name]) for name in set(running) | set(waiting)}
+
+    def describe_adapters(self, names=None) -> list[dict]:
+        """The adapter registry as a client lists it: the manager's entries plus requests and merge state."""
+        counts = self.adapter_requests()
+        out = self.loras.describe(names)
+        for entry in out:
+            entry["running"], entry["waiting"] = counts.get(entry["name"], (0, 0))
+            entry["merged"] = entry["name"] == self.orchestrator.merged
+        return out
+
+    def unload_adapter(self, name: str) -> dict:
+        """Unload ``name`` unless requests use it (refused, not deferred: the client retries).
+
+        Requests admitted or waiting for it block the unload; a merge of it alone is undone first.
+        """
+        running, waiting = self.adapter_requests().get(name, (0, 0))
+        if running or waiting:
+            raise AdapterBusy(f"adapter {name!r} has {running} running and {waiting} waiting request(s); "
+                              f"unload refused: retry when they have finished")
+        if self.orchestrator.merged == name:
+            self.orchestrator.enter(UNMERGE, None)
+        self.loras.unload(name)
+        entries = self.describe_adapters([name])
+        return entries[0] if entries else {"name": name, "id": self.loras.adapter_id(name), "loaded": False}
+
+    def _report_adapters(self) -> None:
+        running = Counter(s.req.lora_name for s in self.running)
+        waiting = Counter(s.req.lora_name for s in self.waiting)
+        resident = self.loras.resident_counts()
+        if (running, waiting, resident) == self._reported:
+            return
+        old = self._reported
+        self._reported = (running, waiting, resident)
+        if not old or (running, waiting) != old[:2]:
+            self.metrics.adapter_requests(dict(running), dict(waiting))
+        if not old or resident != old[2]:
+            self.metrics.adapters_resident(*resident)
 
     def fail_all(self, reason: str, error: Optional[str] = None) -> None:
         for s in list(self.running) + list(self.waiting):

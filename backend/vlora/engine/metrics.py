@@ -1,8 +1,9 @@
 """What the engine reports about itself. The Triton model implements this with ``pb_utils.MetricFamily``;
-tests and benchmarks may record into plain Python objects. Calls come from the engine thread."""
+tests and benchmarks may record into plain Python objects. Calls come from the engine thread, except
+``adapter_swap`` for host loads, which may also come from request and loader threads."""
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Mapping, Optional, Protocol
 
 
 class EngineMetrics(Protocol):
@@ -17,6 +18,18 @@ class EngineMetrics(Protocol):
     def mode_step(self, mode: str, merged: Optional[str], duration_s: float) -> None: ...
 
     def mode_switch(self, from_mode: str, to_mode: str, duration_s: float) -> None: ...
+
+    def adapter_requests(self, running: Mapping[Optional[str], int], waiting: Mapping[Optional[str], int]) -> None:
+        """Running and waiting requests per adapter (None: the base model), sent when they change.
+        An adapter absent from both maps has none."""
+
+    def adapter_swap(self, kind: str, lora_name: str) -> None:
+        """An adapter moved between tiers; ``kind`` is ``gpu_load`` (copied into a device slot),
+        ``gpu_eviction`` (its slot given to another adapter, or unloaded), ``host_load`` (read into
+        host memory) or ``host_eviction``."""
+
+    def adapters_resident(self, gpu: int, host: int) -> None:
+        """How many adapters are in device slots and in host memory, sent when it changes."""
 
 
 class NullMetrics:
@@ -38,4 +51,13 @@ class NullMetrics:
         pass
 
     def mode_switch(self, from_mode: str, to_mode: str, duration_s: float) -> None:
+        pass
+
+    def adapter_requests(self, running: Mapping[Optional[str], int], waiting: Mapping[Optional[str], int]) -> None:
+        pass
+
+    def adapter_swap(self, kind: str, lora_name: str) -> None:
+        pass
+
+    def adapters_resident(self, gpu: int, host: int) -> None:
         pass

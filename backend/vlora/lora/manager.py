@@ -1,97 +1,277 @@
-"""Adapter residency: a registry of adapters under the adapter root, a host-memory LRU tier, and the
-device slots that the LoRA layers read.
+"""Adapter residency: a registry of adapters with stable ids, a host-memory LRU tier, and the device
+slots that the LoRA layers read.
 
-``validate`` runs on request threads (it loads and checks an adapter into the host tier, so a bad
-adapter is refused before anything is queued); ``acquire``/``release`` run on the engine thread and
-pin a slot while a request that uses it is running.
+Tiers: disk (PEFT folders under the adapter root, or weights registered in memory) -> host (an LRU of
+``max_cpu_adapters`` checked adapters; in the slots' dtype and in pinned memory when the slots are on
+CUDA) -> device slots (``max_gpu_adapters``; the least recently used unpinned slot is refilled).
+
+Threads. ``validate`` and ``load`` run on request threads: they read and check an adapter into the
+host tier, so a bad adapter is refused with its reason before anything is queued. ``try_acquire``,
+``acquire``, ``release``, ``wait_ready``, ``unload`` and ``describe`` run on the engine thread, which
+alone touches the slots. The engine loop never waits for the disk or for a copy (it uses
+``try_acquire``; ``acquire`` is the blocking form for benchmarks and tests):
+
+- a host-tier miss (an adapter evicted since it was validated) is read on a loader thread, and
+  ``try_acquire`` answers "not yet" until it is there;
+- the host-to-device copy into a slot is issued on a side CUDA stream, with an event per slot, and
+  ``try_acquire`` pins the slot only once that event has completed. A request waits for its own adapter
+  while the others keep decoding; ``wait_ready`` makes the compute stream wait on the events of the
+  slots a step reads, so correctness never depends on timing.
+
+On a CPU the copy runs at once on the engine thread: the same calls with the stream and event parts
+skipped. A slot is refilled only when no request pins it (running requests and a merged adapter
+pin their slot), so a copy never overwrites weights that a step may still read.
+
+Ids: each adapter name gets an id when it is first seen (the adapters under the root at start, in
+name order, then in order of appearance), kept for the life of the server: unloading and loading an
+adapter again keeps its id, and an id is never given to another name.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Iterable, Optional
+
+import torch
 
 from vlora.config import LoraConfig
 from vlora.engine.api import InvalidRequest
-from vlora.lora.adapter import AdapterWeights, list_adapters, load_adapter, resolve_adapter_dir
+from vlora.engine.metrics import EngineMetrics, NullMetrics
+from vlora.lora.adapter import (
+    AdapterError,
+    AdapterWeights,
+    LoraPair,
+    list_adapters,
+    load_adapter,
+    resolve_adapter_dir,
+    validate_adapter_name,
+)
 from vlora.lora.layers import LoraLinear
 
 log = logging.getLogger(__name__)
 
+# Kinds of adapter_swap events (vlora.engine.metrics.EngineMetrics.adapter_swap).
+GPU_LOAD, GPU_EVICTION, HOST_LOAD, HOST_EVICTION = "gpu_load", "gpu_eviction", "host_load", "host_eviction"
+
+
+class AdapterBusy(InvalidRequest):
+    """An adapter cannot be unloaded now: requests use it. The message says how many."""
+
+
+@dataclass
+class AdapterRecord:
+    """What the registry keeps of an adapter for the life of the server (its weights may come and go)."""
+
+    id: int
+    rank: Optional[int] = None
+    target_modules: tuple[str, ...] = ()
+    heads: tuple[str, ...] = ()
+
+
+class SlotCopies:
+    """Host-to-device copies into adapter slots: on a side CUDA stream with one event per slot.
+
+    ``issue`` queues a slot's copy; ``ready`` says (without blocking) whether it has completed;
+    ``wait`` makes the compute stream wait for the copies into some slots. Off CUDA a copy runs at
+    once and every slot is always ready.
+    """
+
+    def __init__(self, device: Optional[torch.device], num_slots: int) -> None:
+        self.device = device
+        self.cuda = device is not None and device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._events: list[Optional[Any]] = [None] * num_slots
+        self._sources: list[Any] = [None] * num_slots  # the host copy stays referenced until its copy is done
+
+    def issue(self, slot: int, copy: Callable[[], None], source: Any) -> None:
+        if not self.cuda:
+            copy()
+            return
+        # The side stream first waits for work already queued on the compute stream: a step that
+        # read this slot's previous adapter is ordered before the copy that overwrites it.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            copy()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._events[slot] = event
+        self._sources[slot] = source
+
+    def ready(self, slot: int) -> bool:
+        event = self._events[slot]
+        if event is None:
+            return True
+        if not event.query():
+            return False
+        self._events[slot] = None
+        self._sources[slot] = None
+        return True
+
+    def synchronize(self) -> None:
+        """Block until every copy issued so far has completed (the blocking ``acquire``)."""
+        for slot, event in enumerate(self._events):
+            if event is not None:
+                event.synchronize()
+                self.ready(slot)
+
+    @property
+    def in_flight(self) -> bool:
+        return any(e is not None for e in self._events)
+
+    def wait(self, slots: Iterable[int]) -> None:
+        if not self.cuda:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        for slot in set(slots):
+            event = self._events[slot] if slot is not None and slot >= 0 else None
+            if event is not None:
+                compute.wait_event(event)
+
 
 class LoraManager:
     def __init__(self, root: Optional[Path], layers: dict[tuple[int, str], LoraLinear], num_layers: int,
-                 module_dims: dict[str, tuple[int, int]], cfg: LoraConfig) -> None:
+                 module_dims: dict[str, tuple[int, int]], cfg: LoraConfig, metrics: Optional[EngineMetrics] = None,
+                 copies: Optional[SlotCopies] = None) -> None:
         self.root = Path(root).resolve() if root is not None else None
         self.layers = layers
         self.num_layers = num_layers
         self.module_dims = module_dims
         self.cfg = cfg
+        self.metrics = metrics or NullMetrics()
+        first = next(iter(layers.values()), None)
+        self.device = first.lora_a.device if first is not None else None
+        self.dtype = first.lora_a.dtype if first is not None else torch.float32
+        self.copies = copies or SlotCopies(self.device, cfg.max_gpu_adapters)
+        self._pin = self.copies.cuda  # host copies in pinned memory, in the slots' dtype
+
+        # Guarded by _lock (touched by request, loader and engine threads).
         self._lock = threading.Lock()
         self._host: "OrderedDict[str, AdapterWeights]" = OrderedDict()
+        self._in_memory: dict[str, AdapterWeights] = {}  # registered without a folder; never evicted
+        self._pending: dict[str, Future] = {}  # host reads started by the engine thread
+        self._unloaded: set[str] = set()  # refused until loaded again
+        self._epoch: dict[str, int] = {}  # bumped by unload: a read started before it is discarded
+        self._records: dict[str, AdapterRecord] = {}
+        self._next_id = 1
+
+        # Engine thread only.
         self._slot_of: dict[str, int] = {}
         self._name_in: list[Optional[str]] = [None] * cfg.max_gpu_adapters
         self._pins = [0] * cfg.max_gpu_adapters
         self._slot_lru: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(cfg.max_gpu_adapters))
         self._heads_in: list[dict] = [{} for _ in range(cfg.max_gpu_adapters)]  # slot -> task -> TaskHead on the device
-        first = next(iter(layers.values()), None)
-        self.device = first.lora_a.device if first is not None else None
         self.swaps_in = 0
-        self._in_memory: dict[str, AdapterWeights] = {}  # registered without a folder; never evicted
+
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlora-adapter-loader")
+        with self._lock:
+            for name in self._on_disk():
+                self._record(name)
 
     def register(self, name: str, weights: AdapterWeights) -> None:
         """Make ``weights`` servable as ``name`` without a folder under the adapter root (benchmarks
-        and tests that need hundreds of adapters). Such adapters stay in the host tier for good."""
+        and tests that need hundreds of adapters). Such adapters stay in host memory for good."""
         with self._lock:
             self._in_memory[name] = weights
+            self._unloaded.discard(name)
+            self._record(name, weights)
+
+    def close(self) -> None:
+        """Stop the loader thread (reads in progress finish; queued ones are dropped)."""
+        self._loader.shutdown(wait=False, cancel_futures=True)
 
     # -- registry (any thread) -----------------------------------------------------------------
     def list_adapters(self) -> list[str]:
-        on_disk = list_adapters(self.root) if self.root is not None else []
-        return sorted(set(on_disk) | set(self._in_memory))
+        with self._lock:
+            in_memory = set(self._in_memory) | set(self._host)
+        return sorted(set(self._on_disk()) | in_memory)
+
+    def adapter_id(self, name: str) -> Optional[int]:
+        with self._lock:
+            rec = self._records.get(name)
+        return rec.id if rec is not None else None
 
     def validate(self, name: str) -> AdapterWeights:
         """Resolve, load and check ``name`` into the host tier. Raises InvalidRequest/AdapterError."""
-        w = self._in_memory.get(name)
-        if w is not None:
-            return w
-        if self.root is None:
-            raise InvalidRequest(f"unknown adapter {name!r}: this server has no adapter root configured")
         with self._lock:
+            self._check_not_unloaded(name)
             w = self._host.get(name)
             if w is not None:
                 self._host.move_to_end(name)
                 return w
-        path = resolve_adapter_dir(self.root, name)  # refuses traversal and unknown names
-        w = load_adapter(self.root, name, num_layers=self.num_layers, module_dims=self.module_dims,
-                         max_rank=self.cfg.max_rank, supported_modules=self.cfg.target_modules)
-        log.info("loaded adapter %s from %s (rank %d)", name, path, w.max_rank)
+            w = self._in_memory.get(name)
+            if w is not None:
+                return w
+            epoch = self._epoch.get(name, 0)
+        if self.root is None:
+            raise InvalidRequest(f"unknown adapter {name!r}: this server has no adapter root configured")
+        w = self._read(name)
         with self._lock:
-            self._host[name] = w
-            self._host.move_to_end(name)
-            self._evict_host()
+            if not self._insert_host(name, w, epoch):
+                raise AdapterError(self._unloaded_message(name))
         return w
 
-    def _evict_host(self) -> None:
-        while len(self._host) > self.cfg.max_cpu_adapters:
-            victim = next((n for n in self._host if n not in self._slot_of), None)
-            if victim is None:
-                break
-            del self._host[victim]
+    def load(self, name: str) -> bool:
+        """Make ``name`` servable (again): read and check it into the host tier; a client's ``load``.
+
+        Returns False when it was already loaded (nothing is read again), True when it was read. A
+        folder added under the root after start is found here. Raises AdapterError with the reason
+        (malformed, unsupported rank or target module, unknown): the server keeps serving.
+        """
+        validate_adapter_name(name)
+        with self._lock:
+            if name not in self._unloaded and (name in self._host or name in self._in_memory):
+                return False
+        if self.root is None:
+            raise AdapterError(f"unknown adapter {name!r}: this server has no adapter root configured")
+        w = self._read(name)
+        with self._lock:
+            self._unloaded.discard(name)
+            self._insert_host(name, w, None)
+        return True
 
     # -- device slots (engine thread) ----------------------------------------------------------
     def acquire(self, name: Optional[str]) -> Optional[int]:
-        """Pin a slot holding ``name`` (-1 for the base model); None if every slot is pinned."""
+        """Pin a slot holding ``name``, ready to be read (-1 for the base model), waiting for its read and
+        copy; None only when every slot is pinned. For callers outside the engine loop."""
+        while True:
+            slot = self.try_acquire(name)
+            if slot is not None:
+                return slot
+            with self._lock:
+                fut = self._pending.get(name)
+            if fut is not None and not fut.done():
+                fut.exception()  # wait for the read; try_acquire raises its error
+            elif self.copies.in_flight:
+                self.copies.synchronize()
+            else:
+                return None
+
+    def try_acquire(self, name: Optional[str]) -> Optional[int]:
+        """Pin a slot holding ``name``, ready to be read (-1 for the base model), without waiting.
+
+        None means "not yet": every slot is pinned or being filled, the adapter is being read into
+        host memory (started here on the loader thread), or its copy into the slot is in flight
+        (started here on the side stream). The caller asks again at a later step. Raises AdapterError
+        when the adapter cannot be served any more (unloaded, or its folder broke since validation).
+        """
         if name is None:
             return -1
         slot = self._slot_of.get(name)
         if slot is None:
-            slot = next((s for s in self._slot_lru if self._pins[s] == 0), None)
-            if slot is None:
+            free = next((s for s in self._slot_lru if self._pins[s] == 0 and self.copies.ready(s)), None)
+            w = self._host_copy(name, take=free is not None)  # starts the read even while no slot is free
+            if w is None or free is None:
                 return None
-            self._load_slot(slot, name)
+            slot = free
+            self._fill_slot(slot, name, w)
+        if not self.copies.ready(slot):
+            return None
         self._pins[slot] += 1
         self._slot_lru.move_to_end(slot)
         return slot
@@ -100,22 +280,74 @@ class LoraManager:
         if slot >= 0:
             self._pins[slot] -= 1
 
-    def _load_slot(self, slot: int, name: str) -> None:
-        w = self.validate(name)
-        old = self._name_in[slot]
-        if old is not None:
-            del self._slot_of[old]
-        for (layer, module), wrapper in self.layers.items():
-            pair = w.pairs.get((layer, module))
-            if pair is None:
-                wrapper.set_slot(slot, None, None, 0.0)
-            else:
-                wrapper.set_slot(slot, pair.a, pair.b, pair.scale)
-        self._heads_in[slot] = {t: (h.to(self.device) if self.device is not None else h) for t, h in w.heads.items()}
-        self._name_in[slot] = name
-        self._slot_of[name] = slot
-        self.swaps_in += 1
-        log.debug("adapter %s -> slot %d (evicted %s)", name, slot, old)
+    def wait_ready(self, slots: Iterable[int]) -> None:
+        """Make the compute stream wait for the copies into ``slots`` (no host synchronisation)."""
+        self.copies.wait(slots)
+
+    def unload(self, name: str) -> None:
+        """Drop ``name`` from its device slot and the host tier; refuse it until it is loaded again.
+
+        The engine first checks that no request uses it (and unmerges it); a pinned slot is refused
+        here too. An in-memory registration is dropped as well. Unloading twice is not an error.
+        """
+        validate_adapter_name(name)
+        slot = self._slot_of.get(name)
+        if slot is not None and self._pins[slot] > 0:
+            raise AdapterBusy(f"adapter {name!r} is in use by {self._pins[slot]} running request(s) or a merge; "
+                              f"unload refused: retry when they have finished")
+        with self._lock:
+            known = name in self._records or name in self._host or name in self._in_memory
+            if not known and name not in self._on_disk():
+                raise AdapterError(f"unknown adapter {name!r}")
+            self._record(name)
+            self._unloaded.add(name)
+            self._epoch[name] = self._epoch.get(name, 0) + 1
+            self._pending.pop(name, None)  # a read in flight is discarded by the epoch
+            self._in_memory.pop(name, None)
+            dropped_host = self._host.pop(name, None) is not None
+        if dropped_host:
+            self.metrics.adapter_swap(HOST_EVICTION, name)
+        if slot is not None:  # its stale weights stay until the slot is refilled; no request reads it
+            del self._slot_of[name]
+            self._name_in[slot] = None
+            self._heads_in[slot] = {}
+            self._slot_lru.move_to_end(slot, last=False)
+            self.metrics.adapter_swap(GPU_EVICTION, name)
+        log.info("adapter %s unloaded", name)
+
+    def describe(self, names: Optional[Iterable[str]] = None) -> list[dict[str, Any]]:
+        """One entry per adapter (every known one, or ``names``): id, tier, rank, targets, heads.
+
+        ``tier``: ``gpu`` (in a device slot; ``ready`` is false while its copy is in flight), ``cpu``
+        (host memory) or ``disk``. ``loaded`` is false after a client unloaded it.
+        """
+        on_disk = set(self._on_disk())
+        with self._lock:
+            if names is None:
+                names = on_disk | set(self._in_memory) | set(self._host) | set(self._slot_of)
+            out = []
+            for name in sorted(set(names)):
+                if name not in self._records and name not in on_disk:
+                    continue
+                rec = self._record(name)
+                slot = self._slot_of.get(name)
+                tier = "gpu" if slot is not None else "cpu" if name in self._host or name in self._in_memory else "disk"
+                entry: dict[str, Any] = {
+                    "name": name, "id": rec.id, "tier": tier, "loaded": name not in self._unloaded,
+                    "source": "memory" if name in self._in_memory else "disk",
+                    "rank": rec.rank, "target_modules": list(rec.target_modules), "heads": list(rec.heads),
+                }
+                if slot is not None:
+                    entry["slot"] = slot
+                    entry["ready"] = self.copies.ready(slot)
+                out.append(entry)
+        return out
+
+    def resident_counts(self) -> tuple[int, int]:
+        """(adapters in device slots, adapters in host memory)."""
+        with self._lock:
+            host = len(self._in_memory) + sum(1 for n in self._host if n not in self._in_memory)
+        return len(self._slot_of), host
 
     def head(self, slot: int, task: str):
         """The task head ``task`` of the adapter in ``slot`` (on the device), or None."""
@@ -124,3 +356,142 @@ class LoraManager:
     @property
     def resident(self) -> dict[str, int]:
         return dict(self._slot_of)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _host_copy(self, name: str, take: bool = True) -> Optional[AdapterWeights]:
+        """The host copy of ``name`` for a slot, or None while the loader thread reads it.
+
+        A finished read stays in ``_pending`` until it is taken for a slot (``take``): the host tier
+        may have evicted it meanwhile, and reading it again would only repeat the same race.
+        """
+        with self._lock:
+            self._check_not_unloaded(name)
+            fut = self._pending.get(name)
+            w = self._host.get(name)
+            if w is not None:
+                self._host.move_to_end(name)
+                if fut is not None and fut.done():
+                    del self._pending[name]
+                return w
+            if not self._pin and name in self._in_memory:  # usable as registered: no staging needed
+                return self._in_memory[name]
+            if fut is None:
+                self._pending[name] = self._loader.submit(self._read_into_host, name, self._epoch.get(name, 0))
+                return None
+            if not fut.done() or (not take and fut.exception() is None):
+                return None
+            del self._pending[name]
+        return fut.result()  # a failed read: raises its AdapterError
+
+    def _read_into_host(self, name: str, epoch: int) -> AdapterWeights:
+        """Loader thread: read ``name`` and put it in the host tier unless it was unloaded meanwhile."""
+        try:
+            w = self._read(name)
+        except AdapterError:
+            raise
+        except Exception as e:  # reaches the waiting request as its error, never the engine loop
+            log.exception("reading adapter %s failed", name)
+            raise AdapterError(f"adapter {name!r}: cannot be loaded ({type(e).__name__}: {e})") from None
+        with self._lock:
+            if not self._insert_host(name, w, epoch):
+                raise AdapterError(self._unloaded_message(name))
+        return w
+
+    def _read(self, name: str) -> AdapterWeights:
+        """Read and check ``name`` (from memory or disk) and stage it for the slots. No lock held."""
+        with self._lock:
+            registered = self._in_memory.get(name)
+        if registered is not None:
+            return self._stage(registered)
+        if self.root is None:
+            raise AdapterError(f"unknown adapter {name!r}: this server has no adapter root configured")
+        t0 = time.perf_counter()
+        path = resolve_adapter_dir(self.root, name)  # refuses traversal and unknown names
+        try:
+            w = load_adapter(self.root, name, num_layers=self.num_layers, module_dims=self.module_dims,
+                             max_rank=self.cfg.max_rank, supported_modules=self.cfg.target_modules)
+        except OSError as e:
+            raise AdapterError(f"adapter {name!r}: cannot be read ({e})") from None
+        w = self._stage(w)
+        log.info("loaded adapter %s from %s (rank %d) in %.0f ms", name, path, w.max_rank,
+                 (time.perf_counter() - t0) * 1e3)
+        return w
+
+    def _stage(self, w: AdapterWeights) -> AdapterWeights:
+        """On CUDA: the weights in the slots' dtype, in pinned memory, so the copy to a slot is async."""
+        if not self._pin:
+            return w
+        pairs = {key: LoraPair(a=p.a.to(self.dtype).pin_memory(), b=p.b.to(self.dtype).pin_memory(), scale=p.scale)
+                 for key, p in w.pairs.items()}
+        return dataclasses.replace(w, pairs=pairs)
+
+    def _insert_host(self, name: str, w: AdapterWeights, epoch: Optional[int]) -> bool:
+        """Under the lock. False when ``name`` was unloaded since the read began (``epoch``)."""
+        if epoch is not None and (name in self._unloaded or self._epoch.get(name, 0) != epoch):
+            return False
+        self._record(name, w)
+        if name in self._in_memory and not self._pin:
+            return True
+        self._host[name] = w
+        self._host.move_to_end(name)
+        self.metrics.adapter_swap(HOST_LOAD, name)
+        self._evict_host(keep=name)
+        return True
+
+    def _evict_host(self, keep: str) -> None:
+        """LRU eviction down to ``max_cpu_adapters``, sparing adapters in slots and the newest, ``keep``
+        (the tier may exceed its size by those until they leave their slots)."""
+        while len(self._host) > self.cfg.max_cpu_adapters:
+            victim = next((n for n in self._host if n not in self._slot_of and n != keep), None)
+            if victim is None:
+                break
+            del self._host[victim]
+            self.metrics.adapter_swap(HOST_EVICTION, victim)
+
+    def _fill_slot(self, slot: int, name: str, w: AdapterWeights) -> None:
+        """Queue the copy of ``w`` into ``slot`` (unpinned, not being filled); the slot is ``name``'s now."""
+        old = self._name_in[slot]
+        if old is not None:
+            del self._slot_of[old]
+            self.metrics.adapter_swap(GPU_EVICTION, old)
+
+        def copy() -> None:
+            for (layer, module), wrapper in self.layers.items():
+                pair = w.pairs.get((layer, module))
+                if pair is None:
+                    wrapper.set_slot(slot, None, None, 0.0)
+                else:
+                    wrapper.set_slot(slot, pair.a, pair.b, pair.scale)
+
+        self.copies.issue(slot, copy, w)
+        # Heads are small: copied on the compute stream, where they are read.
+        self._heads_in[slot] = {t: (h.to(self.device) if self.device is not None else h) for t, h in w.heads.items()}
+        self._name_in[slot] = name
+        self._slot_of[name] = slot
+        self._slot_lru.move_to_end(slot)
+        self.swaps_in += 1
+        self.metrics.adapter_swap(GPU_LOAD, name)
+        log.debug("adapter %s -> slot %d (evicted %s)", name, slot, old)
+
+    def _record(self, name: str, w: Optional[AdapterWeights] = None) -> AdapterRecord:
+        """Under the lock: the registry entry of ``name``, created with the next id when new."""
+        rec = self._records.get(name)
+        if rec is None:
+            rec = self._records[name] = AdapterRecord(id=self._next_id)
+            self._next_id += 1
+        if w is not None:
+            rec.rank = w.max_rank
+            rec.target_modules = tuple(w.target_modules)
+            rec.heads = tuple(sorted(w.heads))
+        return rec
+
+    def _check_not_unloaded(self, name: str) -> None:
+        if name in self._unloaded:
+            raise AdapterError(self._unloaded_message(name))
+
+    @staticmethod
+    def _unloaded_message(name: str) -> str:
+        return f"adapter {name!r} is unloaded; load it again first (adapter_action \"load\")"
+
+    def _on_disk(self) -> list[str]:
+        return list_adapters(self.root) if self.root is not None else []

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from vlora.atmm import atmm
 from vlora.config import OrchestratorConfig
+from vlora.engine.api import InvalidRequest
 from vlora.orchestrator.einsum import lora_padded_einsum
 from vlora.orchestrator.modes import MODES, InferenceMode
 from vlora.orchestrator.policies import MERGE, UNMERGE, Candidate, Decision, Estimates, make_policy
@@ -56,15 +57,21 @@ class Orchestrator:
         return self.policy.decide(cands, self.clock(), self.mode, self.merged, self.estimates)
 
     def enter(self, mode: str, merged: Optional[str]) -> bool:
-        """Switch to ``mode`` with ``merged`` in the weights. False if the adapter has no free slot."""
+        """Switch to ``mode`` with ``merged`` in the weights. False if the adapter is not in a ready slot
+        yet (no free slot, or its load is in flight) or can no longer be loaded (its requests fail
+        when they are admitted)."""
         if mode == UNMERGE:
             merged = None
         if merged != self.merged:
             new_slot = None
             if merged is not None:
-                new_slot = self.loras.acquire(merged)  # pinned for as long as it stays merged
+                try:
+                    new_slot = self.loras.try_acquire(merged)  # pinned for as long as it stays merged
+                except InvalidRequest:
+                    return False
                 if new_slot is None:
                     return False
+                self.loras.wait_ready([new_slot])
             if self.switcher is None:
                 raise RuntimeError(f"policy {self.cfg.policy} cannot merge: no switcher")
             dt = self.switcher.switch(new_slot)

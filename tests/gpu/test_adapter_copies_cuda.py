@@ -1,0 +1,59 @@
+"""Adapter copies on CUDA: host copies pinned in the slots' dtype, the copy into a slot on a side stream
+with an event, a request admitted only once its own adapter's copy has completed while the others
+keep decoding, and the same tokens as when the adapter was resident from the start."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from vlora.config import EngineConfig  # noqa: E402
+from vlora.engine.api import GenerationRequest, SamplingParams  # noqa: E402
+from vlora.engine.builder import build_engine  # noqa: E402
+
+ADAPTER = "demo-r8-qv"
+
+
+def _req(rid, lora=None, max_tokens=8):
+    return GenerationRequest(rid, "How many circles?", lora_name=lora, sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_copy_on_the_side_stream_delays_only_its_own_request(tiny_model_dir, demo_adapter_root):
+    engine = build_engine(EngineConfig().with_overrides({
+        "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
+        "model.dtype": "float32", "lora.max_gpu_adapters": "2", "lora.max_rank": "32", "cache.num_blocks": "256"}))
+    loras = engine.loras
+    assert loras.copies.cuda and loras.copies.stream is not None
+    w = loras.validate(ADAPTER)
+    assert all(p.a.is_pinned() and p.b.is_pinned() and p.a.dtype == torch.float32 for p in w.pairs.values())
+
+    outs = {}
+
+    def cb(o):
+        if o.finished:
+            outs[o.request_id] = o
+
+    engine.add_request(engine.inputs.prepare(_req("base", max_tokens=16)), cb)
+    engine.step()
+    torch.cuda._sleep(200_000_000)  # keeps the compute stream busy: the side stream's copy, ordered after it, stays in flight
+    engine.add_request(engine.inputs.prepare(_req("late", lora=ADAPTER)), cb)
+    engine.step()
+    assert engine.last_step["request_ids"] == ["base"], "a request was admitted before its adapter's copy completed"
+    (entry,) = loras.describe([ADAPTER])
+    assert entry["tier"] == "gpu"
+    deadline = time.monotonic() + 60
+    while engine.has_work():
+        assert time.monotonic() < deadline
+        engine.step()
+    assert outs["late"].finish_reason == "length" and not outs["late"].error
+
+    again = {}
+    engine.add_request(engine.inputs.prepare(_req("again", lora=ADAPTER)), lambda o: again.__setitem__(o.request_id, o) if o.finished else None)
+    while engine.has_work():
+        engine.step()
+    assert again["again"].text == outs["late"].text
+    assert loras.swaps_in == 1
