@@ -1,4 +1,5 @@
-"""``vlora-client``: send one prompt (with images or video frames) to a vlora server."""
+"""``vlora-client``: send one prompt (with images or video frames) to a vlora server, or manage its
+adapters (``vlora-client adapters list``, ``adapters load NAME``, ``adapters unload NAME``)."""
 from __future__ import annotations
 
 import argparse
@@ -12,12 +13,15 @@ from vlora_client.client import DEFAULT_MODEL, DEFAULT_URLS, VloraClient, VloraC
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vlora-client",
-        description="Send a prompt and images to a vlora model on Triton. Several --image are the frames of a video.",
+        description="Send a prompt and images to a vlora model on Triton. Several --image are the frames of a video. "
+                    "`vlora-client adapters list|load NAME|unload NAME` manages the server's adapters.",
     )
+    p.add_argument("command", nargs="*", metavar="adapters ACTION [NAME]",
+                   help="adapters list | adapters load NAME | adapters unload NAME (instead of --prompt)")
     p.add_argument("--url", help=f"server address (default: {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for http)")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--model", default=DEFAULT_MODEL, help="Triton model name")
-    p.add_argument("--prompt", required=True, help="text_input; <image> marks where each image goes (else images come first)")
+    p.add_argument("--prompt", help="text_input; <image> marks where each image goes (else images come first)")
     p.add_argument("--image", action="append", default=[], metavar="FILE", help="image file (repeat for video frames)")
     p.add_argument("--lora", metavar="NAME", help="adapter name (default: the base model)")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -33,8 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
     client = VloraClient(args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout)
+    if args.command:
+        return _adapters(parser, client, args)
+    if args.prompt is None:
+        parser.error("--prompt is required (or: adapters list|load NAME|unload NAME)")
     options = dict(images=args.image, lora_name=args.lora, max_tokens=args.max_tokens, temperature=args.temperature,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, apply_chat_template=args.chat_template)
     try:
@@ -60,6 +69,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(result.text)
         print(f"[finish_reason: {result.finish_reason}, input tokens: {result.num_input_tokens}, "
               f"output tokens: {result.num_output_tokens}]", file=sys.stderr)
+    return 0
+
+
+def _adapters(parser: argparse.ArgumentParser, client: VloraClient, args) -> int:
+    cmd = args.command
+    if cmd[0] != "adapters" or len(cmd) < 2 or cmd[1] not in ("list", "load", "unload") \
+            or len(cmd) != (2 if cmd[1] == "list" else 3):
+        parser.error(f"unknown command {' '.join(cmd)!r}; use: adapters list | adapters load NAME | adapters unload NAME")
+    try:
+        if cmd[1] == "list":
+            result = client.list_adapters()
+        elif cmd[1] == "load":
+            result = client.load_adapter(cmd[2])
+        else:
+            result = client.unload_adapter(cmd[2])
+    except VloraClientError as e:
+        print(f"vlora-client: server error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"vlora-client: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif cmd[1] == "list":
+        print(f"{'id':>4}  {'name':<32} {'tier':<5} {'loaded':<6} {'rank':>4}  {'running':>7} {'waiting':>7}")
+        for a in result:
+            print(f"{a['id']:>4}  {a['name']:<32} {a['tier']:<5} {'yes' if a['loaded'] else 'no':<6} "
+                  f"{a['rank'] if a['rank'] is not None else '-':>4}  {a['running']:>7} {a['waiting']:>7}")
+    else:
+        print(f"{cmd[1]}ed {result['name']} (id {result['id']}, tier {result.get('tier', '-')})")
     return 0
 
 

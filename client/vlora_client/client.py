@@ -4,6 +4,9 @@ Only the documented wire names are used (the Triton vLLM backend's): inputs ``te
 ``image`` (base64), ``stream``, ``sampling_parameters`` (JSON, carrying ``lora_name`` too);
 outputs ``text_output``, ``finish_reason``, ``num_input_tokens``, ``num_output_tokens``.
 Anything that speaks KServe v2 to Triton can send the same requests.
+
+Adapters are listed, loaded and unloaded through the same model: ``sampling_parameters`` carries
+``adapter_action`` (``list``, ``load``, ``unload``) and ``lora_name``; the answer's ``text_output`` is JSON.
 """
 from __future__ import annotations
 
@@ -124,6 +127,36 @@ class VloraClient:
         params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos,
                                      apply_chat_template)
         return self._stream(prompt, [encode_image(i) for i in images], params, stream=True)
+
+    # -- adapters ------------------------------------------------------------------------------
+    def list_adapters(self) -> list[dict]:
+        """Every adapter the server knows: ``name``, ``id`` (stable across unload/load), ``tier``
+        (``gpu``, ``cpu`` or ``disk``), ``loaded``, ``rank``, ``target_modules``, ``heads``,
+        ``running`` and ``waiting`` requests."""
+        return self._adapter_action("list")["adapters"]
+
+    def load_adapter(self, name: str) -> dict:
+        """Load the folder ``name`` of the server's adapter root (one added after start, or one
+        unloaded before). Raises VloraClientError with the reason when the server refuses it."""
+        return self._adapter_action("load", name)["loaded"]
+
+    def unload_adapter(self, name: str) -> dict:
+        """Drop ``name`` from the server's memory; requests for it are refused until it is loaded
+        again. Refused (VloraClientError) while requests for it are running or waiting."""
+        return self._adapter_action("unload", name)["unloaded"]
+
+    def _adapter_action(self, action: str, name: Optional[str] = None) -> dict:
+        params: dict = {"adapter_action": action}
+        if name is not None:
+            params["lora_name"] = name
+        if self.protocol == "http":
+            result = self._http_generate("", [], params)
+        else:
+            result = _join(self._stream("", [], params, stream=False))
+        try:
+            return json.loads(result.text)
+        except json.JSONDecodeError:
+            raise VloraClientError(f"adapter_action {action}: the server's answer is not JSON: {result.text[:200]!r}") from None
 
     def is_ready(self) -> bool:
         try:

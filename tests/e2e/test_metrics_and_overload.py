@@ -1,4 +1,5 @@
-"""Triton's metrics endpoint shows our metrics; a burst beyond capacity is rejected explicitly, never hangs."""
+"""Triton's metrics endpoint shows our metrics (adapter tiers and swaps included); a burst beyond
+capacity is rejected explicitly, never hangs."""
 from __future__ import annotations
 
 import re
@@ -52,16 +53,38 @@ def test_metrics_show_requests_per_adapter_and_batch_size(server):
     assert "vlora_step_duration_seconds_count" in text
     assert "vlora_running_requests" in text and "vlora_waiting_requests" in text
 
+    # Adapter tiers: the adapter was copied into a device slot (read into host memory first), and its
+    # per-adapter request gauges are back to zero now that its requests finished.
+    assert _labelled(text, "vlora_adapter_gpu_loads_total", adapter) >= 1
+    assert _labelled(text, "vlora_adapter_host_loads_total", adapter) >= 1
+    assert _labelled(text, "vlora_adapter_running_requests", adapter) == 0
+    assert _labelled(text, "vlora_adapter_waiting_requests", adapter) == 0
+    assert _tier(text, "gpu") >= 1 and _tier(text, "cpu") >= 1
+
+
+def _labelled(text: str, name: str, adapter: str) -> float:
+    values = [v for k, v in metric_values(text, name).items() if f'lora_name="{adapter}"' in k]
+    assert values, f"no {name} sample for {adapter}"
+    return values[0]
+
+
+def _tier(text: str, tier: str) -> float:
+    values = [v for k, v in metric_values(text, "vlora_adapters_resident").items() if f'tier="{tier}"' in k]
+    assert values, f"no vlora_adapters_resident sample for tier {tier}"
+    return values[0]
+
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, demo_adapter_root, vlora_cache):
-    """A server with tiny limits: one running request, one waiting in the engine, two in Triton's queue."""
+    """A server with tiny limits: one running request, one waiting in the engine, two in Triton's queue;
+    one adapter slot on the device and one adapter in host memory."""
     del demo_adapter_root
     srv = start_server(
         tmp_path_factory.mktemp("e2e-small"),
         vlora_cache,
         ["--max-batch-size", "1", "--max-queue-size", "2",
-         "--set", "scheduler.max_waiting=1", "--set", "scheduler.admission_timeout_s=120"],
+         "--set", "scheduler.max_waiting=1", "--set", "scheduler.admission_timeout_s=120",
+         "--set", "lora.max_gpu_adapters=1", "--set", "lora.max_cpu_adapters=1"],
     )
     yield srv
     assert srv.stop() == 0, srv.launcher_output()[-3000:]
@@ -111,3 +134,27 @@ def test_cancelled_stream_frees_the_engine(small_server):
     t0 = time.monotonic()
     assert client.generate("USER: next ASSISTANT:", max_tokens=3).num_output_tokens >= 1
     assert time.monotonic() - t0 < 20
+
+
+def test_adapter_swaps_and_evictions_are_counted(small_server):
+    """Three adapters through one device slot and a host tier of one: each request swaps its adapter in,
+    and the first one is read from disk again after the host tier dropped it."""
+    client = VloraClient(small_server.grpc_url, timeout_s=120)
+    first, second, third = small_server.adapters[:3]
+    for name in (first, second, third, first):
+        assert client.generate("USER: Which shape? ASSISTANT:", lora_name=name, max_tokens=2).num_output_tokens >= 1
+    deadline = time.monotonic() + 10
+    while True:
+        text = small_server.metrics()
+        try:
+            assert _labelled(text, "vlora_adapter_gpu_loads_total", first) >= 2
+            assert _labelled(text, "vlora_adapter_gpu_evictions_total", first) >= 1
+            assert _labelled(text, "vlora_adapter_gpu_loads_total", second) >= 1
+            assert _labelled(text, "vlora_adapter_host_loads_total", first) >= 2
+            assert _labelled(text, "vlora_adapter_host_evictions_total", first) >= 1
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    assert _tier(text, "gpu") == 1

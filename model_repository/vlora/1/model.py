@@ -8,6 +8,11 @@ Wire format (the Triton vLLM backend's): inputs text_input, image (base64, one o
 sampling_parameters (JSON), exclude_input_in_output; lora_name in the request parameters or in
 sampling_parameters. Outputs text_output, finish_reason, num_input_tokens, num_output_tokens; a request
 with a ``task`` (answered by a vision task head of its adapter) also gets label, scores and label_names.
+
+Adapter administration goes through the same model: a request whose parameters (or
+sampling_parameters) carry ``adapter_action`` ("list", "load" or "unload", with ``lora_name`` for the
+last two) is answered with one response whose text_output is JSON. It runs on an admin thread (a load
+reads from disk there) and touches the engine's state only on the engine thread.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -40,6 +46,8 @@ CANCEL_POLL_S = 0.5  # how often in-flight requests are checked for client cance
 # backend send "stream" there, and the input tensor decides).
 IGNORED_PARAMETERS = ("stream",)
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos") + SamplingParams.EXTRA_KEYS
+ADMIN_KEY = "adapter_action"
+ADMIN_ACTIONS = ("list", "load", "unload")
 
 
 class TritonModelMetrics:
@@ -73,6 +81,13 @@ class TritonModelMetrics:
             "mode_active": fam("vlora_mode_active", "1 for the inference mode of the latest step, 0 for the others", fam.GAUGE),
             "switches": fam("vlora_mode_switches_total", "Merges, unmerges and adapter swaps of the base weights", fam.COUNTER),
             "switch_hist": fam("vlora_mode_switch_seconds", "Duration of one mode switch", fam.HISTOGRAM),
+            "adapter_running": fam("vlora_adapter_running_requests", "Requests in the running batch, per adapter", fam.GAUGE),
+            "adapter_waiting": fam("vlora_adapter_waiting_requests", "Requests waiting in the engine, per adapter", fam.GAUGE),
+            "gpu_load": fam("vlora_adapter_gpu_loads_total", "Adapter copies into a device slot (swap-ins), per adapter", fam.COUNTER),
+            "gpu_eviction": fam("vlora_adapter_gpu_evictions_total", "Adapters leaving a device slot (replaced or unloaded), per adapter", fam.COUNTER),
+            "host_load": fam("vlora_adapter_host_loads_total", "Adapter reads into host memory, per adapter", fam.COUNTER),
+            "host_eviction": fam("vlora_adapter_host_evictions_total", "Adapters leaving host memory (LRU or unloaded), per adapter", fam.COUNTER),
+            "resident": fam("vlora_adapters_resident", "Adapters resident per tier (gpu: device slots, cpu: host memory)", fam.GAUGE),
         }
         f = self._families
         self._steps = f["steps"].Metric(labels=self._labels)
@@ -89,7 +104,9 @@ class TritonModelMetrics:
                            f["mode_steps"].Metric(labels={**self._labels, "mode": m}),
                            f["mode_active"].Metric(labels={**self._labels, "mode": m}))
                        for m in ("merge", "unmerge", "mixture")}
+        self._tiers = {t: f["resident"].Metric(labels={**self._labels, "tier": t}) for t in ("gpu", "cpu")}
         self._last_mode: Optional[str] = None
+        self._adapter_gauges: dict[str, tuple[int, int]] = {}  # lora_name -> (running, waiting) last set
         self._per_label: dict[tuple[str, ...], Any] = {}  # touched only by the metrics thread
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="vlora-metrics", daemon=True)
@@ -117,6 +134,15 @@ class TritonModelMetrics:
     def mode_switch(self, from_mode: str, to_mode: str, duration_s: float) -> None:
         self._queue.put(("switch", duration_s))
 
+    def adapter_requests(self, running, waiting) -> None:
+        self._queue.put(("adapters", dict(running), dict(waiting)))
+
+    def adapter_swap(self, kind: str, lora_name: str) -> None:
+        self._queue.put((kind, (lora_name,), 1))
+
+    def adapters_resident(self, gpu: int, host: int) -> None:
+        self._queue.put(("resident", gpu, host))
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)
@@ -129,6 +155,16 @@ class TritonModelMetrics:
             metric = self._families[family].Metric(labels={**self._labels, **dict(zip(names, values))})
             self._per_label[key] = metric
         return metric
+
+    def _set_adapter_gauges(self, running: dict, waiting: dict) -> None:
+        """Per-adapter gauges; an adapter that had requests and has none now goes back to 0."""
+        now = {(k or BASE_LABEL): (running.get(k, 0), waiting.get(k, 0)) for k in set(running) | set(waiting)}
+        for name in set(now) | set(self._adapter_gauges):
+            value = now.get(name, (0, 0))
+            if self._adapter_gauges.get(name) != value:
+                self._labelled("adapter_running", (name,)).set(value[0])
+                self._labelled("adapter_waiting", (name,)).set(value[1])
+        self._adapter_gauges = {k: v for k, v in now.items()}
 
     def _loop(self) -> None:
         while True:
@@ -162,6 +198,11 @@ class TritonModelMetrics:
                 elif kind == "switch":
                     self._switches.increment(1)
                     self._switch_hist.observe(item[1])
+                elif kind == "adapters":
+                    self._set_adapter_gauges(item[1], item[2])
+                elif kind == "resident":
+                    self._tiers["gpu"].set(item[1])
+                    self._tiers["cpu"].set(item[2])
                 else:
                     self._labelled(kind, item[1]).increment(item[2])
             except Exception:  # a metric must never take the server down
@@ -201,6 +242,7 @@ class TritonPythonModel:
         self._responses: "queue.Queue[Any]" = queue.Queue()
         self._response_thread = threading.Thread(target=self._response_loop, name="vlora-responses", daemon=True)
         self._response_thread.start()
+        self._admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlora-admin")
 
     @staticmethod
     def _engine_config(args: dict[str, str]) -> EngineConfig:
@@ -230,6 +272,10 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         request_id = uuid.uuid4().hex
         try:
+            admin = _admin_request(request)
+            if admin is not None:
+                self._admin.submit(self._run_admin, sender, *admin)
+                return
             gen, exclude_input = self._parse(request, request_id)
             prepared = self._engine.prepare(gen)
         except InvalidRequest as e:
@@ -307,6 +353,38 @@ class TritonPythonModel:
             ),
             exclude_input,
         )
+
+    def _run_admin(self, sender, action: str, name: Optional[str]) -> None:
+        """The admin thread: one adapter action, answered with JSON in text_output."""
+        try:
+            if action == "list":
+                payload = {"adapters": self._engine.adapters()}
+            elif action == "load":
+                payload = {"loaded": self._engine.load_adapter(name)}
+            else:
+                payload = {"unloaded": self._engine.unload_adapter(name)}
+        except InvalidRequest as e:  # unknown, malformed or busy adapter: the reason goes to the client
+            self._send_error(sender, str(e))
+            return
+        except EngineOverloaded as e:
+            self._send_error(sender, str(e), unavailable=True)
+            return
+        except Exception as e:
+            pb_utils.Logger.log_error(f"vlora: adapter_action {action} failed: {traceback.format_exc()}")
+            self._send_error(sender, f"internal error: {type(e).__name__}: {e}")
+            return
+        if action != "list":
+            pb_utils.Logger.log_info(f"vlora: adapter {name} {action}ed")
+        tensors = [
+            _string_tensor("text_output", json.dumps(payload)),
+            _string_tensor("finish_reason", "stop"),
+            pb_utils.Tensor("num_input_tokens", np.array([0], dtype=np.uint32)),
+            pb_utils.Tensor("num_output_tokens", np.array([0], dtype=np.uint32)),
+        ]
+        try:
+            sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:
+            pb_utils.Logger.log_error(f"vlora: sending an adapter_action answer failed: {traceback.format_exc()}")
 
     def _response_loop(self) -> None:
         """Send what the engine produced; cancel requests whose clients went away."""
@@ -407,6 +485,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         pb_utils.Logger.log_info("vlora: draining the engine")
+        self._admin.shutdown(wait=False, cancel_futures=True)
         try:
             self._engine.shutdown()
         finally:
@@ -437,12 +516,32 @@ def _request_parameters(request) -> dict[str, Any]:
     params = json.loads(raw) if raw else {}
     for key in IGNORED_PARAMETERS:
         params.pop(key, None)
-    unknown = sorted(set(params) - set(SAMPLING_KEYS))
+    unknown = sorted(set(params) - set(SAMPLING_KEYS) - {ADMIN_KEY})
     if unknown:
         raise InvalidRequest(
-            f"unknown request parameter(s) {unknown}; accepted: {sorted(SAMPLING_KEYS)}"
+            f"unknown request parameter(s) {unknown}; accepted: {sorted(SAMPLING_KEYS + (ADMIN_KEY,))}"
         )
     return params
+
+
+def _admin_request(request) -> Optional[tuple[str, Optional[str]]]:
+    """(action, lora_name) when the request is an adapter_action, else None. Raises InvalidRequest."""
+    options = _request_parameters(request)
+    options.update(parse_sampling_json(_single(request, "sampling_parameters")))
+    if ADMIN_KEY not in options:
+        return None
+    action = options.pop(ADMIN_KEY)
+    if action not in ADMIN_ACTIONS:
+        raise InvalidRequest(f"{ADMIN_KEY} must be one of {list(ADMIN_ACTIONS)}, got {action!r}")
+    name = options.pop("lora_name", None)
+    if options:
+        raise InvalidRequest(f"an {ADMIN_KEY} request takes only lora_name, not {sorted(options)}")
+    if action == "list":
+        if name is not None:
+            raise InvalidRequest(f"{ADMIN_KEY} \"list\" takes no lora_name")
+    elif not isinstance(name, str) or not name:
+        raise InvalidRequest(f"{ADMIN_KEY} {action!r} needs lora_name, the adapter's folder name under the adapter root")
+    return action, name
 
 
 def _head_tensors(answer: dict[str, Any]) -> list:
