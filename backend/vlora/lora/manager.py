@@ -160,7 +160,7 @@ class LoraManager:
         self._records: dict[str, AdapterRecord] = {}
         self._next_id = 1
 
-        # Engine thread only.
+        # Engine thread only (_slot_of is also read under _lock by host-tier eviction, so it is written under it).
         self._slot_of: dict[str, int] = {}
         self._name_in: list[Optional[str]] = [None] * cfg.max_gpu_adapters
         self._pins = [0] * cfg.max_gpu_adapters
@@ -308,7 +308,8 @@ class LoraManager:
         if dropped_host:
             self.metrics.adapter_swap(HOST_EVICTION, name)
         if slot is not None:  # its stale weights stay until the slot is refilled; no request reads it
-            del self._slot_of[name]
+            with self._lock:
+                del self._slot_of[name]
             self._name_in[slot] = None
             self._heads_in[slot] = {}
             self._slot_lru.move_to_end(slot, last=False)
@@ -452,7 +453,8 @@ class LoraManager:
         """Queue the copy of ``w`` into ``slot`` (unpinned, not being filled); the slot is ``name``'s now."""
         old = self._name_in[slot]
         if old is not None:
-            del self._slot_of[old]
+            with self._lock:
+                del self._slot_of[old]
             self.metrics.adapter_swap(GPU_EVICTION, old)
 
         def copy() -> None:
@@ -467,7 +469,8 @@ class LoraManager:
         # Heads are small: copied on the compute stream, where they are read.
         self._heads_in[slot] = {t: (h.to(self.device) if self.device is not None else h) for t, h in w.heads.items()}
         self._name_in[slot] = name
-        self._slot_of[name] = slot
+        with self._lock:
+            self._slot_of[name] = slot
         self._slot_lru.move_to_end(slot)
         self.swaps_in += 1
         self.metrics.adapter_swap(GPU_LOAD, name)
