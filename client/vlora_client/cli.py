@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--task", metavar="NAME", help="answer with the adapter's vision task head NAME (one prefill): "
+                   "prints the label and the score of every label")
     p.add_argument("--chat-template", action="store_true", help="wrap the prompt in the model's chat template (server side)")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -45,15 +47,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.prompt is None:
         parser.error("--prompt is required (or: adapters list|load NAME|unload NAME)")
     options = dict(images=args.image, lora_name=args.lora, max_tokens=args.max_tokens, temperature=args.temperature,
-                   top_p=args.top_p, seed=args.seed, stop=args.stop, apply_chat_template=args.chat_template)
+                   top_p=args.top_p, seed=args.seed, stop=args.stop, apply_chat_template=args.chat_template,
+                   task=args.task)
     try:
         if args.stream and not args.json:
             finish = None
+            scores = None
             for delta in client.generate_stream(args.prompt, **options):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
                 finish = delta.finish_reason or finish
+                scores = delta.scores or scores
             sys.stdout.write("\n")
+            if scores:
+                print(_scores_table(scores))
             print(f"[finish_reason: {finish}]", file=sys.stderr)
             return 0
         result = client.generate(args.prompt, stream=args.stream, **options)
@@ -67,9 +74,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(result.__dict__))
     else:
         print(result.text)
+        if result.scores:
+            print(_scores_table(result.scores))
         print(f"[finish_reason: {result.finish_reason}, input tokens: {result.num_input_tokens}, "
               f"output tokens: {result.num_output_tokens}]", file=sys.stderr)
     return 0
+
+
+def _scores_table(scores: dict) -> str:
+    """One line per label, most likely first: the score and a bar."""
+    width = max(len(name) for name in scores)
+    rows = sorted(scores.items(), key=lambda kv: -kv[1])
+    return "\n".join(f"  {name:<{width}}  {p:6.1%}  {'#' * round(p * 40)}" for name, p in rows)
 
 
 def _adapters(parser: argparse.ArgumentParser, client: VloraClient, args) -> int:

@@ -34,10 +34,15 @@ class VloraClientError(RuntimeError):
 
 @dataclass(frozen=True)
 class GenerationResult:
+    """The whole answer. A request with a ``task`` answered by a vision task head also carries ``label``
+    and ``scores`` (label name -> probability, in the head's label order); ``text`` is then the label."""
+
     text: str
     finish_reason: Optional[str]
     num_input_tokens: int
     num_output_tokens: int
+    label: Optional[str] = None
+    scores: Optional[dict] = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class StreamDelta:
     finish_reason: Optional[str] = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+    label: Optional[str] = None
+    scores: Optional[dict] = None
 
 
 def encode_image(image: ImageInput) -> str:
@@ -65,6 +72,7 @@ def sampling_parameters(
     lora_name: Optional[str] = None,
     ignore_eos: bool = False,
     apply_chat_template: bool = False,
+    task: Optional[str] = None,
 ) -> dict:
     """The ``sampling_parameters`` JSON object, with vLLM's names; unset values are left out."""
     params: dict = {}
@@ -79,6 +87,8 @@ def sampling_parameters(
         params["ignore_eos"] = True
     if apply_chat_template:
         params["apply_chat_template"] = True
+    if task:
+        params["task"] = task
     return params
 
 
@@ -104,13 +114,14 @@ class VloraClient:
                  max_tokens: Optional[int] = None, temperature: Optional[float] = None, top_p: Optional[float] = None,
                  seed: Optional[int] = None, stop: Optional[Union[str, Sequence[str]]] = None,
                  ignore_eos: bool = False, apply_chat_template: bool = False,
-                 stream: bool = False) -> GenerationResult:
+                 stream: bool = False, task: Optional[str] = None) -> GenerationResult:
         """One answer. ``stream=True`` asks the server to stream and joins the pieces here.
 
-        ``apply_chat_template`` wraps the prompt in the model's chat template on the server.
+        ``apply_chat_template`` wraps the prompt in the model's chat template on the server. ``task`` asks
+        the adapter's vision task head of that name: the result then has ``label`` and ``scores``.
         """
         params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos,
-                                     apply_chat_template)
+                                     apply_chat_template, task)
         encoded = [encode_image(i) for i in images]
         if stream:
             return _join(self._stream(prompt, encoded, params, stream=True))
@@ -122,10 +133,11 @@ class VloraClient:
                         max_tokens: Optional[int] = None, temperature: Optional[float] = None,
                         top_p: Optional[float] = None, seed: Optional[int] = None,
                         stop: Optional[Union[str, Sequence[str]]] = None,
-                        ignore_eos: bool = False, apply_chat_template: bool = False) -> Iterator[StreamDelta]:
+                        ignore_eos: bool = False, apply_chat_template: bool = False,
+                        task: Optional[str] = None) -> Iterator[StreamDelta]:
         """Stream the answer as it is generated. Closing the iterator early cancels the request."""
         params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos,
-                                     apply_chat_template)
+                                     apply_chat_template, task)
         return self._stream(prompt, [encode_image(i) for i in images], params, stream=True)
 
     # -- adapters ------------------------------------------------------------------------------
@@ -233,7 +245,7 @@ class VloraClient:
         if "error" in payload:
             raise VloraClientError(payload["error"])
         d = _delta_from_json(payload)
-        return GenerationResult(d.text, d.finish_reason, d.num_input_tokens, d.num_output_tokens)
+        return GenerationResult(d.text, d.finish_reason, d.num_input_tokens, d.num_output_tokens, d.label, d.scores)
 
     def _http_stream(self, prompt: str, images: list[str], params: dict, stream: bool) -> Iterator[StreamDelta]:
         url = f"{self._http_base()}/v2/models/{self.model}/generate_stream"
@@ -287,13 +299,28 @@ def _scalar(value, default=None):
     return item.decode("utf-8") if isinstance(item, bytes) else item.item() if isinstance(item, np.generic) else item
 
 
+def _head_answer(label, scores, names) -> tuple[Optional[str], Optional[dict]]:
+    """(label, {name: score}) of a task head's answer; (None, None) for a generated one."""
+    if label is None:
+        return None, None
+    label = label.decode("utf-8") if isinstance(label, bytes) else str(label)
+    if scores is None or names is None:
+        return label, None
+    names = [n.decode("utf-8") if isinstance(n, bytes) else str(n) for n in np.asarray(names).reshape(-1)]
+    values = [float(v) for v in np.asarray(scores, dtype=np.float64).reshape(-1)]
+    return label, dict(zip(names, values))
+
+
 def _delta_from(as_numpy) -> StreamDelta:
     text = _scalar(as_numpy("text_output"), "")
+    label, scores = _head_answer(_scalar(as_numpy("label")), as_numpy("scores"), as_numpy("label_names"))
     return StreamDelta(
         text=text,
         finish_reason=_scalar(as_numpy("finish_reason")),
         num_input_tokens=int(_scalar(as_numpy("num_input_tokens"), 0)),
         num_output_tokens=int(_scalar(as_numpy("num_output_tokens"), 0)),
+        label=label,
+        scores=scores,
     )
 
 
@@ -302,23 +329,28 @@ def _delta_from_json(payload: dict) -> StreamDelta:
         value = payload.get(key, default)
         return value[0] if isinstance(value, list) and value else value
 
+    label, scores = _head_answer(first("label"), payload.get("scores"), payload.get("label_names"))
     return StreamDelta(
         text=first("text_output", "") or "",
         finish_reason=first("finish_reason"),
         num_input_tokens=int(first("num_input_tokens", 0) or 0),
         num_output_tokens=int(first("num_output_tokens", 0) or 0),
+        label=label,
+        scores=scores,
     )
 
 
 def _join(deltas: Iterator[StreamDelta]) -> GenerationResult:
-    parts, finish, n_in, n_out = [], None, 0, 0
+    parts, finish, n_in, n_out, label, scores = [], None, 0, 0, None, None
     for d in deltas:
         parts.append(d.text)
         n_in = d.num_input_tokens or n_in
         n_out += d.num_output_tokens
         if d.finish_reason is not None:
             finish = d.finish_reason
-    return GenerationResult("".join(parts), finish, n_in, n_out)
+        if d.label is not None:
+            label, scores = d.label, d.scores
+    return GenerationResult("".join(parts), finish, n_in, n_out, label, scores)
 
 
 def _http_error_message(e: urllib.error.HTTPError) -> str:

@@ -99,3 +99,30 @@ def test_head_and_generating_requests_together_over_grpc(server):
     finally:
         client.stop_stream()
         client.close()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_client_library_and_cli_show_a_head_answer(server, protocol, tmp_path, capsys):
+    """`vlora-client --task` (and VloraClient(..., task=)) return the label and every label's score."""
+    from vlora_client import cli
+    from vlora_client.client import VloraClient
+
+    ds = generate("count-circles", seed=17, sizes={"train": 0, "val": 0, "test": 1})
+    sample = ds.split("test")[0]
+    frame = tmp_path / "frame.png"
+    frame.write_bytes(png(sample.images[0]))
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    client = VloraClient(url, protocol=protocol)
+    result = client.generate(ds.prompt_for(1), images=[frame], lora_name="demo-count-circles", task="count-circles")
+    assert result.label in ds.labels and result.text == result.label and result.num_output_tokens == 1
+    assert list(result.scores) == list(ds.labels) and abs(sum(result.scores.values()) - 1) < 1e-4
+    assert result.label == max(result.scores, key=result.scores.get)
+    plain = client.generate("USER: Say something. ASSISTANT:", max_tokens=2, ignore_eos=True)
+    assert plain.label is None and plain.scores is None
+
+    rc = cli.main(["--url", url, "--protocol", protocol, "--prompt", ds.prompt_for(1), "--image", str(frame),
+                   "--lora", "demo-count-circles", "--task", "count-circles"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0 and out[0] == result.label
+    shown = {line.split()[0]: float(line.split()[1].rstrip("%")) / 100 for line in out[1:]}
+    assert set(shown) == set(ds.labels) and abs(shown[result.label] - result.scores[result.label]) < 1e-3
