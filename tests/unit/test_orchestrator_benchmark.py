@@ -1,0 +1,69 @@
+"""CPU smoke test of benchmarks/orchestrator.py on the tiny model: a tiny grid in two invocations (the
+second merged into the first's JSON), every request answered in full, the result's structure, and
+the verdicts computed from all four policies."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICIES = ("vlora", "merge-only", "unmerge-only", "dlora")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("orchestrator_benchmark", ROOT / "benchmarks" / "orchestrator.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def common_args(model_dir: Path) -> list[str]:
+    # A drain limit far beyond what the cells need: nothing may be cancelled.
+    return ["--device", "cpu", "--model", str(model_dir), "--skewness", "0.9", "--adapters", "3", "--rate", "25",
+            "--duration", "0.4", "--drain", "60", "--prompt-tokens", "16", "--output-tokens", "4", "--rank", "8",
+            "--max-batch-size", "4", "--slots", "4", "--distinct-weights", "2", "--switch-repeats", "2", "--no-record"]
+
+
+def test_tiny_grid_in_two_runs(bench, tiny_model_dir, tmp_path):
+    first, merged = tmp_path / "first.json", tmp_path / "merged.json"
+    assert bench.main(common_args(tiny_model_dir) + ["--policies", "vlora,unmerge-only", "--json-out", str(first)]) == 0
+    assert bench.main(common_args(tiny_model_dir) + ["--policies", "merge-only,dlora", "--merge-into", str(first),
+                                                     "--json-out", str(merged)]) == 0
+    result = json.loads(merged.read_text())
+
+    assert result["settings"]["rank"] == 8 and result["settings"]["output_tokens"] == 4
+    assert [c["policy"] for c in result["cells"]] == list(POLICIES)
+    for c in result["cells"]:
+        assert c["requests"] > 0, c
+        assert c["finished"] == c["requests"] and c["lost"] == 0 and c["errors"] == 0 and c["censored"] == 0, c
+        assert c["output_tokens"] == 4 * c["requests"]
+        assert c["avg_token_latency_ms"] > 0 and c["throughput_tok_s"] > 0 and c["e2e_p99_s"] >= c["e2e_p50_s"] > 0
+        assert c["skewness"] == 0.9 and c["num_adapters"] == 3 and c["rate"] == 25
+        assert c["steps"] == sum(c["steps_by_mode"].values()) > 0
+    by = {c["policy"]: c for c in result["cells"]}
+    assert by["unmerge-only"]["switches"] == 0 and set(by["unmerge-only"]["steps_by_mode"]) == {"unmerge"}
+    assert by["dlora"]["lora_compute"] == "padded-einsum" and by["dlora"]["switcher"] == "per-layer"
+    assert by["vlora"]["lora_compute"] == "atmm" and by["vlora"]["switcher"] == "swift"
+    assert set(result["compute_paths"]) == set(POLICIES)
+    assert "PyTorch reference" in result["compute_paths"]["unmerge-only"]
+
+    sw = result["switch"]
+    for switcher in ("swift", "per-layer"):
+        assert all(sw[switcher][k]["median_ms"] > 0 for k in ("merge", "swap", "unmerge"))
+
+    verdict = result["verdicts"]["0.9"]
+    assert {x["baseline"] for x in verdict["comparisons"]} == {"merge-only", "unmerge-only", "dlora"}
+    assert not verdict["missing"]
+    assert verdict["meets_target"] == all(x["cut"] >= 0.2 for x in verdict["comparisons"])
+    assert len(result["runs"]) == 2
+
+
+def test_merge_refuses_other_settings(bench):
+    old = {"settings": {"rank": 8, "output_tokens": 4}, "cells": []}
+    new = {"settings": {"rank": 64, "output_tokens": 4}, "cells": []}
+    with pytest.raises(SystemExit, match="rank"):
+        bench.merge_results(old, new, force=False)
