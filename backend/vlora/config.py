@@ -149,6 +149,33 @@ class OrchestratorConfig:
         return self.lora_compute if self.lora_compute != "auto" else ("padded-einsum" if self.policy == "dlora" else "atmm")
 
 
+TUNE_AT_LOAD = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class AtmmConfig:
+    """The ATMM tiling tuner, run at model load as a sidecar process on CUDA machines.
+
+    ``tune_at_load``: ``auto`` tunes when ``configs/tiling/<gpu>.json`` is missing, is for another
+    dtype, or lacks one of this model's LoRA widths (other ranks take the nearest key); ``always`` tunes anyway (the tuner's cache makes
+    a repeated load instant); ``never`` serves with the committed table or the default rule. Serving
+    starts at once; the tuned entries replace the table's when the sidecar finishes (the sidecar
+    shares the GPU while it runs, ``tune_budget_s`` at most).
+    """
+
+    tune_at_load: str = "auto"
+    tune_budget_s: float = 600.0
+    tune_ranks: tuple[int, ...] = (8, 16, 32, 64, 128)  # those up to lora.max_rank are tuned
+    tune_segments: tuple[int, ...] = (1, 4, 16, 64)
+    tune_cache_dir: Optional[str] = None  # default ~/.cache/vlora/tiling
+
+    def __post_init__(self) -> None:
+        _require(self.tune_at_load in TUNE_AT_LOAD, f"atmm.tune_at_load must be one of {TUNE_AT_LOAD}")
+        _require(self.tune_budget_s > 0, "atmm.tune_budget_s must be > 0")
+        _require(all(isinstance(r, int) and r >= 1 for r in self.tune_ranks), "atmm.tune_ranks are positive ints")
+        _require(all(isinstance(x, int) and x >= 1 for x in self.tune_segments), "atmm.tune_segments are positive ints")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -157,6 +184,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: InputLimits = field(default_factory=InputLimits)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    atmm: AtmmConfig = field(default_factory=AtmmConfig)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":

@@ -42,3 +42,47 @@ def test_sidecar_without_cuda_swaps_nothing(tmp_path):
     assert car.proc.returncode == 0
     assert car.poll() is False
     assert kernels.table_source == "built-in default rule"
+
+
+class _FakeKernels:
+    """What start_at_load reads of AtmmKernels, for a machine without the extension."""
+
+    def __init__(self, table_dir, available=True):
+        self.available = available
+        self.unavailable_reason = "" if available else "vlora_atmm_ext not importable"
+        self._table_dir = table_dir
+        self.table_source = "built-in default rule"
+
+
+def _at_load(kernels, tmp_path, mode="auto", widths=(4096,), device="NVIDIA Test GPU"):
+    return tuner.start_at_load(kernels, mode=mode, widths=list(widths), ranks=[16, 64], max_tokens=64,
+                               segments=[1], dtype="bf16", budget_s=5, cache_dir=tmp_path / "cache",
+                               work_dir=tmp_path / "runs", device_name=device)
+
+
+def test_tuner_at_load_does_nothing_without_cuda_or_extension(tmp_path, caplog):
+    caplog.set_level("INFO", logger="vlora.atmm.tuner")
+    assert _at_load(_FakeKernels(tmp_path), tmp_path, device=None) is None
+    assert "no CUDA device here" in caplog.text
+    assert _at_load(_FakeKernels(tmp_path, available=False), tmp_path) is None
+    assert _at_load(_FakeKernels(tmp_path), tmp_path, mode="never") is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour (the child would tune)")
+def test_tuner_at_load_auto_skips_a_covering_table_and_tunes_otherwise(tmp_path):
+    from vlora.atmm.tiling import write_table
+
+    write_table(tmp_path / "nvidia-test-gpu.json", {"dtype": "bf16", "widths": [4096], "ranks": [16]}, [])
+    assert _at_load(_FakeKernels(tmp_path), tmp_path) is None  # covered: serve with the committed table
+    car = _at_load(_FakeKernels(tmp_path), tmp_path, widths=(4096, 11008))  # a width the table lacks
+    try:
+        assert car is not None and car.base == tmp_path / "nvidia-test-gpu.json"
+        assert car.args[:2] == ["--widths", "4096,11008"] and "--budget-s" in car.args
+        car.proc.wait(timeout=120)
+        assert car.poll() is False and "wrote no table" in car.state()  # no CUDA in this process's child
+        assert "nothing to tune" in car.log_path.read_text()
+    finally:
+        car.stop()
+    always = _at_load(_FakeKernels(tmp_path), tmp_path, mode="always")
+    assert always is not None
+    always.stop()

@@ -68,17 +68,27 @@ class AtmmKernels:
     def config_names(self) -> list[str]:
         return list(self._names)
 
-    def load_table(self, path: Path) -> int:
-        """Load ``path`` into a fresh table and swap it in. Raises ValueError naming a refused entry."""
+    def load_table(self, path: Path, overlay: Path | None = None) -> int:
+        """Load ``path`` into a fresh table and swap it in; with ``overlay``, its entries replace the
+        ones of the same shape (a tuner run that covered part of the grid). Raises ValueError naming
+        a refused entry."""
         _, entries = read_table(Path(path))
+        source = str(path)
+        if overlay is not None:
+            _, tuned = read_table(Path(overlay))
+            key = lambda e: (e.direction, e.dtype, e.tokens, e.width, e.rank, e.segments)  # noqa: E731
+            merged = {key(e): e for e in entries}
+            merged.update((key(e), e) for e in tuned)
+            entries = list(merged.values())
+            source = f"{overlay} over {path}"
         table = self.ext.TilingTable()
         for e in entries:
             table.add(e.direction, e.dtype, e.tokens, e.width, e.rank, e.segments, e.config, e.split_k)
         with self._lock:
             self._table = table
-            self.table_source = str(path)
+            self.table_source = source
             self._plans = {}
-        log.info("atmm: tiling table %s loaded (%d entries)", path, len(entries))
+        log.info("atmm: tiling table %s loaded (%d entries)", source, len(entries))
         return len(entries)
 
     def lookup(self, direction: str, dtype: str, tokens: int, width: int, rank: int, segments: int) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -25,9 +26,11 @@ from typing import Callable
 import torch
 
 from vlora.atmm.dispatch import PHASE_EXPAND, PHASE_PREP, PHASE_SHRINK, AtmmKernels
-from vlora.atmm.tiling import default_table_dir, gpu_slug, table_path, write_table
+from vlora.atmm.tiling import default_table_dir, gpu_slug, read_table, table_path, write_table
 from vlora.atmm.timing import graph_time_us, sets_needed
 from vlora.lora.mapping import LoraBatchMapping
+
+log = logging.getLogger(__name__)
 
 SPLITS = (1, 2, 4, 8, 16, 32)
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -209,32 +212,111 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class TunerSidecar:
-    """Runs the tuner in a child process and swaps its table into ``kernels`` when it finishes."""
+    """Runs the tuner in a child process and swaps its table into ``kernels`` when it finishes.
 
-    def __init__(self, kernels: AtmmKernels, out: Path, tuner_args: list[str]) -> None:
+    The tuned entries go over the table in use (``base``), so a run cut short by its time budget
+    only replaces the shapes it profiled. The child's progress goes to ``<out>.log``.
+    """
+
+    def __init__(self, kernels: AtmmKernels, out: Path, tuner_args: list[str], base: Path | None = None) -> None:
         self.kernels = kernels
         self.out = Path(out)
         self.args = tuner_args
+        self.base = base
+        self.log_path = self.out.with_suffix(".log")
         self.proc: subprocess.Popen | None = None
         self.swapped = False
+        self.failed: str | None = None
+        self._log = None
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "vlora.atmm.tuner", "--out", str(self.out), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")  # a pipe nobody reads would fill and stall the child
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        log.info("atmm: tuner sidecar started (pid %d): %s; progress in %s", self.proc.pid, " ".join(cmd), self.log_path)
 
     def poll(self) -> bool:
-        """True once the tuned table is in use; call from the engine loop between steps."""
-        if self.swapped or self.proc is None or self.proc.poll() is None:
+        """True once the tuned table is in use; cheap, call from the engine loop between steps."""
+        if self.swapped or self.failed or self.proc is None or self.proc.poll() is None:
             return self.swapped
-        if self.proc.returncode == 0 and self.out.exists() and self.kernels.available:
-            self.kernels.load_table(self.out)
+        self._close_log()
+        if self.proc.returncode != 0 or not self.out.exists():
+            self.failed = (f"tuner exited with {self.proc.returncode}" if self.proc.returncode
+                           else "the tuner wrote no table") + f"; see {self.log_path}"
+            log.warning("atmm: %s; serving keeps %s", self.failed, self.kernels.table_source)
+            return False
+        if self.kernels.available:
+            try:
+                if self.base is not None and self.base.exists():
+                    self.kernels.load_table(self.base, overlay=self.out)
+                else:
+                    self.kernels.load_table(self.out)
+            except ValueError as e:
+                self.failed = f"tuned table refused: {e}"
+                log.warning("atmm: %s", self.failed)
+                return False
             self.swapped = True
+            log.info("atmm: tuned tiling table in use: %s", self.kernels.table_source)
         return self.swapped
+
+    def state(self) -> str:
+        if self.swapped:
+            return "swapped in"
+        if self.failed:
+            return self.failed
+        return "running" if self.proc is not None and self.proc.poll() is None else "not started"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=10)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: list[int], max_tokens: int,
+                  segments: list[int], dtype: str, budget_s: float, cache_dir: Path, work_dir: Path,
+                  device_name: str | None) -> TunerSidecar | None:
+    """Start the tuner sidecar when the model loads (the engine calls this); None when nothing is tuned.
+
+    ``mode`` is ``atmm.tune_at_load``: ``auto`` tunes only when the committed table for this GPU is
+    missing, is for another dtype, or lacks one of ``widths`` (other ranks take the nearest key)."""
+    if mode == "never":
+        return None
+    if device_name is None:
+        log.info("atmm: no CUDA device here: the tuner sidecar has nothing to tune (the PyTorch reference serves)")
+        return None
+    if not kernels.available:
+        log.info("atmm: %s: no tuner sidecar (the PyTorch reference serves)", kernels.unavailable_reason)
+        return None
+    if dtype not in _TORCH_DTYPES:
+        log.info("atmm: dtype %s is served by the reference: no tuner sidecar", dtype)
+        return None
+    base = table_path(device_name, kernels._table_dir)
+    if mode == "auto" and base.exists():
+        try:
+            header, _ = read_table(base)
+        except ValueError:
+            header = {}
+        if set(widths) <= set(header.get("widths", [])) and header.get("dtype") == dtype:
+            log.info("atmm: %s covers widths %s: no tuning at load (atmm.tune_at_load=always tunes anyway)", base, widths)
+            return None
+    slug = f"{gpu_slug(device_name)}-{dtype}-w{'_'.join(map(str, widths))}-r{'_'.join(map(str, ranks))}"
+    args = ["--widths", ",".join(map(str, widths)), "--ranks", ",".join(map(str, ranks)), "--dtype", dtype,
+            "--max-tokens", str(max_tokens), "--segments", ",".join(map(str, segments)),
+            "--cache-dir", str(cache_dir), "--budget-s", str(budget_s)]
+    car = TunerSidecar(kernels, work_dir / f"{slug}.json", args, base=base)
+    car.start()
+    return car
 
 
 if __name__ == "__main__":

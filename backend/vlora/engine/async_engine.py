@@ -118,6 +118,8 @@ class AsyncEngine:
                 self._cond.notify_all()
             self._thread.join(10.0)
         self._stopped = True
+        if self.engine.tuner is not None:
+            self.engine.tuner.stop()
         self.loras.close()
 
     # -- the engine thread ---------------------------------------------------------------------

@@ -85,5 +85,24 @@ def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) 
     engine.model_info = {"name": loaded.name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
                          "max_model_len": max_model_len, "model_dir": str(model_dir),
                          "adapter_root": str(adapter_root) if adapter_root else None}
+    engine.tuner = start_tuner(config, runner, device, dtype)
     log.info("engine ready: %s on %s/%s in %.1fs, adapters at %s", loaded.name, device, dtype, time.perf_counter() - t0, adapter_root)
     return engine
+
+
+def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device, dtype: torch.dtype):
+    """The ATMM tuner sidecar for this model's LoRA shapes (``atmm`` config section), or None."""
+    from vlora.atmm import tuner
+    from vlora.atmm.dispatch import default_kernels
+
+    cfg = config.atmm
+    dims = runner.module_dims()
+    widths = sorted({w for m in config.lora.target_modules for w in dims[m]})
+    ranks = sorted(r for r in cfg.tune_ranks if r <= config.lora.max_rank) or [config.lora.max_rank]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    cache = Path(cfg.tune_cache_dir) if cfg.tune_cache_dir else default_cache_dir() / "tiling"
+    return tuner.start_at_load(
+        default_kernels(), mode=cfg.tune_at_load, widths=widths, ranks=ranks,
+        max_tokens=config.scheduler.max_num_batched_tokens, segments=list(cfg.tune_segments),
+        dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype)), budget_s=cfg.tune_budget_s,
+        cache_dir=cache, work_dir=cache / "runs", device_name=name)

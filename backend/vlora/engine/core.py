@@ -97,6 +97,7 @@ class LLMEngine:
         self.model_info: dict = {}
         self.orchestrator = Orchestrator(config.orchestrator, config.scheduler.max_batch_size, runner, loras, self.metrics)
         self._reported: tuple = ()  # the per-adapter counts and residency last sent to the metrics
+        self.tuner = None  # the ATMM tuner sidecar started at model load (vlora.atmm.tuner.start_at_load), if any
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
@@ -121,6 +122,9 @@ class LLMEngine:
             return self._step()
         finally:
             self._report_adapters()
+            if self.tuner is not None and self.tuner.poll():  # swap the tuned tiling table in between steps
+                self.model_info["atmm_tiling_table"] = self.tuner.kernels.table_source
+                self.tuner = None
 
     def _step(self) -> Optional[StepResult]:
         self._process_aborts()
