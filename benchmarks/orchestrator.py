@@ -107,6 +107,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--theta", type=float, help="orchestrator.theta_s (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--switch-repeats", type=int, default=7, help="switches of each kind timed per switcher")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no cell after this many seconds from the start (a time-limited GPU call ends with what it has)")
     p.add_argument("--quick", action="store_true", help="a small grid: skewness 0.1,0.9, fewest and most adapters, short cells")
     p.add_argument("--merge-into", metavar="FILE", help="add this run's cells to FILE's (and reuse its calibrated rates)")
     p.add_argument("--force-merge", action="store_true", help="merge even if FILE's settings differ")
@@ -551,15 +553,22 @@ def warm_policy(engine, prompt: str, names: list[str], bs: int) -> None:
     engine.orchestrator.enter(UNMERGE, None)
 
 
-def run_grid(engine, s: dict[str, Any], prompt: str, names: list[str], load_of: dict[float, float]) -> tuple[list, dict]:
+def run_grid(engine, s: dict[str, Any], prompt: str, names: list[str], load_of: dict[float, float],
+             deadline: Optional[float] = None, partial: Optional[Path] = None) -> tuple[list, dict]:
     """Every cell, policy by policy (one orchestrator each), adapter counts next (the slots are filled
-    once per count), then skewness and rate. Returns the cells and the LoRA compute path per policy."""
+    once per count), then skewness and rate. Returns the cells and the LoRA compute path per policy.
+
+    No cell starts after ``deadline`` (a time.perf_counter() value), so a run on a time-limited machine
+    ends with what it measured; ``partial`` is rewritten after every cell."""
     from vlora.orchestrator.policies import UNMERGE
 
     cells, compute_paths = [], {}
     done, t0 = 0, time.perf_counter()
     total = len(s["policies"]) * len(s["skewness"]) * len(s["adapters"]) * len(s["rates"])
     for policy in s["policies"]:
+        if deadline is not None and time.perf_counter() > deadline:
+            print(f"deadline reached: policy {policy} not run", flush=True)
+            continue
         probe = set_policy(engine, policy)
         cfg = engine.orchestrator.cfg
         switcher = cfg.resolved_switcher if policy != "unmerge-only" else None
@@ -570,6 +579,9 @@ def run_grid(engine, s: dict[str, Any], prompt: str, names: list[str], load_of: 
         for n in s["adapters"]:
             for skew in s["skewness"]:
                 for rate in s["rates"]:
+                    if deadline is not None and time.perf_counter() > deadline:
+                        print(f"deadline reached: {policy} n={n} skew {skew:g} rate {rate:.2f} not run", flush=True)
+                        continue
                     schedule, eff = arrivals(s, n, skew, rate, names)
                     ensure_resident(engine, names[:n] if n <= s["slots"] else names[:1])
                     r = run_cell(engine, s, prompt, schedule, probe)
@@ -582,6 +594,8 @@ def run_grid(engine, s: dict[str, Any], prompt: str, names: list[str], load_of: 
                     done += 1
                     eta = (time.perf_counter() - t0) / done * (total - done)
                     print(f"[{done}/{total}] {cell_line(cells[-1])} ({r['wall_s']:.1f} s; ETA {eta / 60:.1f} min)", flush=True)
+                    if partial is not None:
+                        partial.write_text(json.dumps({"partial": True, "cells": cells}, indent=1) + "\n")
         used = sorted(paths - {"no unmerged LoRA compute"}) or ["no unmerged LoRA compute"]
         compute_paths[policy] = f"{cfg.resolved_lora_compute} -> {'; '.join(used)}"
     set_policy(engine, "unmerge-only")
@@ -843,7 +857,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if calibration and not rates_given:
         load_of = {round(r, 4): float(x) for x, r in calibration["rates"].items()}
 
-    cells, compute_paths = run_grid(engine, s, prompt, names, load_of)
+    deadline = t_start + args.deadline_s if args.deadline_s else None
+    partial = Path(args.json_out + ".partial") if args.json_out else None
+    cells, compute_paths = run_grid(engine, s, prompt, names, load_of, deadline, partial)
 
     dev = device_name() if s["device"].startswith("cuda") else "cpu"
     settings = {"model": str(model_dir if s["model_dir"] or not s["preset"] else s["preset"]), "dtype": s["dtype"],
