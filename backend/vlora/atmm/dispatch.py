@@ -187,6 +187,10 @@ class AtmmKernels:
                 self._workspace[y.device] = workspace
         elif workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.uint8, device=y.device)
+        if y.device.index is not None and y.device.index != torch.cuda.current_device():
+            with torch.cuda.device(y.device):  # the extension launches on the current device
+                return self.run(y, x, lora_a, lora_b, ranks, scales, mapping, shrink=shrink, expand=expand,
+                                phases=phases, workspace=workspace)
         self.ext.forward(
             y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
             mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), workspace.data_ptr(), workspace.numel(),

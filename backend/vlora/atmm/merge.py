@@ -61,6 +61,9 @@ def merge_lora(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
             L, d_out, d_in = weights.shape
             names = ext.merge_configs()
             index = names.index(config) if config else (0 if backend == "cutlass" else 2)
+            if weights.device.index is not None and weights.device.index != torch.cuda.current_device():
+                with torch.cuda.device(weights.device):  # the extension launches on the current device
+                    return merge_lora(weights, lora_a, lora_b, alpha, 1, backend, config)
             ext.merge(weights.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(), L, d_out, d_in, lora_a.shape[1], alpha,
                       "bf16" if weights.dtype == torch.bfloat16 else "fp16", index,
                       torch.cuda.current_stream(weights.device).cuda_stream)

@@ -125,6 +125,13 @@ class AsyncEngine:
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine
+        dev = eng.runner.device
+        if dev.type == "cuda":
+            # Make this thread's current device the engine's: extensions that launch on the current
+            # device (ATMM's) and side streams then land on the right GPU of a multi-GPU host.
+            import torch
+
+            torch.cuda.set_device(dev)
         while True:
             with self._cond:
                 while (not self._inbox and not self._cancels and not self._control and not eng.has_work()
