@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from adapter_edit import clone_adapter as _clone
+from safetensors.torch import load_file
 
 from vlora.config import LORA_TARGETS
 from vlora.engine.api import InvalidRequest
@@ -46,19 +47,6 @@ def root(tiny_model_dir, tmp_path) -> Path:
 def _load(root, name, dims, max_rank=64, supported=LORA_TARGETS):
     return load_adapter(root, name, num_layers=NUM_LAYERS, module_dims=dims, max_rank=max_rank,
                         supported_modules=supported)
-
-
-def _clone(root: Path, src: str, dst: str, edit_config=None, edit_tensors=None) -> str:
-    shutil.copytree(root / src, root / dst)
-    if edit_config:
-        cfg = json.loads((root / dst / "adapter_config.json").read_text())
-        edit_config(cfg)
-        (root / dst / "adapter_config.json").write_text(json.dumps(cfg))
-    if edit_tensors:
-        tensors = load_file(str(root / dst / "adapter_model.safetensors"))
-        edit_tensors(tensors)
-        save_file(tensors, str(root / dst / "adapter_model.safetensors"))
-    return dst
 
 
 # ---- the demo adapters

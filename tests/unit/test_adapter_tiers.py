@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from adapter_edit import clone_adapter
 
 from vlora.config import EngineConfig
 from vlora.engine.api import GenerationRequest, InvalidRequest, SamplingParams
@@ -206,28 +207,14 @@ def test_ids_are_stable_across_unload_and_load(tiny_model_dir, root):
     assert outs["z"].text == outs["x"].text
 
 
-def _broken(root: Path, src: str, dst: str, edit_config=None, extra_key=None) -> str:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(root / src, root / dst)
-    if edit_config:
-        cfg = json.loads((root / dst / "adapter_config.json").read_text())
-        edit_config(cfg)
-        (root / dst / "adapter_config.json").write_text(json.dumps(cfg))
-    if extra_key:
-        tensors = load_file(str(root / dst / "adapter_model.safetensors"))
-        tensors[extra_key] = torch.zeros(8, 8)
-        save_file(tensors, str(root / dst / "adapter_model.safetensors"))
-    return dst
-
-
 def test_malformed_or_unsupported_adapters_are_refused_with_the_reason(tiny_model_dir, root, demo_adapter_root):
     engine = build_engine(_cfg(tiny_model_dir, root))
     shutil.copytree(demo_adapter_root / "demo-r32-mlp", root / "rank-too-high")
     (root / "not-json").mkdir()
     (root / "not-json" / "adapter_config.json").write_text("{oops")
     shutil.copy(root / A / "adapter_model.safetensors", root / "not-json")
-    _broken(root, A, "vision-target", extra_key="base_model.model.model.vision_tower.layers.0.q_proj.lora_A.weight")
+    vision_key = "base_model.model.model.vision_tower.layers.0.q_proj.lora_A.weight"
+    clone_adapter(root, A, "vision-target", edit_tensors=lambda t: t.__setitem__(vision_key, torch.zeros(8, 8)))
     cases = {"rank-too-high": "rank 32", "not-json": "not valid JSON", "vision-target": "unsupported target module",
              "no-such-adapter": "unknown adapter", "../escape": "invalid adapter name"}
     for name, reason in cases.items():
