@@ -42,34 +42,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     client = VloraClient(args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout)
-    if args.command:
-        return _adapters(parser, client, args)
-    if args.prompt is None:
-        parser.error("--prompt is required (or: adapters list|load NAME|unload NAME)")
-    options = dict(images=args.image, lora_name=args.lora, max_tokens=args.max_tokens, temperature=args.temperature,
-                   top_p=args.top_p, seed=args.seed, stop=args.stop, apply_chat_template=args.chat_template,
-                   task=args.task)
     try:
-        if args.stream and not args.json:
-            finish = None
-            scores = None
-            for delta in client.generate_stream(args.prompt, **options):
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
-                finish = delta.finish_reason or finish
-                scores = delta.scores or scores
-            sys.stdout.write("\n")
-            if scores:
-                print(_scores_table(scores))
-            print(f"[finish_reason: {finish}]", file=sys.stderr)
-            return 0
-        result = client.generate(args.prompt, stream=args.stream, **options)
+        return _adapters(parser, client, args) if args.command else _generate(parser, client, args)
     except VloraClientError as e:
         print(f"vlora-client: server error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"vlora-client: {e}", file=sys.stderr)
         return 1
+
+
+def _generate(parser: argparse.ArgumentParser, client: VloraClient, args) -> int:
+    if args.prompt is None:
+        parser.error("--prompt is required (or: adapters list|load NAME|unload NAME)")
+    options = dict(images=args.image, lora_name=args.lora, max_tokens=args.max_tokens, temperature=args.temperature,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop, apply_chat_template=args.chat_template,
+                   task=args.task)
+    if args.stream and not args.json:
+        finish = None
+        scores = None
+        for delta in client.generate_stream(args.prompt, **options):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            finish = delta.finish_reason or finish
+            scores = delta.scores or scores
+        sys.stdout.write("\n")
+        if scores:
+            print(_scores_table(scores))
+        print(f"[finish_reason: {finish}]", file=sys.stderr)
+        return 0
+    result = client.generate(args.prompt, stream=args.stream, **options)
     if args.json:
         print(json.dumps(result.__dict__))
     else:
@@ -93,19 +95,12 @@ def _adapters(parser: argparse.ArgumentParser, client: VloraClient, args) -> int
     if cmd[0] != "adapters" or len(cmd) < 2 or cmd[1] not in ("list", "load", "unload") \
             or len(cmd) != (2 if cmd[1] == "list" else 3):
         parser.error(f"unknown command {' '.join(cmd)!r}; use: adapters list | adapters load NAME | adapters unload NAME")
-    try:
-        if cmd[1] == "list":
-            result = client.list_adapters()
-        elif cmd[1] == "load":
-            result = client.load_adapter(cmd[2])
-        else:
-            result = client.unload_adapter(cmd[2])
-    except VloraClientError as e:
-        print(f"vlora-client: server error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
-        print(f"vlora-client: {e}", file=sys.stderr)
-        return 1
+    if cmd[1] == "list":
+        result = client.list_adapters()
+    elif cmd[1] == "load":
+        result = client.load_adapter(cmd[2])
+    else:
+        result = client.unload_adapter(cmd[2])
     if args.json:
         print(json.dumps(result, indent=2))
     elif cmd[1] == "list":
