@@ -107,7 +107,8 @@ class AtmmKernels:
             return self.unavailable_reason
         if not (y.is_cuda and x.is_cuda and mapping.seg_indptr.is_cuda):
             return "inputs not all on CUDA"
-        key = (lora_a.data_ptr(), lora_b.data_ptr(), tuple(lora_a.shape), tuple(lora_b.shape), lora_a.dtype, lora_b.dtype)
+        key = (lora_a.data_ptr(), lora_b.data_ptr(), lora_a.shape, lora_b.shape, lora_a.stride(), lora_b.stride(),
+               lora_a.dtype, lora_b.dtype, lora_a.device, lora_b.device)
         why = self._checked_buffers.get(key)
         if why is None:  # the slot buffers are allocated once: check them once
             why = self._check_buffers(lora_a, lora_b)
