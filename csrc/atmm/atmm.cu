@@ -14,6 +14,7 @@
 #include "atmm/atmm.h"
 #include "atmm/driver.h"
 #include "atmm/fused.cuh"
+#include "atmm/stream.cuh"
 
 namespace atmm {
 
@@ -39,11 +40,15 @@ namespace atmm {
 #define ATMM_GEMV_SHRINK(NAME) ATMM_DECLARE_FUSED(NAME)
 #define ATMM_WMMA_SHRINK(NAME) ATMM_DECLARE_FUSED(NAME)
 #define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB) ATMM_DECLARE_FUSED(NAME)
+#define ATMM_STREAM_SHRINK(NAME, BM, BK, WM, WN, KMAX, ST) ATMM_DECLARE_FUSED(NAME)
+#define ATMM_STREAM_EXPAND(NAME, BM, BN, WM, WN, KMAX, ST) ATMM_DECLARE_FUSED(NAME)
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
 #undef ATMM_WMMA_SHRINK
 #undef ATMM_FUSED_EXPAND
+#undef ATMM_STREAM_SHRINK
+#undef ATMM_STREAM_EXPAND
 
 #define ATMM_FNS_ATMM_BOTH(NAME) \
   atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
@@ -53,21 +58,31 @@ const std::vector<KernelConfig>& kernel_configs() {
   // Pass 2: one entry per line of tile_configs.def, in its order.
   static const std::vector<KernelConfig> configs = {
 #define ATMM_CONFIG(NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS) \
-  KernelConfig{#NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS, ATMM_FNS_##DIRS(NAME), Kind::kCutlass, nullptr, nullptr},
+  KernelConfig{#NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS, ATMM_FNS_##DIRS(NAME), Kind::kCutlass, nullptr, nullptr, 0, 0},
 #define ATMM_GEMV_SHRINK(NAME)                                                                   \
   KernelConfig{#NAME, 4, 128, 8, 4, 128, 8, 1, true, nullptr, nullptr, nullptr, nullptr, Kind::kGemvShrink, \
-               atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16},
+               atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, 0, 0},
 #define ATMM_WMMA_SHRINK(NAME)                                                                   \
   KernelConfig{#NAME, 64, 128, 128, 32, 32, 16, 1, true, nullptr, nullptr, nullptr, nullptr, Kind::kWmmaShrink, \
-               atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16},
+               atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, 128, 0},
 #define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB)                                                \
   KernelConfig{#NAME, BM, BN, 16, BM / WM, BN / WN, 16, 1, false, nullptr, nullptr, nullptr, nullptr, \
-               Kind::kFusedExpand, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16},
+               Kind::kFusedExpand, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, 128, 0},
+#define ATMM_STREAM_SHRINK(NAME, BM, BK, WM, WN, KMAX, ST)                                                \
+  KernelConfig{#NAME, BM, KMAX, BK, BM / WM, KMAX / WN, 16, ST, true, nullptr, nullptr, nullptr, nullptr, \
+               Kind::kStreamShrink, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX,              \
+               detail::ShrinkCfg<__nv_bfloat16, BM, BK, WM, WN, KMAX, ST>::kSmem},
+#define ATMM_STREAM_EXPAND(NAME, BM, BN, WM, WN, KMAX, ST)                                                   \
+  KernelConfig{#NAME, BM, BN, KMAX, BM / WM, BN / WN, 16, ST, false, nullptr, nullptr, nullptr, nullptr,      \
+               Kind::kStreamExpand, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX,                  \
+               detail::UpdateCfg<__nv_bfloat16, BM, BN, WM, WN, KMAX, ST, false>::kSmem},
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
 #undef ATMM_WMMA_SHRINK
 #undef ATMM_FUSED_EXPAND
+#undef ATMM_STREAM_SHRINK
+#undef ATMM_STREAM_EXPAND
   };
   return configs;
 }
@@ -81,8 +96,10 @@ bool KernelConfig::serves(Direction d, DType t) const {
   switch (kind) {
     case Kind::kCutlass: return fn(d, t) != nullptr;
     case Kind::kGemvShrink:
-    case Kind::kWmmaShrink: return d == Direction::kShrink;
-    case Kind::kFusedExpand: return d == Direction::kExpand;
+    case Kind::kWmmaShrink:
+    case Kind::kStreamShrink: return d == Direction::kShrink;
+    case Kind::kFusedExpand:
+    case Kind::kStreamExpand: return d == Direction::kExpand;
   }
   return false;
 }
@@ -342,10 +359,10 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   if (a.split_k < 1) return "atmm: split_k must be >= 1: " + shape_of(a);
   int r_pad_max = 0;
   for (int r : a.ranks) r_pad_max = std::max(r_pad_max, (r + kAlignment - 1) / kAlignment * kAlignment);
-  if (ce.kind == Kind::kFusedExpand && r_pad_max > 128)
-    return std::string("atmm: config ") + ce.name + " serves ranks up to 128: " + shape_of(a);
-  if (cs.kind == Kind::kWmmaShrink && r_pad_max > 128)
-    return std::string("atmm: config ") + cs.name + " serves ranks up to 128: " + shape_of(a);
+  if (!ce.serves_rank(r_pad_max))
+    return std::string("atmm: config ") + ce.name + " serves ranks up to " + std::to_string(ce.max_rank) + ": " + shape_of(a);
+  if (!cs.serves_rank(r_pad_max))
+    return std::string("atmm: config ") + cs.name + " serves ranks up to " + std::to_string(cs.max_rank) + ": " + shape_of(a);
 
   // Split d_in into chunks that are multiples of 64, so every chunk stays aligned for any tile K.
   int k_chunk = (a.d_in + a.split_k - 1) / a.split_k;
@@ -354,6 +371,8 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   WorkspaceLayout w = workspace_layout(a.num_segments, a.split_k, a.num_tokens, a.r_max, a.dtype);
   if (a.workspace_bytes < w.total) return "atmm: workspace too small: " + shape_of(a);
   const bool cutlass_shrink = cs.kind == Kind::kCutlass, cutlass_expand = ce.kind == Kind::kCutlass;
+  // The stream shrink writes v itself when d_in is not split; every other shrink writes partials.
+  const bool v_ready = cs.kind == Kind::kStreamShrink && splits_used == 1;
   char* ws = static_cast<char*>(a.workspace);
 
   FusedArgs fa{};
@@ -366,6 +385,10 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   }
   fa.x = a.x; fa.lora_a = a.lora_a; fa.lora_b = a.lora_b; fa.y = a.y;
   fa.partial = reinterpret_cast<float*>(ws + w.partial);
+  fa.v = ws + w.v;
+  fa.v_ready = v_ready ? 1 : 0;
+  // The expand may start while the shrink of this same call runs (it waits before reading v).
+  fa.pdl = (a.pdl && (phases & kPhaseShrink)) ? 1 : 0;
   fa.splits = splits_used; fa.k_chunk = k_chunk;
   fa.num_tokens = a.num_tokens; fa.d_in = a.d_in; fa.d_out = a.d_out; fa.r_max = a.r_max;
   fa.ld_x = a.ld_x; fa.ld_y = a.ld_y;
@@ -394,7 +417,7 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   }
   if (phases & kPhaseExpand) {
     if (cutlass_expand) {
-      e = launch_reduce(a, w, splits_used, stream);
+      if (!v_ready) e = launch_reduce(a, w, splits_used, stream);
       if (e != cudaSuccess) return std::string("atmm: reduce: ") + cudaGetErrorString(e) + ": " + shape_of(a);
       GroupedLaunch le{ws + w.expand_problems, a.num_segments, tiles(ce.tb_m, ce.tb_n, a.d_out, 1),
                        reinterpret_cast<void**>(ws + w.expand_ptr_a), reinterpret_cast<void**>(ws + w.expand_ptr_b),

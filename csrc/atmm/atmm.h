@@ -49,9 +49,7 @@ struct FusedArgs;
 // A hand-written kernel (fused.cu): gemv shrink or fused expand.
 using FusedFn = cudaError_t (*)(FusedArgs const&, cudaStream_t);
 
-enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2, kWmmaShrink = 3 };
-// Hand-written kinds that serve ranks up to 128 only.
-inline bool rank_limited(Kind k) { return k == Kind::kFusedExpand || k == Kind::kWmmaShrink; }
+enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2, kWmmaShrink = 3, kStreamShrink = 4, kStreamExpand = 5 };
 
 struct KernelConfig {
   const char* name;
@@ -60,9 +58,12 @@ struct KernelConfig {
   GroupedFn shrink_f16, shrink_bf16, expand_f16, expand_bf16;
   Kind kind;
   FusedFn fused_f16, fused_bf16;
+  int max_rank;  // largest padded rank this config serves; 0: any
+  size_t smem;   // dynamic shared memory per block (hand-written kinds; CUTLASS: 0, see the tuner)
   GroupedFn fn(Direction d, DType t) const;
   // Whether this config can serve direction d for dtype t (either kind).
   bool serves(Direction d, DType t) const;
+  bool serves_rank(int padded_rank) const { return max_rank == 0 || padded_rank <= max_rank; }
 };
 
 // Every compiled configuration, in the order of tile_configs.def.
@@ -88,6 +89,7 @@ struct ForwardArgs {
   std::vector<int> ranks; std::vector<float> scales;
   DType dtype;
   int shrink_config; int split_k; int expand_config;
+  bool pdl;  // may launch the expand as a programmatic dependent of the shrink (sm_90)
 };
 
 // Launches prep, shrink, split-K reduction and expand on `stream`. Returns "" or an error message.

@@ -7,9 +7,12 @@
 
 #include "atmm/fused.cuh"
 #include "atmm/merge.h"
+#include "atmm/stream.cuh"
 
 namespace atmm {
 namespace {
+using detail::find_tile;
+using detail::seg_rank;
 
 template <typename T>
 __device__ inline float to_f(T v);
@@ -24,11 +27,6 @@ __device__ inline __half from_f<__half>(float f) { return __float2half_rn(f); }
 template <>
 __device__ inline __nv_bfloat16 from_f<__nv_bfloat16>(float f) { return __float2bfloat16_rn(f); }
 
-__device__ inline int seg_rank(FusedArgs const& a, int i) {
-  int slot = a.seg_slot[i];
-  return (slot >= 0 && slot < kMaxSlots) ? a.slots.rank_padded[slot] : 0;
-}
-
 // ------------------------------------------------------------------------------------------------
 // gemv shrink: block (segment i, chunk c). partial[c, t, j] = sum_{k in chunk c} x[t, k] * A[slot, j, k]
 // for every row t of the segment (in groups of kRows) and j < padded rank.
@@ -41,6 +39,7 @@ template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) gemv_shrink_kernel(FusedArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sx = reinterpret_cast<T*>(smem_raw);  // [kRows][k_chunk]
+  detail::pdl_launch_dependents();
   const int i = blockIdx.x, c = blockIdx.y;
   const int rp = seg_rank(a, i);
   const int lo = a.seg_indptr[i], hi = a.seg_indptr[i + 1];
@@ -108,36 +107,6 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_shrink_kernel(FusedArgs a) 
 constexpr int kMaxK = 128;
 constexpr int kKP = kMaxK + 8;  // padded smem row (elements): 16-byte skew against bank conflicts
 
-// Which segment, and which of its BM-row tiles, block-row `target` serves: a block scan of the tile
-// counts over the segments (segments with no adapter or rank 0 have none). -1: no tile.
-template <int BM, int THREADS>
-__device__ inline void find_tile(FusedArgs const& a, int target, int& seg_out, int& tile_out) {
-  using Scan = cub::BlockScan<int, THREADS>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int s_seg, s_tile;
-  if (threadIdx.x == 0) s_seg = -1;
-  int carry = 0;
-  for (int base = 0; base < a.num_segments; base += THREADS) {
-    int i = base + threadIdx.x;
-    int n = 0;
-    if (i < a.num_segments && seg_rank(a, i) > 0) n = (a.seg_indptr[i + 1] - a.seg_indptr[i] + BM - 1) / BM;
-    int incl, total;
-    __syncthreads();
-    Scan(scan_tmp).InclusiveSum(n, incl, total);
-    int excl = carry + incl - n;
-    if (n > 0 && target >= excl && target < excl + n) {
-      s_seg = i;
-      s_tile = target - excl;
-    }
-    carry += total;
-    __syncthreads();
-    if (s_seg >= 0 || carry > target) break;
-  }
-  __syncthreads();
-  seg_out = s_seg;
-  tile_out = s_tile;
-}
-
 // ------------------------------------------------------------------------------------------------
 // WMMA shrink: block (row tile over all segments' tiles, d_in chunk c).
 //   partial[c, rows, :rp] = x[rows, chunk] @ A[slot, :rp, chunk]^T, in sub-chunks of 128 columns.
@@ -154,6 +123,7 @@ __global__ void __launch_bounds__(kWxThreads, 2) wmma_shrink_kernel(FusedArgs a)
   T* sx = reinterpret_cast<T*>(smem_raw);  // [kWxBM][kWxXP]
   T* sa = sx + kWxBM * kWxXP;              // [kMaxK][kWxXP]
   float* sc = reinterpret_cast<float*>(smem_raw);
+  detail::pdl_launch_dependents();
   int seg, tile;
   find_tile<kWxBM, kWxThreads>(a, blockIdx.x, seg, tile);
   if (seg < 0) return;
@@ -281,12 +251,17 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, MINB) fused_expand_ker
     if (r < rows && col < a.d_out) yv[q] = *reinterpret_cast<const uint4*>(Y + (row0 + r) * a.ld_y + col);
   }
 
-  // v tile: sum of the split-K partials, rounded to T; zero past the rows and the padded rank.
+  // v tile: v itself, or the sum of the split-K partials rounded to T; zero past the rows and the
+  // padded rank. Both come from the shrink: wait for it (a no-op unless launched as its dependent).
+  detail::pdl_wait();
   const int kv4 = K16 / 4;
   for (int v = threadIdx.x; v < BM * kv4; v += F::kThreads) {
     int r = v / kv4, k = (v % kv4) * 4;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (r < rows && k < K) {
+    if (r < rows && k < K && a.v_ready) {
+      const T* vp = static_cast<const T*>(a.v) + int64_t(row0 + r) * a.r_max + k;
+      s = make_float4(to_f(vp[0]), to_f(vp[1]), to_f(vp[2]), to_f(vp[3]));
+    } else if (r < rows && k < K) {
       const float* p = a.partial + int64_t(row0 + r) * a.r_max + k;
 #pragma unroll 8
       for (int c = 0; c < a.splits; ++c) {
@@ -450,14 +425,9 @@ template <typename T>
 cudaError_t gemv_shrink(FusedArgs const& a, cudaStream_t stream) {
   if (a.k_chunk % 8 || a.k_chunk <= 0) return cudaErrorInvalidValue;
   size_t smem = size_t(kRows) * a.k_chunk * sizeof(T);
-  static bool raised = false;
-  if (smem > 48 * 1024) {
-    if (!raised) {
-      cudaError_t e = cudaFuncSetAttribute(gemv_shrink_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
-      if (e != cudaSuccess) return e;
-      raised = true;
-    }
-  }
+  if (smem > 200 * 1024) return cudaErrorInvalidValue;
+  cudaError_t e = detail::ensure_smem<gemv_shrink_kernel<T>>(200 * 1024);
+  if (e != cudaSuccess) return e;
   dim3 grid(a.num_segments, a.splits);
   gemv_shrink_kernel<T><<<grid, kGemvThreads, smem, stream>>>(a);
   return cudaGetLastError();
@@ -466,18 +436,13 @@ cudaError_t gemv_shrink(FusedArgs const& a, cudaStream_t stream) {
 template <typename T, int BM, int BN, int WARPS_M, int WARPS_N, int MINB>
 cudaError_t fused_expand(FusedArgs const& a, cudaStream_t stream) {
   using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
-  static bool raised = false;
-  if (!raised) {
-    cudaError_t e = cudaFuncSetAttribute(fused_expand_kernel<T, BM, BN, WARPS_M, WARPS_N, MINB>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(F::kSmem));
-    if (e != cudaSuccess) return e;
-    raised = true;
-  }
+  constexpr auto kernel = fused_expand_kernel<T, BM, BN, WARPS_M, WARPS_N, MINB>;
+  cudaError_t e = detail::ensure_smem<kernel>(F::kSmem);
+  if (e != cudaSuccess) return e;
   int64_t row_tiles = a.num_tokens / BM + a.num_segments;  // >= the tiles of every segment together
-  dim3 grid((a.d_out + BN - 1) / BN, unsigned(std::min<int64_t>(row_tiles, 65535)));
   if (row_tiles > 65535) return cudaErrorInvalidConfiguration;
-  fused_expand_kernel<T, BM, BN, WARPS_M, WARPS_N, MINB><<<grid, F::kThreads, F::kSmem, stream>>>(a);
-  return cudaGetLastError();
+  dim3 grid((a.d_out + BN - 1) / BN, unsigned(row_tiles));
+  return detail::launch_ex(kernel, grid, dim3(F::kThreads), F::kSmem, stream, a.pdl != 0, a);
 }
 
 template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
@@ -486,13 +451,8 @@ cudaError_t fused_merge(MergeArgs const& a, cudaStream_t stream) {
   if (a.rank > kMaxK || a.d_in % 8 || a.rank % 8) return cudaErrorInvalidValue;
   constexpr size_t smem_ops = size_t(BM) * kKP * sizeof(T) + size_t(kMaxK) * (BN + 8) * sizeof(T);
   constexpr size_t smem = smem_ops > F::kSmemAcc ? smem_ops : F::kSmemAcc;
-  static bool raised = false;
-  if (!raised) {
-    cudaError_t e = cudaFuncSetAttribute(fused_merge_kernel<T, BM, BN, WARPS_M, WARPS_N>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess) return e;
-    raised = true;
-  }
+  cudaError_t e = detail::ensure_smem<fused_merge_kernel<T, BM, BN, WARPS_M, WARPS_N>>(smem);
+  if (e != cudaSuccess) return e;
   dim3 grid((a.d_in + BN - 1) / BN, (a.d_out + BM - 1) / BM, a.layers);
   fused_merge_kernel<T, BM, BN, WARPS_M, WARPS_N><<<grid, F::kThreads, smem, stream>>>(a);
   return cudaGetLastError();
@@ -502,12 +462,8 @@ template <typename T>
 cudaError_t wmma_shrink(FusedArgs const& a, cudaStream_t stream) {
   constexpr size_t ops = size_t(kWxBM + kMaxK) * kWxXP * sizeof(T), stage = size_t(kWxBM) * kWxCP * sizeof(float);
   constexpr size_t smem = ops > stage ? ops : stage;
-  static bool raised = false;
-  if (!raised) {
-    cudaError_t e = cudaFuncSetAttribute(wmma_shrink_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess) return e;
-    raised = true;
-  }
+  cudaError_t e = detail::ensure_smem<wmma_shrink_kernel<T>>(smem);
+  if (e != cudaSuccess) return e;
   int64_t row_tiles = a.num_tokens / kWxBM + a.num_segments;
   if (row_tiles > (int64_t(1) << 31) - 1 || a.splits > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid(unsigned(row_tiles), a.splits);
@@ -544,4 +500,6 @@ cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream) {
   }                                                                                                     \
   }
 #define ATMM_CONFIG(...)
+#define ATMM_STREAM_SHRINK(...)
+#define ATMM_STREAM_EXPAND(...)
 #include "atmm/tile_configs.def"

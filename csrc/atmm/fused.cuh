@@ -20,6 +20,9 @@ struct FusedArgs {
   const void* lora_b;
   void* y;
   float* partial;  // [splits, T, r_max] fp32
+  void* v;         // [T, r_max] in the activation dtype
+  int v_ready;     // the shrink wrote v itself (stream shrink, d_in not split): expands read v, not partials
+  int pdl;         // launch the expand as a programmatic dependent of the shrink (sm_90)
   int splits;      // chunks of d_in actually used
   int k_chunk;     // elements of d_in per chunk
   int64_t num_tokens;
@@ -29,6 +32,8 @@ struct FusedArgs {
 
 template <typename T>
 cudaError_t gemv_shrink(FusedArgs const& a, cudaStream_t stream);
+template <typename T>
+cudaError_t wmma_shrink(FusedArgs const& a, cudaStream_t stream);
 template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
 cudaError_t fused_expand(FusedArgs const& a, cudaStream_t stream);
 

@@ -1,4 +1,6 @@
-// Merge kernels: one batched CUTLASS GEMM per call, beta = 1, W read and written once.
+// Merge kernels, W read and written once: the streaming update of stream.cuh (mg_*: row tiles of W
+// whose lora_B rows stay in registers while column chunks of W and lora_A stream through), one
+// batched CUTLASS GEMM with beta = 1 (m*), or the hand-written WMMA kernel (fused_m*).
 //   A operand = lora_B[l] [d_out, r] row-major, B operand = lora_A[l] [r, d_in] row-major,
 //   C = D = W[l] [d_out, d_in] row-major.
 #include "cutlass/cutlass.h"
@@ -9,6 +11,7 @@
 #include <sstream>
 
 #include "atmm/merge.h"
+#include "atmm/stream.cuh"
 
 namespace atmm {
 namespace {
@@ -51,8 +54,27 @@ using MergeMidBF = MergeGemm<cutlass::bfloat16_t, 128, 128, 64, 64, 64, 64, 3>;
 
 }  // namespace
 
+// Streaming merge configurations: (name, tb_m, tb_n, warps_m, warps_n, max_rank, stages).
+#define ATMM_MERGE_STREAM_CONFIGS(X)        \
+  X(mg_m128n128_r64, 128, 128, 4, 2, 64, 3)  \
+  X(mg_m128n128_r128, 128, 128, 4, 2, 128, 2) \
+  X(mg_m64n128_r64, 64, 128, 4, 2, 64, 4)    \
+  X(mg_m64n128_r128, 64, 128, 4, 2, 128, 3)
+
 std::vector<std::string> merge_config_names() {
-  return {"m128x256_k64_s3", "m128x128_k64_s3", "fused_m64n128", "fused_m128n128"};
+  std::vector<std::string> names = {"m128x256_k64_s3", "m128x128_k64_s3", "fused_m64n128", "fused_m128n128"};
+#define ATMM_MERGE_NAME(NAME, BM, BN, WM, WN, KMAX, ST) names.push_back(#NAME);
+  ATMM_MERGE_STREAM_CONFIGS(ATMM_MERGE_NAME)
+#undef ATMM_MERGE_NAME
+  return names;
+}
+
+std::vector<int> merge_config_max_ranks() {
+  std::vector<int> r = {0, 0, 128, 128};
+#define ATMM_MERGE_RANK(NAME, BM, BN, WM, WN, KMAX, ST) r.push_back(KMAX);
+  ATMM_MERGE_STREAM_CONFIGS(ATMM_MERGE_RANK)
+#undef ATMM_MERGE_RANK
+  return r;
 }
 
 std::string merge(MergeArgs const& a, cudaStream_t stream) {
@@ -67,7 +89,22 @@ std::string merge(MergeArgs const& a, cudaStream_t stream) {
     case 1: e = a.bf16 ? MergeMidBF::run(a, stream) : MergeMid16::run(a, stream); break;
     case 2: e = merge_fused(a, 0, stream); break;
     case 3: e = merge_fused(a, 1, stream); break;
-    default: return "merge: unknown config index: " + shape.str();
+    default: {
+      int i = 4;
+      e = cudaErrorInvalidValue;
+      bool found = false;
+#define ATMM_MERGE_RUN(NAME, BM, BN, WM, WN, KMAX, ST)                                                      \
+  if (!found && a.config == i) {                                                                            \
+    found = true;                                                                                           \
+    if (a.rank > KMAX) return "merge: config " #NAME " serves ranks up to " #KMAX ": " + shape.str();       \
+    e = a.bf16 ? detail::stream_merge<__nv_bfloat16, BM, BN, WM, WN, KMAX, ST>(a, stream)                   \
+               : detail::stream_merge<__half, BM, BN, WM, WN, KMAX, ST>(a, stream);                         \
+  }                                                                                                         \
+  ++i;
+      ATMM_MERGE_STREAM_CONFIGS(ATMM_MERGE_RUN)
+#undef ATMM_MERGE_RUN
+      if (!found) return "merge: unknown config index: " + shape.str();
+    }
   }
   if (e != cudaSuccess) return std::string("merge: ") + cudaGetErrorString(e) + ": " + shape.str();
   return "";

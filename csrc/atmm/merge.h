@@ -20,6 +20,8 @@ struct MergeArgs {
 };
 
 std::vector<std::string> merge_config_names();
+// Largest rank each merge configuration serves (0: any), by index.
+std::vector<int> merge_config_max_ranks();
 // The hand-written WMMA merge (fused.cu); variant 0: 64x128 tiles, 1: 128x128.
 cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream);
 // Returns "" or an error naming the shape.

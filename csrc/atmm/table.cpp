@@ -70,19 +70,28 @@ LookupResult TilingTable::default_choice(ShapeKey const& key) {
   r.from_default = true;
   r.exact = false;
   r.matched = bucketed(key);
+  const bool r64 = key.rank <= 64, r128 = key.rank <= 128;
   if (key.direction == Direction::kShrink) {
-    // Few tokens per segment: the gemv kernel; otherwise the CUTLASS 64x64 tile, which measured
-    // best for every rank up to 128 on the H100. Split d_in so that enough CTAs stream lora_A.
-    r.config = find_config(key.tokens <= 2 * key.segments && key.tokens <= 256 ? "gemv_shrink" : "t64x64_k64_s5");
-    int64_t m_tiles = key.tokens / 64 + key.segments;
+    // From the H100 measurements (csrc/atmm/NOTES.md): up to a few hundred tokens the stream
+    // shrink on 16-row tiles (split d_in so that about two waves of blocks stream lora_A); longer
+    // batches the CUTLASS 64x64 tile, which measured best there for every rank up to 128.
+    const bool few = key.tokens <= 512 && r128;
+    r.config = find_config(few ? (r64 ? "xs_m16_r64_w1x4" : "xs_m16_r128_w1x4") : "t64x64_k64_s5");
+    const int64_t tile_m = few ? 16 : 64;
+    const int64_t m_tiles = key.tokens / tile_m + key.segments;
+    const int64_t want_blocks = few ? 264 : 132;
     int split = 1;
-    while (split < 16 && m_tiles * split < 132 && key.width / (split * 2) >= 256) split *= 2;
+    while (split < 32 && m_tiles * split < want_blocks && key.width / (split * 2) >= 128) split *= 2;
     r.split_k = split;
   } else {
-    // From the H100 measurements (csrc/atmm/NOTES.md): the fused kernel (reduce + expand + scaled
-    // update in one launch, ranks <= 128) wins up to a few hundred tokens, CUTLASS above.
-    if (key.rank <= 128 && key.tokens <= 512)
-      r.config = find_config("fx_m16n256");
+    // Stream expands (v in registers, y and lora_B streamed in chunks): 16-row tiles for decode-like
+    // batches, wide chunks below 4k tokens, larger row tiles above; CUTLASS past rank 128.
+    if (key.tokens <= 512 && r128)
+      r.config = find_config(r64 ? "ye_m16n128_r64_w1x4" : "ye_m32n128_r128_w1x8");
+    else if (r64)
+      r.config = find_config(key.tokens <= 4096 ? "ye_m64n256_r64_w1x8" : "ye_m128n128_r64_w2x4");
+    else if (r128)
+      r.config = find_config(key.tokens <= 4096 ? "ye_m64n64_r128_w2x4" : "ye_m128n64_r128_w2x4");
     else
       r.config = find_config(key.tokens >= 4096 ? "t64x128_k32_s6" : "t128x128_k32_s4");
     r.split_k = 1;
@@ -95,14 +104,15 @@ LookupResult TilingTable::lookup(ShapeKey key) const {
   auto it = index_.find(pack_key(b));
   if (it != index_.end()) {
     TableEntry const& e = entries_[it->second];
-    if (!(rank_limited(kernel_configs()[e.config].kind) && key.rank > 128))
-      return LookupResult{e.config, e.split_k, true, false, e.key};
+    if (kernel_configs()[e.config].serves_rank(key.rank)) return LookupResult{e.config, e.split_k, true, false, e.key};
   }
-  // Nearest key of the same direction and dtype: distance in log2 space, widths weigh most.
+  // Nearest key of the same direction and dtype whose config serves this rank: distance in log2
+  // space, widths weigh most.
   double best = std::numeric_limits<double>::infinity();
   TableEntry const* pick = nullptr;
   for (TableEntry const& e : entries_) {
     if (e.key.direction != b.direction || e.key.dtype != b.dtype) continue;
+    if (!kernel_configs()[e.config].serves_rank(key.rank)) continue;
     double d = 4.0 * l2(e.key.width, b.width) + 2.0 * l2(e.key.tokens, b.tokens) + 1.0 * l2(e.key.rank, b.rank) +
                1.0 * l2(e.key.segments, b.segments);
     if (d < best) {
@@ -111,7 +121,6 @@ LookupResult TilingTable::lookup(ShapeKey key) const {
     }
   }
   if (!pick) return default_choice(key);
-  if (rank_limited(kernel_configs()[pick->config].kind) && key.rank > 128) return default_choice(key);
   return LookupResult{pick->config, pick->split_k, false, false, pick->key};
 }
 

@@ -58,9 +58,9 @@ def untouched_rows(mapping, ranks):
     return rows
 
 
-def check(kernels, T, d_in, d_out, dtype, pattern, seed, shrink=None, expand=None, ranks=RANKS):
+def check(kernels, T, d_in, d_out, dtype, pattern, seed, shrink=None, expand=None, ranks=RANKS, pdl=True):
     x, y0, a, b, mapping = make(T, d_in, d_out, dtype, pattern, seed, ranks)
-    scales = SCALES[: len(ranks)]
+    scales = tuple(SCALES[i % len(SCALES)] for i in range(len(ranks)))
     ref = ref_fp32(y0, x, a, b, ranks, scales, mapping)
     y = y0.clone()
     assert not kernels.unsupported(y, x, a, b, ranks, scales, mapping)
@@ -68,7 +68,7 @@ def check(kernels, T, d_in, d_out, dtype, pattern, seed, shrink=None, expand=Non
     split = shrink[1] if shrink else 16
     need = kernels.ext.workspace_size(mapping.num_segments, split, T, a.shape[1], "bf16" if dtype == torch.bfloat16 else "fp16")
     ws = torch.full((need,), 0xFF, dtype=torch.uint8, device="cuda")
-    kernels.run(y, x, a, b, ranks, scales, mapping, shrink=shrink, expand=expand, workspace=ws)
+    kernels.run(y, x, a, b, ranks, scales, mapping, shrink=shrink, expand=expand, workspace=ws, pdl=pdl)
     torch.cuda.synchronize()
     assert torch.isfinite(y).all(), "non-finite output: an unwritten intermediate was read"
     err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -95,13 +95,17 @@ def test_atmm_matches_fp32_reference(kernels, dtype, d, pattern, T):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_compiled_config(kernels, dtype):
     for c in ext.configs():
+        # Configs limited to a rank serve calls up to it: give them slots of every rank they serve.
+        ranks = RANKS if not c["max_rank"] else tuple(r for r in RANKS if r <= c["max_rank"]) + (24,)
         for split in (1, 3):
             if c["shrink"]:
                 for expand in ("t128x128_k32_s4", "fx_m64n128"):
-                    check(kernels, 333, 4096, 1024, dtype, "3x3", seed=split, shrink=(c["name"], split), expand=expand)
+                    check(kernels, 333, 4096, 1024, dtype, "3x3", seed=split, shrink=(c["name"], split), expand=expand,
+                          ranks=ranks)
             if c["expand"]:
                 for shrink in (("t64x64_k64_s5", split), ("gemv_shrink", split)):
-                    check(kernels, 333, 4096, 1024, dtype, "3x3", seed=split, shrink=shrink, expand=c["name"])
+                    check(kernels, 333, 4096, 1024, dtype, "3x3", seed=split, shrink=shrink, expand=c["name"],
+                          ranks=ranks)
 
 
 @pytest.mark.parametrize("split", [1, 2, 5, 16, 64])
@@ -162,7 +166,7 @@ def test_refusals_name_the_problem(kernels):
     assert "fp16, bf16" in kernels.unsupported(y0.float(), x.float(), a.float(), b.float(), RANKS, SCALES, mapping)
 
 
-@pytest.mark.parametrize("backend", ["cutlass", "torch", "fused"])
+@pytest.mark.parametrize("backend", ["cutlass", "torch", "fused", "stream", "auto"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sign", [1, -1])
 def test_merge_cuda_matches_reference(backend, dtype, sign):
@@ -174,13 +178,29 @@ def test_merge_other_configs(config):
     _merge_case("fused" if config.startswith("fused") else "cutlass", torch.bfloat16, 1, config)
 
 
-def _merge_case(backend, dtype, sign, config):
+@pytest.mark.parametrize("config", [n for n in ext.merge_configs() if n.startswith("mg_")])
+@pytest.mark.parametrize("rank", [8, 16, 24, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merge_stream_configs(config, rank, dtype):
+    if rank > ext.merge_config_max_ranks()[ext.merge_configs().index(config)]:
+        from vlora.atmm import merge_lora
+
+        w = torch.zeros(2, 64, 64, device="cuda", dtype=dtype)
+        a = torch.zeros(2, rank, 64, device="cuda", dtype=dtype)
+        b = torch.zeros(2, 64, rank, device="cuda", dtype=dtype)
+        with pytest.raises(RuntimeError, match="serves ranks up to"):
+            merge_lora(w, a, b, 1.0, 1, backend="stream", config=config)
+        return
+    _merge_case("stream", dtype, -1 if rank == 24 else 1, config, rank=rank, d_in=1032)
+
+
+def _merge_case(backend, dtype, sign, config, rank=64, d_in=512):
     from vlora.atmm import merge_lora, merge_lora_reference
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(8, 1000, 512, generator=g, device="cuda").to(dtype)
-    a = (torch.randn(8, 64, 512, generator=g, device="cuda") / 8).to(dtype)
-    b = (torch.randn(8, 1000, 64, generator=g, device="cuda") / 8).to(dtype)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    w = torch.randn(8, 1000, d_in, generator=g, device="cuda").to(dtype)
+    a = (torch.randn(8, rank, d_in, generator=g, device="cuda") / 8).to(dtype)
+    b = (torch.randn(8, 1000, rank, generator=g, device="cuda") / 8).to(dtype)
     got = merge_lora(w.clone(), a, b, 0.5, sign, backend=backend, config=config)
     ref = merge_lora_reference(w.clone().float(), a.float(), b.float(), 0.5, sign)
     delta = ref - w.float()

@@ -29,6 +29,17 @@ def _cutlass_ok(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tenso
             and all(t.data_ptr() % 16 == 0 for t in (weights, lora_a, lora_b)))
 
 
+def _stream_config(ext, weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> str | None:
+    """The streaming merge configuration for this rank, or None where it cannot serve."""
+    if ext is None or not hasattr(ext, "merge_config_max_ranks") or not _cutlass_ok(weights, lora_a, lora_b):
+        return None
+    rank = lora_a.shape[1]
+    for name in ("mg_m128n128_r64", "mg_m128n128_r128"):
+        if name in ext.merge_configs() and rank <= ext.merge_config_max_ranks()[ext.merge_configs().index(name)]:
+            return name
+    return None
+
+
 def merge_lora(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                scale: float | torch.Tensor, sign: int = 1, backend: str = "auto", config: str | None = None) -> torch.Tensor:
     """Merge (sign=+1) or unmerge (sign=-1) one adapter into a stack of same-shaped weights, in place.
@@ -39,10 +50,12 @@ def merge_lora(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
         lora_a  [L, r, d_in]      PEFT lora_A.weight of each layer
         lora_b  [L, d_out, r]     PEFT lora_B.weight of each layer
         scale   float, or [L] tensor of per-layer scales
-    One pass over W (read and written once) by one of: ``torch.baddbmm_`` (``"torch"``, what ``"auto"``
-    picks), a batched CUTLASS GEMM with beta=1 (``"cutlass"``), or the hand-written WMMA kernel of
-    ``vlora_atmm_ext`` (``"fused"``). ``config`` names one of ``vlora_atmm_ext.merge_configs()``.
-    Measured times on the H100 are in benchmarks/RESULTS.md.
+    One pass over W (read and written once) by one of: the streaming kernel of ``vlora_atmm_ext``
+    (``"stream"``: row tiles of W whose lora_B rows stay in registers while column chunks of W and
+    lora_A stream through shared memory; ranks up to 128), ``torch.baddbmm_`` (``"torch"``), a batched
+    CUTLASS GEMM with beta=1 (``"cutlass"``), or the hand-written WMMA kernel (``"fused"``). ``"auto"``
+    picks ``"stream"`` where it can serve and ``"torch"`` elsewhere. ``config`` names one of
+    ``vlora_atmm_ext.merge_configs()``. Measured times on the H100 are in benchmarks/RESULTS.md.
     """
     _check(weights, lora_a, lora_b, sign)
     if isinstance(scale, torch.Tensor) and scale.numel() > 1:
@@ -51,16 +64,25 @@ def merge_lora(weights: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
         alpha = 1.0
     else:
         alpha = sign * float(scale)
-    if backend not in ("auto", "torch", "cutlass", "fused"):
-        raise ValueError(f"merge_lora: backend must be auto, torch, cutlass or fused, got {backend!r}")
-    if backend in ("cutlass", "fused"):
+    if backend not in ("auto", "torch", "cutlass", "fused", "stream"):
+        raise ValueError(f"merge_lora: backend must be auto, torch, cutlass, fused or stream, got {backend!r}")
+    ext = None
+    if backend != "torch" and weights.is_cuda:
         from vlora.atmm.dispatch import default_kernels
 
         ext = default_kernels().ext
+    if backend == "auto":
+        backend = "stream" if _stream_config(ext, weights, lora_a, lora_b) else "torch"
+    if backend in ("cutlass", "fused", "stream"):
         if ext is not None and hasattr(ext, "merge") and _cutlass_ok(weights, lora_a, lora_b):
             L, d_out, d_in = weights.shape
             names = ext.merge_configs()
-            index = names.index(config) if config else (0 if backend == "cutlass" else 2)
+            if config:
+                index = names.index(config)
+            elif backend == "stream":
+                index = names.index(_stream_config(ext, weights, lora_a, lora_b) or "mg_m128n128_r128")
+            else:
+                index = 0 if backend == "cutlass" else 2
             if weights.device.index is not None and weights.device.index != torch.cuda.current_device():
                 with torch.cuda.device(weights.device):  # the extension launches on the current device
                     return merge_lora(weights, lora_a, lora_b, alpha, 1, backend, config)

@@ -1,0 +1,119 @@
+"""The streaming ATMM kernels (csrc/atmm/stream.cuh) against the fp32 reference, on fresh random data
+with the workspace poisoned (NaN) before every call: each stream shrink and expand, every way they
+hand v over (v written directly, split-K partials, CUTLASS or the fused kernel on the other side),
+with and without the programmatic dependent launch, and under CUDA-graph replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_atmm_gpu import RANKS, SCALES, check, make, ref_fp32  # noqa: F401  (same oracle and tolerances)
+from vlora.atmm import AtmmKernels
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+ext = pytest.importorskip("vlora_atmm_ext", reason="vlora_atmm_ext not built (pip install ./csrc)")
+
+STREAM_SHRINK = [c for c in ext.configs() if c["kind"] == "stream" and c["shrink"]]
+STREAM_EXPAND = [c for c in ext.configs() if c["kind"] == "stream" and c["expand"]]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> AtmmKernels:
+    return AtmmKernels(load_table=False)
+
+
+def ranks_for(*configs) -> tuple[int, ...]:
+    """Slot ranks every config serves (8..max_rank, a rank that is not a multiple of 16, and 0)."""
+    limit = min(c["max_rank"] for c in configs)
+    return tuple(r for r in (8, 16, 32, 64, 128) if r <= limit) + (24, 0)
+
+
+def test_there_are_stream_configs():
+    assert len(STREAM_SHRINK) >= 4 and len(STREAM_EXPAND) >= 4
+
+
+def partner(c, pool):
+    """A config of the other direction for the same tile size class (small tiles with small)."""
+    same = [o for o in pool if (o["tb_m"] >= 64) == (c["tb_m"] >= 64)] or pool
+    return same[(STREAM_SHRINK + STREAM_EXPAND).index(c) % len(same)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])
+@pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])
+def test_every_stream_config(kernels, dtype, pattern, T):
+    pairs = [(cs, partner(cs, STREAM_EXPAND)) for cs in STREAM_SHRINK] + [(partner(ce, STREAM_SHRINK), ce) for ce in STREAM_EXPAND]
+    for cs, ce in pairs:
+        for split in (1, 3):
+            check(kernels, T, 4096, 5120, dtype, pattern, seed=T + split, shrink=(cs["name"], split),
+                  expand=ce["name"], ranks=ranks_for(cs, ce))
+
+
+@pytest.mark.parametrize("d", [4096, 5120])
+@pytest.mark.parametrize("T", [8192, 4097])
+@pytest.mark.parametrize("split", [1, 2])
+def test_large_prefill(kernels, d, T, split):
+    check(kernels, T, d, d, torch.bfloat16, "1x7", seed=T + d, shrink=("xs_m128_r128_w2x2", split), expand="ye_m64n128_r128_w1x8")
+    check(kernels, T, d, d, torch.float16, "one_long", seed=T, shrink=("xs_m64_r128_w2x2", split), expand="ye_m128n64_r128_w2x4")
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("pair", [("xs_m16_r128_w1x4", "ye_m16n128_r128_w1x4"),   # v handed over directly
+                                  ("t64x64_k64_s5", "ye_m64n128_r128_w1x8"),  # CUTLASS partials summed by the expand
+                                  ("gemv_shrink", "ye_m16n128_r64_w1x4"),
+                                  ("xs_m64_r128_w2x2", "t128x128_k32_s4"),    # v direct: the reduce is skipped
+                                  ("xs_m64_r128_w2x2", "fx_m64n128"),         # the fused expand reads v
+                                  ("xs_m16_r64_w1x4", "fx_m16n256")])
+@pytest.mark.parametrize("split", [1, 4])
+def test_mixed_pairs(kernels, pdl, pair, split):
+    cfgs = {c["name"]: c for c in ext.configs()}
+    ranks = ranks_for(cfgs[pair[0]], cfgs[pair[1]]) if any(cfgs[n]["max_rank"] for n in pair) else RANKS
+    for pattern in ("many_short", "3x3", "no_adapter"):
+        check(kernels, 129, 5120, 4096, torch.bfloat16, pattern, seed=split, shrink=(pair[0], split), expand=pair[1],
+              ranks=ranks, pdl=pdl)
+
+
+def test_mlp_widths_and_deep_split(kernels):
+    check(kernels, 500, 11008, 4096, torch.bfloat16, "many_short", seed=5, shrink=("xs_m64_r128_w2x2", 40), expand="ye_m32n128_r128_w1x8")
+    check(kernels, 500, 4096, 11008, torch.float16, "empty", seed=6, shrink=("xs_m16_r128_w1x4", 1), expand="ye_m128n64_r128_w2x4")
+    check(kernels, 64, 4104, 1000, torch.bfloat16, "many_short", seed=7, shrink=("xs_m16_r64_w1x4", 7), expand="ye_m16n128_r64_w1x4",
+          ranks=(8, 16, 32, 64, 24, 0))
+
+
+def test_rank_limit_is_refused_with_the_config_named(kernels):
+    x, y0, a, b, mapping = make(16, 4096, 4096, torch.bfloat16, "3x3", seed=1)  # ranks up to 128
+    with pytest.raises(RuntimeError, match="xs_m16_r64_w1x4 serves ranks up to 64"):
+        kernels.run(y0.clone(), x, a, b, RANKS, SCALES, mapping, shrink=("xs_m16_r64_w1x4", 1), expand="ye_m16n128_r128_w1x4")
+    with pytest.raises(RuntimeError, match="ye_m64n128_r64_w1x8 serves ranks up to 64"):
+        kernels.run(y0.clone(), x, a, b, RANKS, SCALES, mapping, shrink=("xs_m16_r128_w1x4", 1), expand="ye_m64n128_r64_w1x8")
+
+
+@pytest.mark.parametrize("pair", [("xs_m16_r128_w1x4", "ye_m16n128_r128_w1x4"), ("xs_m64_r128_w2x2", "ye_m64n128_r128_w1x8")])
+def test_graph_replay_with_dependent_launch(kernels, pair):
+    """The expand's programmatic dependency on the shrink survives capture: replays stay exact."""
+    x, y0, a, b, mapping = make(256, 4096, 4096, torch.bfloat16, "3x3", seed=11)
+    ref = ref_fp32(y0, x, a, b, RANKS, SCALES, mapping)
+    y = y0.clone()
+    run = lambda: kernels.run(y, x, a, b, RANKS, SCALES, mapping, shrink=(pair[0], 1), expand=pair[1])  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(4):  # back-to-back calls: each expand depends on its own shrink only
+            run()
+    for _ in range(3):
+        y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = y0.float() + 4 * (ref - y0.float())
+        assert ((y.float() - want).norm() / want.norm()).item() <= 2e-2
+
+
+@pytest.mark.parametrize("T", [1, 37, 512, 3000])
+@pytest.mark.parametrize("ranks", [(8, 16, 0), (64, 24, 8), (128, 8, 0), (256, 64, 0)])
+def test_default_rule_serves_every_rank(kernels, T, ranks):
+    """With no tiling table, the built-in rule picks kernels that serve the call's largest rank."""
+    assert kernels.table_source == "built-in default rule"
+    check(kernels, T, 4096, 4096, torch.bfloat16, "3x3", seed=T, ranks=ranks)
