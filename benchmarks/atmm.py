@@ -125,8 +125,9 @@ def bench_merge(bw_gbs: float) -> dict:
             w[l].addmm_(b[l], a[l], alpha=0.5)
 
     times = {}
-    for backend, config in (("cutlass", "m128x256_k64_s3"), ("torch", None), ("fused", "fused_m64n128"),
-                            ("fused", "fused_m128n128")):
+    stream = [("stream", n) for n in kernels_ext().merge_configs() if n.startswith("mg_")]
+    for backend, config in [("cutlass", "m128x256_k64_s3"), ("torch", None), ("fused", "fused_m64n128"),
+                            ("fused", "fused_m128n128")] + stream:
         key = config or backend
         try:
             times[key] = event_time_ms(lambda: merge_lora(w, a, b, 0.5, +1, backend=backend, config=config), warmup=2, reps=7)
@@ -135,10 +136,27 @@ def bench_merge(bw_gbs: float) -> dict:
             print(f"merge {key}: {e}", flush=True)
     loop_ms = event_time_ms(per_matrix, warmup=2, reps=7)
     floor_ms = 2 * w.numel() * 2 / bw_gbs / 1e6
-    best = min(t for t in times.values() if t)
+    best_key = min((k for k, t in times.items() if t), key=times.get)
+    best = times[best_key]
+    # Correctness of the fastest merge against fp32, on fresh data (the timed runs grew W).
+    w.normal_()
+    w0 = w[:4].float()
+    merge_lora(w, a, b, 0.5, +1, backend=("stream" if best_key.startswith("mg_") else "torch" if best_key == "torch" else
+                                          "fused" if best_key.startswith("fused") else "cutlass"),
+               config=None if best_key == "torch" else best_key)
+    ref = w0 + 0.5 * torch.bmm(b[:4].float(), a[:4].float())
+    # Relative to the rounding bf16 storage of W itself costs (~1 when exact up to that rounding).
+    err = ((w[:4].float() - ref).norm() / (ref.to(w.dtype).float() - ref).norm()).item()
     return {"layers": 32, "matrices": L, "rank": r, "width": D, "floor_ms": floor_ms, "cutlass_batched_ms": times["m128x256_k64_s3"],
-            "stacked_baddbmm_ms": times["torch"], "fused_ms": {k: v for k, v in times.items() if k.startswith("fused")}, "per_matrix_addmm_ms": loop_ms, "best_ms": best,
-            "ratio_to_floor": best / floor_ms}
+            "stacked_baddbmm_ms": times["torch"], "fused_ms": {k: v for k, v in times.items() if k.startswith("fused")},
+            "stream_ms": {k: v for k, v in times.items() if k.startswith("mg_")}, "per_matrix_addmm_ms": loop_ms,
+            "best": best_key, "best_ms": best, "best_err_over_bf16_rounding": err, "ratio_to_floor": best / floor_ms}
+
+
+def kernels_ext():
+    from vlora.atmm.dispatch import default_kernels
+
+    return default_kernels().ext
 
 
 def main() -> int:
@@ -168,13 +186,22 @@ def main() -> int:
         be = min(prof["expand"], key=prof["expand"].get)
         log(f"profiled {c.name}: shrink {bs} {prof['shrink'][bs]:.1f} us, expand {be} {prof['expand'][be]:.1f} us "
             f"({time.monotonic() - t0:.0f} s)")
-    # The best static choice: least total time over every case, per direction.
+    # The best static choices: least total time over every case, per direction; one among the CUTLASS
+    # tilings (Punica's approach: one tile for every shape), one among every compiled config.
     all_cases = cases(args.quick)
     # (Only options every case could run compete: the gemv shrink is not profiled on long segments.)
     common_shrink = set.intersection(*(set(pr["shrink"]) for pr in profiles))
     common_expand = set.intersection(*(set(pr["expand"]) for pr in profiles))
-    static_shrink = min(common_shrink, key=lambda k: sum(pr["shrink"][k] for pr in profiles))
-    static_expand = min(common_expand, key=lambda k: sum(pr["expand"][k] for pr in profiles))
+    kind = {c["name"]: c["kind"] for c in kernels.ext.configs()}
+
+    def best_static(options, direction, kinds=None):
+        pool = [o for o in options if kinds is None or kind[o if isinstance(o, str) else o[0]] in kinds]
+        return min(pool, key=lambda k: sum(pr[direction][k] for pr in profiles))
+
+    static_shrink = best_static(common_shrink, "shrink", {"cutlass"})
+    static_expand = best_static(common_expand, "expand", {"cutlass"})
+    any_shrink = best_static(common_shrink, "shrink")
+    any_expand = best_static(common_expand, "expand")
     # The adaptive table, through the real table path.
     entries = []
     for c, pr in zip(all_cases, profiles):
@@ -194,8 +221,12 @@ def main() -> int:
         row = {"case": c.name, "tokens": c.tokens, "ranks": c.seg_ranks, **fl}
         fns = {
             "atmm": lambda s: (lambda: kernels.run(s[0], s[1], s[2], s[3], p.ranks, p.scales, p.mapping, workspace=s[4])),
+            "atmm_no_pdl": lambda s: (lambda: kernels.run(s[0], s[1], s[2], s[3], p.ranks, p.scales, p.mapping,
+                                                          workspace=s[4], pdl=False)),
             "static": lambda s: (lambda: kernels.run(s[0], s[1], s[2], s[3], p.ranks, p.scales, p.mapping,
                                                      shrink=static_shrink, expand=static_expand, workspace=s[4])),
+            "static_any": lambda s: (lambda: kernels.run(s[0], s[1], s[2], s[3], p.ranks, p.scales, p.mapping,
+                                                         shrink=any_shrink, expand=any_expand, workspace=s[4])),
         }
         fns.update(baselines(p, c))
         times, errors = {}, {}
@@ -210,15 +241,18 @@ def main() -> int:
         row["rel_err_vs_fp32"] = errors
         row["atmm_choice"] = {"shrink": list(min(pr["shrink"], key=pr["shrink"].get)),
                               "expand": min(pr["expand"], key=pr["expand"].get)}
-        row["phase_us"] = {"shrink_best": min(pr["shrink"].values()), "expand_best": min(pr["expand"].values())}
+        # The shrink alone; the whole call with the best shrink and the best expand (expands are
+        # profiled as whole calls: on Hopper the expand overlaps its start with the shrink).
+        row["phase_us"] = {"shrink_best": min(pr["shrink"].values()), "call_best": min(pr["expand"].values())}
         row["profile_us"] = {"shrink": {f"{k[0]}/{k[1]}": round(v, 2) for k, v in pr["shrink"].items()},
-                             "expand": {k: round(v, 2) for k, v in pr["expand"].items()}}
+                             "expand_whole_call": {k: round(v, 2) for k, v in pr["expand"].items()}}
         base = [t for k, t in times.items() if k in ("loop", "padded_bmm", "grouped_mm") and t]
         row["best_baseline_us"] = min(base) if base else None
         a = times.get("atmm")
         row["atmm_over_floor"] = a / fl["floor_us"] if a else None
         row["speedup_vs_best_baseline"] = row["best_baseline_us"] / a if a and base else None
         row["atmm_over_static"] = a / times["static"] if a and times.get("static") else None
+        row["atmm_over_static_any"] = a / times["static_any"] if a and times.get("static_any") else None
         results.append(row)
         ts = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}=n/a" for k, v in times.items())
         log(f"{c.name:24s} floor={fl['floor_us']:.1f} {ts}")
@@ -228,6 +262,7 @@ def main() -> int:
     out = {"device": torch.cuda.get_device_name(), "commit": args.commit or git_commit(), "torch": torch.__version__,
            "copy_bandwidth_gbs": bw, "bf16_tflops": tf, "dtype": DTYPE, "width": D,
            "static_choice": {"shrink": list(static_shrink), "expand": static_expand},
+           "static_any_choice": {"shrink": list(any_shrink), "expand": any_expand},
            "cases": results, "merge": merge, "table_entries": entries,
            "method": "median per call of CUDA-graph replays over rotated inputs (>256 MB per replay)"}
     pick = {r["case"]: r for r in results}
@@ -237,7 +272,7 @@ def main() -> int:
         if r and r["us"].get("atmm"):
             parts.append(f"{name}: atmm {r['us']['atmm']:.1f} us (floor {r['floor_us']:.1f}, best baseline "
                          f"{r['best_baseline_us']:.1f}, static {r['us']['static']:.1f})")
-    parts.append(f"merge 128x4096^2 r64: {merge['best_ms']:.2f} ms (floor {merge['floor_ms']:.2f}, "
+    parts.append(f"merge 128x4096^2 r64: {merge['best_ms']:.2f} ms {merge['best']} (floor {merge['floor_ms']:.2f}, "
                  f"baddbmm {merge['stacked_baddbmm_ms']:.2f})")
     path = record_result("atmm", device_name(), out, "; ".join(parts))
     if args.out_dir:

@@ -4,7 +4,7 @@
 #   ATMM_PREBUILT=dir : a folder holding a vlora_atmm_ext*.so built elsewhere (skips the build)
 #   ATMM_WHEELS=dir   : wheels to install first (pytest; nvidia-cutlass and pybind11 for the build)
 #   ATMM_STEPS="build test bench tune" (default the first three); ATMM_BENCH_ARGS="--quick"
-#   ATMM_TUNE_BUDGET=seconds for the tuner step (default 240)
+#   ATMM_TUNE_BUDGET=seconds for the tuner step (default 240); ATMM_TESTS="tests/gpu/x.py ..." (default tests/gpu)
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -30,7 +30,7 @@ $PY -c "import vlora_atmm_ext as m; import torch; print('ext', m.__file__, m.CUD
 rc=0
 if [[ " $STEPS " == *" test "* ]]; then
   t0=$(date +%s)
-  $PY -m pytest -q --maxfail=5 --durations=5 -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+  $PY -m pytest -q --maxfail=5 --durations=5 -p no:cacheprovider ${ATMM_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
   rc=${PIPESTATUS[0]}
   echo "tests/gpu: rc=$rc, $(( $(date +%s) - t0 )) s"
 fi
