@@ -114,6 +114,20 @@ int find_config(const std::string& name) {
 const char* direction_name(Direction d) { return d == Direction::kShrink ? "shrink" : "expand"; }
 const char* dtype_name(DType t) { return t == DType::kF16 ? "fp16" : "bf16"; }
 
+int device_cc_major() {
+  static std::atomic<int> cached[64];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  dev &= 63;
+  int v = cached[dev].load();
+  if (v == 0) {
+    cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev);
+    if (v <= 0) v = -1;
+    cached[dev].store(v);
+  }
+  return v;
+}
+
 int sm_count() {
   static std::atomic<int> cached{0};
   int v = cached.load();
@@ -387,8 +401,9 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   fa.partial = reinterpret_cast<float*>(ws + w.partial);
   fa.v = ws + w.v;
   fa.v_ready = v_ready ? 1 : 0;
-  // The expand may start while the shrink of this same call runs (it waits before reading v).
-  fa.pdl = (a.pdl && (phases & kPhaseShrink)) ? 1 : 0;
+  // The expand may start while the shrink of this same call runs (it waits before reading v):
+  // programmatic dependent launch, Hopper and later.
+  fa.pdl = (a.pdl && (phases & kPhaseShrink) && device_cc_major() >= 9) ? 1 : 0;
   fa.splits = splits_used; fa.k_chunk = k_chunk;
   fa.num_tokens = a.num_tokens; fa.d_in = a.d_in; fa.d_out = a.d_out; fa.r_max = a.r_max;
   fa.ld_x = a.ld_x; fa.ld_y = a.ld_y;

@@ -100,5 +100,7 @@ cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, int k_ch
 cudaError_t launch_reduce(ForwardArgs const& a, WorkspaceLayout const& w, int splits_used, cudaStream_t stream);
 
 int sm_count();
+// Compute capability major of the current device (cached per device).
+int device_cc_major();
 
 }  // namespace atmm
