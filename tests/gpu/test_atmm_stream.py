@@ -84,7 +84,7 @@ def test_mlp_widths_and_deep_split(kernels):
 
 
 def test_rank_limit_is_refused_with_the_config_named(kernels):
-    x, y0, a, b, mapping = make(16, 4096, 4096, torch.bfloat16, "3x3", seed=1)  # ranks up to 128
+    x, y0, a, b, mapping = make(16, 4096, 4096, torch.bfloat16, "many_short", seed=1)  # uses the rank-128 slot
     with pytest.raises(RuntimeError, match="xs_m16_r64_w1x4 serves ranks up to 64"):
         kernels.run(y0.clone(), x, a, b, RANKS, SCALES, mapping, shrink=("xs_m16_r64_w1x4", 1), expand="ye_m16n128_r128_w1x4")
     with pytest.raises(RuntimeError, match="ye_m64n128_r64_w1x8 serves ranks up to 64"):
@@ -109,6 +109,12 @@ def test_graph_replay_with_dependent_launch(kernels, pair):
         torch.cuda.synchronize()
         want = y0.float() + 4 * (ref - y0.float())
         assert ((y.float() - want).norm() / want.norm()).item() <= 2e-2
+
+
+def test_unused_resident_slot_of_larger_rank_does_not_refuse(kernels):
+    """Only slot 0 (rank 8) is used; a resident rank-128 slot must not make a rank-64 kernel refuse."""
+    check(kernels, 5, 4096, 4096, torch.bfloat16, "one_long", seed=2, shrink=("xs_m16_r64_w1x4", 4),
+          expand="ye_m16n128_r64_w1x4")
 
 
 @pytest.mark.parametrize("T", [1, 37, 512, 3000])

@@ -206,8 +206,12 @@ class AtmmKernels:
               mapping: LoraBatchMapping, shrink: tuple[str, int] | None, expand: str | None) -> tuple:
         """(shrink config index, split_k, expand config index, ranks list, workspace bytes) of a call."""
         S = mapping.num_segments
-        used = [ranks[s] for s in mapping.seg_slot_host if s >= 0]
-        rank = max(((r + 7) // 8 * 8 for r in used), default=8) or 8
+        used_slots = {s for s in mapping.seg_slot_host if 0 <= s < len(ranks)}
+        rank = max(((ranks[s] + 7) // 8 * 8 for s in used_slots), default=8) or 8
+        # Slots no segment of this call uses go to the extension as rank 0: it then checks the chosen
+        # kernels against the ranks the call really has (a resident rank-128 adapter that this batch
+        # does not use must not refuse a rank-64 kernel).
+        ranks_list = [r if i in used_slots else 0 for i, r in enumerate(ranks)]
         if shrink is None:
             hit = self.lookup("shrink", dtype, T, d_in, rank, S)
             shrink = (hit["config"], hit["split_k"])
@@ -215,7 +219,7 @@ class AtmmKernels:
             expand = self.lookup("expand", dtype, T, d_out, rank, S)["config"]
         split_k = int(shrink[1])
         need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
-        return self._names.index(shrink[0]), split_k, self._names.index(expand), list(ranks), need
+        return self._names.index(shrink[0]), split_k, self._names.index(expand), ranks_list, need
 
 
 _FLOATS: dict[tuple, list] = {}
