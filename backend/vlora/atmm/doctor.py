@@ -15,11 +15,13 @@ def doctor_report() -> dict:
         "gpu": torch.cuda.get_device_name() if cuda else None,
         "extension_importable": kernels.available,
         "extension_reason": kernels.unavailable_reason or None,
-        "atmm_backend": "cutlass" if kernels.available and cuda else "pytorch-reference",
+        # The extension's kernels (streaming, CUTLASS, hand-written), chosen per shape by the table.
+        "atmm_backend": "cuda-extension" if kernels.available and cuda else "pytorch-reference",
         "tiling_table": kernels.table_source if kernels.available else None,
     }
     if kernels.available:
         report["extension_archs"] = kernels.ext.CUDA_ARCHS
         report["configs"] = kernels.config_names
+        report["config_kinds"] = sorted({c["kind"] for c in kernels.ext.configs()})
         report["extension_file"] = getattr(kernels.ext, "__file__", None)
     return report
