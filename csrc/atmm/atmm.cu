@@ -114,32 +114,25 @@ int find_config(const std::string& name) {
 const char* direction_name(Direction d) { return d == Direction::kShrink ? "shrink" : "expand"; }
 const char* dtype_name(DType t) { return t == DType::kF16 ? "fp16" : "bf16"; }
 
-int device_cc_major() {
+namespace {
+// A device attribute of the current device, read once per device (multi-GPU servers: per device).
+template <cudaDeviceAttr Attr>
+int cached_attribute() {
   static std::atomic<int> cached[64];
   int dev = 0;
   cudaGetDevice(&dev);
   dev &= 63;
-  int v = cached[dev].load();
+  int v = cached[dev].load(std::memory_order_relaxed);
   if (v == 0) {
-    cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev);
-    if (v <= 0) v = -1;
-    cached[dev].store(v);
+    if (cudaDeviceGetAttribute(&v, Attr, dev) != cudaSuccess || v <= 0) v = 1;
+    cached[dev].store(v, std::memory_order_relaxed);
   }
   return v;
 }
+}  // namespace
 
-int sm_count() {
-  static std::atomic<int> cached{0};
-  int v = cached.load();
-  if (v == 0) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    if (v <= 0) v = 1;
-    cached.store(v);
-  }
-  return v;
-}
+int device_cc_major() { return cached_attribute<cudaDevAttrComputeCapabilityMajor>(); }
+int sm_count() { return cached_attribute<cudaDevAttrMultiProcessorCount>(); }
 
 // ---------------------------------------------------------------------------------------------
 // Workspace
