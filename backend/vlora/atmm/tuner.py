@@ -107,9 +107,12 @@ def time_option(kernels: AtmmKernels, p: Problem, shrink: tuple[str, int], expan
 
 
 def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], expand_cfgs: list[dict],
-                  splits=SPLITS) -> dict:
-    """Every feasible option of both directions: {"shrink": {(cfg, split): us}, "expand": {cfg: us}}.
-    Shrink options are timed alone; expand options as whole calls with the best shrink.
+                  splits=SPLITS, pair_candidates: int = 3) -> dict:
+    """Every feasible option of both directions: {"shrink": {(cfg, split): us}, "expand": {cfg: us},
+    "pair": ((cfg, split), cfg)}. Shrink options are timed alone; then every expand is timed as a whole
+    call with each of the ``pair_candidates`` fastest shrinks, and the fastest whole call is the pair
+    (with PDL and split-K partials, the best pair is not always built on the fastest shrink alone);
+    "expand" holds each expand's best whole-call time.
 
     The gemv shrink is skipped for segments longer than 32 tokens (it re-reads lora_A per 4 rows)."""
     longest = max(p.mapping.seg_indptr_host[i + 1] - p.mapping.seg_indptr_host[i] for i in range(p.mapping.num_segments))
@@ -127,17 +130,19 @@ def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], exp
                 shrink[(c["name"], k)] = t
     if not shrink:
         raise RuntimeError("atmm tuner: no shrink configuration ran for this shape")
-    best_shrink = min(shrink, key=shrink.get)
-    # Expands are compared by the whole call with the best shrink: on Hopper an expand launched as a
-    # programmatic dependent overlaps its prologue with the shrink, which timing it alone would hide.
-    expand = {}
-    for c in expand_cfgs:
-        t = _timed_or_none(kernels, p, best_shrink, c["name"], PHASE_PREP | PHASE_SHRINK | PHASE_EXPAND)
-        if t is not None:
-            expand[c["name"]] = t
+    # Expands are compared by whole calls: on Hopper an expand launched as a programmatic dependent
+    # overlaps its prologue with the shrink, which timing it alone would hide.
+    expand: dict[str, float] = {}
+    pairs: dict[tuple, float] = {}
+    for sk in sorted(shrink, key=shrink.get)[:max(1, pair_candidates)]:
+        for c in expand_cfgs:
+            t = _timed_or_none(kernels, p, sk, c["name"], PHASE_PREP | PHASE_SHRINK | PHASE_EXPAND)
+            if t is not None:
+                pairs[(sk, c["name"])] = t
+                expand[c["name"]] = min(t, expand.get(c["name"], t))
     if not expand:
         raise RuntimeError("atmm tuner: no expand configuration ran for this shape")
-    return {"shrink": shrink, "expand": expand}
+    return {"shrink": shrink, "expand": expand, "pair": min(pairs, key=pairs.get)}
 
 
 def _timed_or_none(kernels: AtmmKernels, p: Problem, shrink: tuple[str, int], expand: str, phases: int) -> float | None:
@@ -174,8 +179,8 @@ def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], 
     for i, (d, r, T, S) in enumerate(grid):
         p = make_problem(kernels, T, d, d, [r] * S, dtype)
         res = profile_shape(kernels, p, shrink_cfgs, expand_cfgs)
-        (sc, sk), st = min(res["shrink"].items(), key=lambda kv: kv[1])
-        ec, et = min(res["expand"].items(), key=lambda kv: kv[1])
+        (sc, sk), ec = res["pair"]
+        st, et = res["shrink"][(sc, sk)], res["expand"][ec]
         common = dict(dtype=dtype, tokens=T, width=d, rank=r, segments=S)
         entries.append(dict(direction="shrink", **common, config=sc, split_k=sk, time_us=round(st, 2)))
         # The expand's time is the whole call with the chosen shrink (see profile_shape).
