@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from vlora.atmm.reference import atmm_reference
 from vlora.atmm.tiling import read_table, table_path
 from vlora.lora.mapping import LoraBatchMapping
 
@@ -55,6 +56,9 @@ class AtmmKernels:
         self._plans: dict[tuple, tuple] = {}
         self._checked_buffers: dict[tuple, str] = {}
         self._workspace: dict[Any, torch.Tensor] = {}
+        # Call signatures the extension refused (RuntimeError): the PyTorch reference serves them.
+        self._refused: dict[tuple, str] = {}
+        self._warned: set[tuple] = set()
         if ext is not None and load_table and torch.cuda.is_available():
             path = table_path(torch.cuda.get_device_name(), table_dir)
             if path.exists():
@@ -175,6 +179,8 @@ class AtmmKernels:
         d_out = y.shape[1]
         T, S = x.shape[0], mapping.num_segments
         key = (dtype, T, d_in, d_out, r_max, mapping.seg_slot_host, ranks, shrink, expand)
+        if key in self._refused:
+            return atmm_reference(y, x, lora_a, lora_b, ranks, scales, mapping)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(dtype, T, d_in, d_out, r_max, ranks, mapping, shrink, expand)
@@ -194,11 +200,28 @@ class AtmmKernels:
             with torch.cuda.device(y.device):  # the extension launches on the current device
                 return self.run(y, x, lora_a, lora_b, ranks, scales, mapping, shrink=shrink, expand=expand,
                                 phases=phases, workspace=workspace, pdl=pdl)
-        self.ext.forward(
-            y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
-            mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), workspace.data_ptr(), workspace.numel(),
-            T, d_in, d_out, r_max, x.stride(0), y.stride(0), S, ranks_list, _float_list(scales), dtype,
-            shrink_idx, split_k, expand_idx, torch.cuda.current_stream(y.device).cuda_stream, phases, pdl)
+        stream = torch.cuda.current_stream(y.device).cuda_stream if y.is_cuda else 0
+        try:
+            self.ext.forward(
+                y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
+                mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), workspace.data_ptr(), workspace.numel(),
+                T, d_in, d_out, r_max, x.stride(0), y.stride(0), S, ranks_list, _float_list(scales), dtype,
+                shrink_idx, split_k, expand_idx, stream, phases, pdl)
+        except RuntimeError as e:
+            if shrink is not None or expand is not None or phases != PHASE_ALL:
+                raise  # forced configurations (the tuner, benchmarks) must see the refusal
+            # y is written only by the expand, the last launch: a refused call left it untouched, and
+            # the reference serves this signature from now on. A CUDA error that poisoned the context
+            # fails the reference too and reaches the caller.
+            if len(self._refused) > 4096:
+                self._refused.clear()
+            self._refused[key] = str(e)
+            pair = (shrink_idx, split_k, expand_idx)
+            if pair not in self._warned:  # once per kernel pair, not once per token count
+                self._warned.add(pair)
+                log.warning("atmm: the extension refused a call (%s); the PyTorch reference serves it and "
+                            "every later call of the same signature", e)
+            return atmm_reference(y, x, lora_a, lora_b, ranks, scales, mapping)
         return y
 
 
