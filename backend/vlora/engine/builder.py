@@ -1,7 +1,9 @@
 """Build an :class:`LLMEngine` from configuration: device, dtype, model, LoRA slots, KV cache, inputs."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -101,8 +103,40 @@ def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device,
     ranks = sorted(r for r in cfg.tune_ranks if r <= config.lora.max_rank) or [config.lora.max_rank]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     cache = Path(cfg.tune_cache_dir) if cfg.tune_cache_dir else default_cache_dir() / "tiling"
-    return tuner.start_at_load(
-        default_kernels(), mode=cfg.tune_at_load, widths=widths, ranks=ranks,
-        max_tokens=config.scheduler.max_num_batched_tokens, segments=list(cfg.tune_segments),
-        dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype)), budget_s=cfg.tune_budget_s,
-        cache_dir=cache, work_dir=cache / "runs", device_name=name)
+    index = device.index if device.type == "cuda" and device.index is not None else 0
+    # The sidecar profiles on its device 0: show it this engine's GPU only, and give each GPU its own
+    # output (one Triton instance per GPU starts one sidecar each, at the same time).
+    with _child_sees_only(index if device.type == "cuda" else None):
+        return tuner.start_at_load(
+            default_kernels(), mode=cfg.tune_at_load, widths=widths, ranks=ranks,
+            max_tokens=config.scheduler.max_num_batched_tokens, segments=list(cfg.tune_segments),
+            dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype)), budget_s=cfg.tune_budget_s,
+            cache_dir=cache, work_dir=cache / "runs" / f"cuda{index}", device_name=name)
+
+
+def visible_devices_for_child(index: int, visible: Optional[str]) -> Optional[str]:
+    """``CUDA_VISIBLE_DEVICES`` for a child process that must see only this process's device ``index``,
+    given this process's own ``CUDA_VISIBLE_DEVICES`` (None: unset); None when it cannot be told."""
+    if visible is None:
+        return str(index)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    return entries[index] if 0 <= index < len(entries) else None
+
+
+@contextlib.contextmanager
+def _child_sees_only(index: Optional[int]):
+    """While starting a child process: CUDA_VISIBLE_DEVICES names this process's device ``index`` alone.
+    This process's CUDA is initialised already, so only children read the change."""
+    value = None if index is None else visible_devices_for_child(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if value is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
