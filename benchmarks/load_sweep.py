@@ -28,7 +28,7 @@ from common import ROOT, device_name, git_commit, record_result  # noqa: E402
 from vlora.loadtest import cli  # noqa: E402
 from vlora.loadtest.heads import HeadPolicy  # noqa: E402
 from vlora.loadtest.runner import Point, Target, run_point, run_sweep, sweep_points, wait_idle  # noqa: E402
-from vlora.loadtest.summary import queue_built  # noqa: E402
+from vlora.loadtest.summary import queue_built, read_records, window_stats  # noqa: E402
 
 CPU_DEFAULTS = ["--length-scale", "0.05", "--image-size", "64", "--device", "cpu",
                 "--serve-arg=--max-batch-size 8 --max-queue-size 8 --set scheduler.max_waiting=4"]
@@ -56,9 +56,14 @@ def main(argv=None) -> int:
     p.add_argument("--preset", help="generate a random model of this preset (configs/models/*.yaml) and serve it")
     p.add_argument("--closed-users", type=int, help="instead of the sweeps: one closed-loop run with N users "
                    "(the throughput the server holds; used for 1, 2 and 4 GPUs)")
+    p.add_argument("--warmup-s", type=float, default=0.0,
+                   help="closed loop: the steady-state figures leave out the first S seconds of --duration "
+                   "(first adapter loads, the batch filling); the whole-run figures keep them")
     p.add_argument("loadtest_args", nargs=argparse.REMAINDER,
                    help="after --: `vlora loadtest` flags (server, adapters, lengths); default: the CPU settings")
     args = p.parse_args(argv)
+    if args.closed_users and not 0 <= args.warmup_s < args.duration:
+        p.error(f"--warmup-s {args.warmup_s:g} must be at least 0 and below --duration {args.duration:g}")
     extra = [a for a in args.loadtest_args if a != "--"] or list(CPU_DEFAULTS)
     work = Path(args.work) / args.name
     if work.exists():
@@ -171,15 +176,26 @@ def closed_loop(args, workload, target, work, names, heads, settings, server, ex
     for src in (work / "closed").iterdir():
         if src.is_file() and src.name.endswith(keep_names):
             shutil.copy2(src, keep / src.name)
+    server_log = work / "server" / "tritonserver.log"
+    if args.keep_raw and server_log.is_file():
+        shutil.copy2(server_log, keep / server_log.name)
     gpus = _visible_gpus()
+    steady = None
+    if args.warmup_s > 0:
+        steady = window_stats(read_records(work / "closed" / "requests.csv"), args.warmup_s, workload.duration_s)
     result = {"commit": git_commit(), "device": device_name(), "gpus": gpus, "users": args.closed_users,
               "workload": workload.describe(), "server_flags": extra,
-              **{k: s.get(k) for k in ("requests", "ok", "errors", "throughput_rps", "output_tokens_per_s",
-                                       "avg_token_latency_s", "ttft_p50_s", "e2e_p50_s", "e2e_p99_s", "server")}}
-    record_result(args.name, device_name(), result,
-                  f"{workload.name}, {gpus} GPU(s), {args.closed_users} closed-loop users: {s['throughput_rps']:.2f} req/s, "
-                  f"{s['output_tokens_per_s']:.0f} tok/s, avg token latency {_ms(s['avg_token_latency_s'])}, "
-                  f"{s['errors']} errors (V-LoRA paper: 6.07 / 11.48 / 23.97 req/s on 1 / 2 / 4 A100s)")
+              **{k: s.get(k) for k in ("requests", "ok", "errors", "window_s", "throughput_rps", "output_tokens_per_s",
+                                       "avg_token_latency_s", "ttft_p50_s", "e2e_p50_s", "e2e_p99_s", "server")},
+              "steady": steady}
+    line = (f"{workload.name}, {gpus} GPU(s), {args.closed_users} closed-loop users, {workload.duration_s:g} s: ")
+    if steady is not None:
+        line += (f"steady state ({args.warmup_s:g}-{workload.duration_s:g} s) {steady['throughput_rps']:.2f} req/s, "
+                 f"{steady['output_tokens_per_s']:.0f} tok/s; whole run with drain ")
+    line += (f"{s['throughput_rps']:.2f} req/s, {s['output_tokens_per_s']:.0f} tok/s, avg token latency "
+             f"{_ms(s['avg_token_latency_s'])}, {s['errors']} errors (V-LoRA paper: 6.07 / 11.48 / 23.97 req/s on "
+             f"1 / 2 / 4 A100s)")
+    record_result(args.name, device_name(), result, line)
     return 0 if s["errors"] == 0 else 1
 
 

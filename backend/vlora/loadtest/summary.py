@@ -116,6 +116,36 @@ def summarize(records: list[RequestRecord], workload: Workload, scheduled: Optio
     return summary
 
 
+def window_stats(records: list[RequestRecord], t_from: float, t_to: float) -> dict:
+    """What the server sustained between ``t_from`` and ``t_to`` (seconds from the run's start): a closed
+    loop's steady state, without its ramp-up (first adapter loads, the first batch filling) or its drain.
+
+    Requests answered in the window per second, and output tokens per second generated in the window:
+    each answered request's first token at its TTFT, the others spread evenly from there to its end.
+    """
+    span = t_to - t_from
+    if span <= 0:
+        raise ValueError(f"empty window [{t_from}, {t_to}]")
+    answered, tokens = 0, 0.0
+    for r in records:
+        if r.outcome != "ok" or r.start_s != r.start_s or r.e2e_s != r.e2e_s:
+            continue
+        end = r.start_s + r.e2e_s
+        first = r.start_s + r.ttft_s if r.ttft_s == r.ttft_s else end
+        answered += t_from <= end <= t_to
+        if r.num_output_tokens <= 0:
+            continue
+        tokens += t_from <= first <= t_to
+        rest = r.num_output_tokens - 1
+        if rest and end > first:
+            tokens += rest * max(0.0, min(end, t_to) - max(first, t_from)) / (end - first)
+        elif rest:
+            tokens += rest * (t_from <= end <= t_to)
+    failed = sum(1 for r in records if r.outcome != "ok" and r.start_s == r.start_s and t_from <= r.start_s <= t_to)
+    return {"window_from_s": t_from, "window_to_s": t_to, "answered": answered, "failed_sent_in_window": failed,
+            "throughput_rps": answered / span, "output_tokens_per_s": tokens / span}
+
+
 _REQUEST_ID = re.compile(r"\[request id: [^\]]*\]\s*")
 
 
