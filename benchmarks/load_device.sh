@@ -4,7 +4,10 @@
 #
 #   bash benchmarks/load_device.sh retrieval video  # average token latency against request rate (~4 min each)
 #   SKEWNESS=0.2,0.5,0.9 OVERLOAD_S=20 bash ... # add a skewness sweep and an overload run (the CPU suite has them)
-#   SCALING_GPUS="1 2 4" bash benchmarks/load_device.sh scaling  # throughput per GPU count (~2 min per count)
+#   SCALING_GPUS="1 2 4" bash benchmarks/load_device.sh scaling  # throughput per GPU count (~3.5 min per count)
+#       SCALING_DURATION (default 110 s of sending) and SCALING_WARMUP (default 40 s): the steady-state figures
+#       count [warm-up, duration]; then the requests in flight drain (up to ~1 min at these output lengths).
+#       SCALING_SERVE_ARGS: the server settings of these runs (default below).
 #
 # Parts run in the order given. Both sweeps fit one 10-minute device command. Wheels the machine lacks are read from .whl/ (nvidia-pytriton,
 # tritonclient, libpython, and NumPy 1 where the image has NumPy 2: see benchmarks/device_serve.sh) and from
@@ -14,7 +17,8 @@
 #   rm .work/whl-load/{pytest,pluggy,iniconfig,pygments}-*.whl     # .whl/ has what the tests use
 # Or, smaller: .devpack/ (benchmarks/make_devpack.sh) holds all of it, xz-packed; carry only that.
 # Writes $OUT/<part>.tgz (default OUT=benchmarks/load_results): each part's raw CSVs, summaries, plots
-# and report, plus the results JSON and RESULTS.md lines (the device tool brings back few files).
+# and report, plus the results JSON and RESULTS.md lines (the device tool brings back few files); the
+# scaling part also writes $OUT/scaling-<n>gpu.tgz as soon as each GPU count is done.
 # Rebuild a report here with `vlora loadtest --report <folder>`.
 # The machine setup is benchmarks/device_env.sh, shared with device_serve.sh.
 set -uo pipefail
@@ -23,11 +27,18 @@ PARTS=("${@:-retrieval}")
 OUT=${OUT:-benchmarks/load_results}
 mkdir -p "$OUT"
 WHEEL_DIRS="${WHEEL_DIRS:-.whl .work/whl-load}" source benchmarks/device_env.sh
+PRESET=configs/models/llava-1.5-7b.yaml
+# The random model (made on the GPU, written to disk) is generated while the extension builds (on the CPUs);
+# load_sweep.py finds it there and makes it itself if this failed.
+python3 -c "from vlora.models.random_init import make_random_llava as m; m('$PRESET', '/tmp/vlora-load/model-llava-1.5-7b')" \
+  > /tmp/model-gen.log 2>&1 &
+GEN=$!
 source benchmarks/build_atmm.sh  # ATMM_EXT=off: the PyTorch reference
+wait $GEN || { echo "model generation failed:"; tail -5 /tmp/model-gen.log; }
+echo "[setup done at ${SECONDS} s]"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import locust, gevent, tritonclient; print("locust", locust.__version__)' || exit 1
 
-PRESET=configs/models/llava-1.5-7b.yaml
 SERVER=(--device cuda --num-adapters 8 --adapter-rank 64 --image-size 336)
 D=${LOAD_DURATION:-20}  # seconds per rate point
 rc=0
@@ -48,12 +59,19 @@ for PART in "${PARTS[@]}"; do
         --out "$W/load-7b-video" -- "${SERVER[@]}" --frames-per-chunk 6 --serve-arg="--max-queue-size 32" || rc=1 ;;
     scaling)
       # One model instance per visible GPU (Triton's instance_group); closed loop, 32 users per GPU.
+      # scheduler.max_waiting=2: an instance whose batch is full blocks in execute(), so Triton hands the next
+      # request to another instance (with the default 64 one instance may hold far more than its batch while
+      # another has room); atmm.tune_at_load=never: no tuner sidecar profiles on a GPU while it is measured.
       NGPU=$(nvidia-smi -L | wc -l)
       for n in ${SCALING_GPUS:-1 2 4}; do
         [ "$n" -le "$NGPU" ] || { echo "skipping $n GPUs: $NGPU here"; continue; }
+        echo "[${n} GPU(s) from ${SECONDS} s]"
         CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) python3 benchmarks/load_sweep.py --keep-raw --name "load-7b-scaling-${n}gpu" \
-          --workload visual_retrieval --preset $PRESET --closed-users $((32 * n)) --duration "${SCALING_DURATION:-45}" \
-          --out "$W/load-7b-scaling-${n}gpu" -- "${SERVER[@]}" || rc=1
+          --workload visual_retrieval --preset $PRESET --closed-users $((32 * n)) --duration "${SCALING_DURATION:-110}" \
+          --warmup-s "${SCALING_WARMUP:-40}" --out "$W/load-7b-scaling-${n}gpu" -- "${SERVER[@]}" \
+          --serve-arg="${SCALING_SERVE_ARGS:---set scheduler.max_waiting=2 --set atmm.tune_at_load=never}" || rc=1
+        find benchmarks/results -name "load-7b-scaling-${n}gpu-*.json" -newer /tmp/load-part.start -exec cp {} "$W/load-7b-scaling-${n}gpu/" \;
+        tar -C /tmp/load-out -czf "$OUT/scaling-${n}gpu.tgz" "$PART/load-7b-scaling-${n}gpu"  # kept if a later count is cut short
       done ;;
     *) echo "usage: $0 retrieval|video|scaling ..."; exit 2 ;;
   esac

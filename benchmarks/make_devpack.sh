@@ -49,6 +49,8 @@ for i in z.infolist():
 unpack site 'nvidia_pytriton-*.whl' 'tritonclient-*.whl' 'grpcio-*.whl' 'protobuf-*.whl' 'python_rapidjson-*.whl'
 # pytriton ships a stub per Python version: keep only the 3.12 one the GPU image runs.
 find "$tmp/site/pytriton/tritonserver/python_backend_stubs" -mindepth 1 -maxdepth 1 ! -name 3.12 -exec rm -rf {} +
+# ... and the libpython the other stubs link (32 MB for Python 3.13: without it the pack fits the carry).
+find "$tmp/site/nvidia_pytriton.libs" -name 'libpython3-*' ! -name '*.12.so*' -delete
 unpack numpy1 'numpy-1.*.whl'
 unpack load 'locust-*.whl' 'gevent-*.whl' 'geventhttpclient-*.whl' 'greenlet-*.whl' 'zope_*.whl' 'flask*.whl' \
   'Flask*.whl' 'configargparse-*.whl' 'pyzmq-*.whl' 'brotli-*.whl' 'itsdangerous-*.whl' 'blinker-*.whl' \
