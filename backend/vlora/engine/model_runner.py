@@ -186,7 +186,17 @@ class ModelRunner:
                 order.append(unique[key])
         feats = self.encode_images(torch.stack(pixels))
         feats = feats[torch.tensor(order, device=feats.device)].reshape(-1, feats.shape[-1]).to(hidden.dtype)
-        mask = ids == self.image_token_id
+        # Placeholders are looked for only in the prompts that bring their images in this step: a decode
+        # token that happens to be the image token id (a random model samples it now and then) is text,
+        # and must neither take an image's features nor fail the whole step.
+        in_image_prompts = torch.zeros_like(ids, dtype=torch.bool)
+        off = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            if s.pixel_values is not None and len(s.pixel_values):
+                in_image_prompts[off:off + n] = True
+            off += n
+        mask = (ids == self.image_token_id) & in_image_prompts
         n_slots_img = int(mask.sum())
         if n_slots_img != feats.shape[0]:
             raise RuntimeError(f"image placeholders ({n_slots_img} tokens) do not match image features ({feats.shape[0]})")
