@@ -60,12 +60,15 @@ class TritonModelMetrics:
     BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 
-    def __init__(self, model_name: str, version: str, instance: str = "") -> None:
-        # One model instance per GPU: each instance's series carries its name, so the gauges of two
-        # instances do not overwrite each other (sum over `instance` for the model).
+    def __init__(self, model_name: str, version: str, instance: str = "", device: str = "") -> None:
+        # One model instance per GPU: each instance's series carries its name and device (Triton names the
+        # instances of one instance_group entry alike on every GPU), so the gauges of two instances do not
+        # overwrite each other (sum over them for the model).
         self._labels = {"model": model_name, "version": version}
         if instance:
             self._labels["instance"] = instance
+        if device:
+            self._labels["device"] = device
         fam = pb_utils.MetricFamily
         # Families must stay referenced: Triton drops a family's metrics when it is collected.
         self._families = {
@@ -238,7 +241,9 @@ class TritonPythonModel:
             f"dtype {config.model.dtype})"
         )
         pb_utils.Logger.log_verbose(f"vlora: engine config {json.dumps(config.to_dict(), default=str)}")
-        self._metrics = TritonModelMetrics(args["model_name"], args["model_version"], args.get("model_instance_name", ""))
+        gpu = args.get("model_instance_kind") == "GPU"
+        self._metrics = TritonModelMetrics(args["model_name"], args["model_version"], args.get("model_instance_name", ""),
+                                           f"cuda:{int(args['model_instance_device_id'])}" if gpu else "cpu")
         self._engine = AsyncEngine(config, metrics=self._metrics)
         pb_utils.Logger.log_info(
             f"vlora: model {self._engine.model_info}; adapters {self._engine.list_adapters()}"
