@@ -26,7 +26,7 @@ from common import device_name, git_commit, record_result  # noqa: E402
 from vlora.atmm import AtmmKernels, atmm_reference  # noqa: E402
 from vlora.atmm.tiling import write_table  # noqa: E402
 from vlora.atmm.timing import copy_bandwidth_gbs, event_time_ms, graph_time_us, matmul_tflops  # noqa: E402
-from vlora.atmm.tuner import feasible_configs, make_problem, profile_shape  # noqa: E402
+from vlora.atmm.tuner import feasible_configs, make_problem, profile_shape, table_entries  # noqa: E402
 
 D = 4096
 DTYPE = "bf16"
@@ -183,8 +183,8 @@ def main() -> int:
         problems.append(p)
         profiles.append(prof)
         bs, be = prof["pair"]
-        log(f"profiled {c.name}: shrink {bs} {prof['shrink'][bs]:.1f} us, whole call with expand {be} {prof['expand'][be]:.1f} us "
-            f"({time.monotonic() - t0:.0f} s)")
+        what = f"fused call {bs[0]}/cluster {bs[1]}" if bs[0] == be else f"shrink {bs} {prof['shrink_us']:.1f} us, expand {be}"
+        log(f"profiled {c.name}: {what}, whole call {prof['pair_us']:.1f} us ({time.monotonic() - t0:.0f} s)")
     # The best static choices: least total time over every case, per direction; one among the CUTLASS
     # tilings (Punica's approach: one tile for every shape), one among every compiled config.
     all_cases = cases(args.quick)
@@ -201,14 +201,13 @@ def main() -> int:
     static_expand = best_static(common_expand, "expand", {"cutlass"})
     any_shrink = best_static(common_shrink, "shrink")
     any_expand = best_static(common_expand, "expand")
+    # One fused call (config and cluster size) for every case, where the build has them.
+    common_call = set.intersection(*(set(pr["call"]) for pr in profiles))
+    static_call = best_static(common_call, "call") if common_call else None
     # The adaptive table, through the real table path.
     entries = []
     for c, pr in zip(all_cases, profiles):
-        rank = max(c.seg_ranks)
-        (sc, sk), ec = pr["pair"]
-        common = dict(dtype=DTYPE, tokens=c.tokens, width=D, rank=rank, segments=len(c.seg_ranks))
-        entries.append(dict(direction="shrink", **common, config=sc, split_k=sk, time_us=round(pr["shrink"][(sc, sk)], 2)))
-        entries.append(dict(direction="expand", **common, config=ec, split_k=1, time_us=round(pr["expand"][ec], 2)))
+        entries += table_entries(pr, dtype=DTYPE, tokens=c.tokens, width=D, rank=max(c.seg_ranks), segments=len(c.seg_ranks))
     table_file = args.table_out or Path("/tmp/atmm-bench-table.json")
     write_table(table_file, {"gpu": torch.cuda.get_device_name(), "cuda_archs": kernels.ext.CUDA_ARCHS,
                              "source": "benchmarks/atmm.py profile of its own shapes"}, entries)
@@ -226,6 +225,9 @@ def main() -> int:
             "static_any": lambda s: (lambda: kernels.run(s[0], s[1], s[2], s[3], p.ranks, p.scales, p.mapping,
                                                          shrink=any_shrink, expand=any_expand, workspace=s[4])),
         }
+        if static_call is not None:
+            fns["static_call"] = lambda s: (lambda: kernels.run(s[0], s[1], s[2], s[3], p.ranks, p.scales, p.mapping,
+                                                                shrink=static_call, expand=static_call[0], workspace=s[4]))
         fns.update(baselines(p, c))
         times, errors = {}, {}
         for name, f in fns.items():
@@ -240,9 +242,11 @@ def main() -> int:
         row["atmm_choice"] = {"shrink": list(pr["pair"][0]), "expand": pr["pair"][1]}
         # The shrink alone; the whole call with the best shrink and the best expand (expands are
         # profiled as whole calls: on Hopper the expand overlaps its start with the shrink).
-        row["phase_us"] = {"shrink_best": min(pr["shrink"].values()), "call_best": min(pr["expand"].values())}
+        row["phase_us"] = {"shrink_best": min(pr["shrink"].values()), "two_launch_best": min(pr["expand"].values()),
+                           "fused_call_best": min(pr["call"].values()) if pr["call"] else None, "call_best": pr["pair_us"]}
         row["profile_us"] = {"shrink": {f"{k[0]}/{k[1]}": round(v, 2) for k, v in pr["shrink"].items()},
-                             "expand_whole_call": {k: round(v, 2) for k, v in pr["expand"].items()}}
+                             "expand_whole_call": {k: round(v, 2) for k, v in pr["expand"].items()},
+                             "fused_call": {f"{k[0]}/{k[1]}": round(v, 2) for k, v in pr["call"].items()}}
         base = [t for k, t in times.items() if k in ("loop", "padded_bmm", "grouped_mm") and t]
         row["best_baseline_us"] = min(base) if base else None
         a = times.get("atmm")
@@ -260,6 +264,7 @@ def main() -> int:
            "copy_bandwidth_gbs": bw, "bf16_tflops": tf, "dtype": DTYPE, "width": D,
            "static_choice": {"shrink": list(static_shrink), "expand": static_expand},
            "static_any_choice": {"shrink": list(any_shrink), "expand": any_expand},
+           "static_call_choice": list(static_call) if static_call else None,
            "cases": results, "merge": merge, "table_entries": entries,
            "method": "median per call of CUDA-graph replays over rotated inputs (>256 MB per replay)"}
     pick = {r["case"]: r for r in results}

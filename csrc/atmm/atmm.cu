@@ -42,6 +42,9 @@ namespace atmm {
 #define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB) ATMM_DECLARE_FUSED(NAME)
 #define ATMM_STREAM_SHRINK(NAME, BM, BK, WM, WN, KMAX, ST) ATMM_DECLARE_FUSED(NAME)
 #define ATMM_STREAM_EXPAND(NAME, BM, BN, WM, WN, KMAX, ST) ATMM_DECLARE_FUSED(NAME)
+#define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES) \
+  ATMM_DECLARE_FUSED(NAME)                                             \
+  size_t atmm_fused_##NAME##_smem();
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
@@ -49,6 +52,7 @@ namespace atmm {
 #undef ATMM_FUSED_EXPAND
 #undef ATMM_STREAM_SHRINK
 #undef ATMM_STREAM_EXPAND
+#undef ATMM_FUSED_CALL
 
 #define ATMM_FNS_ATMM_BOTH(NAME) \
   atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
@@ -76,6 +80,9 @@ const std::vector<KernelConfig>& kernel_configs() {
   KernelConfig{#NAME, BM, BN, KMAX, BM / WM, BN / WN, 16, ST, false, nullptr, nullptr, nullptr, nullptr,      \
                Kind::kStreamExpand, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX,                  \
                detail::UpdateCfg<__nv_bfloat16, BM, BN, WM, WN, KMAX, ST, false>::kSmem},
+#define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES)                                       \
+  KernelConfig{#NAME, BM, BN, 64, BM / EWM, BN / EWN, 16, SS, true, nullptr, nullptr, nullptr, nullptr,       \
+               Kind::kFusedCall, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX, atmm_fused_##NAME##_smem()},
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
@@ -83,6 +90,7 @@ const std::vector<KernelConfig>& kernel_configs() {
 #undef ATMM_FUSED_EXPAND
 #undef ATMM_STREAM_SHRINK
 #undef ATMM_STREAM_EXPAND
+#undef ATMM_FUSED_CALL
   };
   return configs;
 }
@@ -100,6 +108,7 @@ bool KernelConfig::serves(Direction d, DType t) const {
     case Kind::kStreamShrink: return d == Direction::kShrink;
     case Kind::kFusedExpand:
     case Kind::kStreamExpand: return d == Direction::kExpand;
+    case Kind::kFusedCall: return true;  // one launch for both: the table names it for each direction
   }
   return false;
 }
@@ -361,6 +370,15 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
     return "atmm: config index out of range: " + shape_of(a);
   const KernelConfig& cs = cfgs[a.shrink_config];
   const KernelConfig& ce = cfgs[a.expand_config];
+  const bool fused_call = cs.kind == Kind::kFusedCall;
+  if (fused_call != (ce.kind == Kind::kFusedCall) || (fused_call && a.shrink_config != a.expand_config))
+    return std::string("atmm: a fused call (") + (fused_call ? cs.name : ce.name) +
+           ") runs both directions in one launch: name it for the shrink and the expand: " + shape_of(a);
+  if (fused_call && (a.split_k < 1 || a.split_k > 8))
+    return std::string("atmm: config ") + cs.name + " takes split_k (its cluster size) 1..8: " + shape_of(a);
+  const int both = kPhaseShrink | kPhaseExpand;
+  if (fused_call && (phases & both) && (phases & both) != both)
+    return std::string("atmm: config ") + cs.name + " runs only as a whole call (shrink and expand together): " + shape_of(a);
   if (!cs.serves(Direction::kShrink, a.dtype)) return std::string("atmm: config ") + cs.name + " is not built for shrink: " + shape_of(a);
   if (!ce.serves(Direction::kExpand, a.dtype)) return std::string("atmm: config ") + ce.name + " is not built for expand: " + shape_of(a);
   if (a.split_k < 1) return "atmm: split_k must be >= 1: " + shape_of(a);
@@ -402,6 +420,14 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   fa.ld_x = a.ld_x; fa.ld_y = a.ld_y;
 
   cudaError_t e = cudaSuccess;
+  if (fused_call) {  // shrink and expand in one launch; the cluster size is the d_in split
+    fa.splits = a.split_k;
+    fa.pdl = 0;
+    if ((phases & both) == both) e = (a.dtype == DType::kF16 ? cs.fused_f16 : cs.fused_bf16)(fa, stream);
+    if (e != cudaSuccess) return std::string("atmm: fused call ") + cs.name + "/" + std::to_string(a.split_k) + ": " +
+                                 cudaGetErrorString(e) + ": " + shape_of(a);
+    return "";
+  }
   // prep: the problem arrays of whichever direction runs on CUTLASS (and the reduce's ranks).
   if ((phases & kPhasePrep) && (cutlass_shrink || cutlass_expand)) e = launch_prep(a, w, k_chunk, splits_used, stream);
   if (e != cudaSuccess) return std::string("atmm: prep kernel: ") + cudaGetErrorString(e) + ": " + shape_of(a);

@@ -46,10 +46,11 @@ struct GroupedLaunch {
 using GroupedFn = cudaError_t (*)(GroupedLaunch const&, cudaStream_t);
 
 struct FusedArgs;
-// A hand-written kernel (fused.cu): gemv shrink or fused expand.
+// A hand-written kernel (fused.cu, stream_*.cu): gemv/stream shrink, fused/stream expand, or a fused call.
 using FusedFn = cudaError_t (*)(FusedArgs const&, cudaStream_t);
 
-enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2, kWmmaShrink = 3, kStreamShrink = 4, kStreamExpand = 5 };
+enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2, kWmmaShrink = 3, kStreamShrink = 4, kStreamExpand = 5,
+                  kFusedCall = 6 };
 
 struct KernelConfig {
   const char* name;

@@ -62,7 +62,8 @@ PYBIND11_MODULE(vlora_atmm_ext, m) {
       d["kind"] = c.kind == Kind::kCutlass ? "cutlass"
                   : c.kind == Kind::kGemvShrink ? "gemv"
                   : c.kind == Kind::kWmmaShrink ? "wmma"
-                  : (c.kind == Kind::kStreamShrink || c.kind == Kind::kStreamExpand) ? "stream" : "fused";
+                  : (c.kind == Kind::kStreamShrink || c.kind == Kind::kStreamExpand) ? "stream"
+                  : c.kind == Kind::kFusedCall ? "call" : "fused";
       d["max_rank"] = c.max_rank;
       d["smem_bytes"] = c.smem;
       out.append(d);

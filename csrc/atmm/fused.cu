@@ -502,4 +502,5 @@ cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream) {
 #define ATMM_CONFIG(...)
 #define ATMM_STREAM_SHRINK(...)
 #define ATMM_STREAM_EXPAND(...)
+#define ATMM_FUSED_CALL(...)
 #include "atmm/tile_configs.def"

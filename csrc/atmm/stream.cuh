@@ -152,14 +152,117 @@ struct ShrinkCfg {
   static_assert(BK % 64 == 0, "stage width: a multiple of 64 columns");
 };
 
+// The shrink's main loop over one row tile, shared by the stream shrink and the fused call:
+// acc = X[0:rows, 0:kc] @ A[0:K16, 0:kc]^T, x and lora_A sub-tiles of BK columns flowing through
+// STAGES buffers at `smem` (rows past `rows` and rank rows in [rp, K16) read as zero; rank columns
+// past K16 are never computed and stay zero). Ends with every copy landed and a barrier, so the
+// stage buffers may be reused.
+template <typename T, int BM, int BK, int WM, int WN, int KMAX, int STAGES>
+struct ShrinkTile {
+  using C = ShrinkCfg<T, BM, BK, WM, WN, KMAX, STAGES>;
+  using Acc = float[C::MT][C::NT][4];
+
+  static __device__ __forceinline__ void mainloop(T* smem, const T* X, int64_t ld_x, const T* A, int64_t ld_a, int rows,
+                                                  int rp, int kc, Acc& acc) {
+    const int K16 = (rp + 15) & ~15;
+    const int nk = (kc + C::kBK - 1) / C::kBK;
+    auto load_stage = [&](int s, int kb) {
+      T* sx = smem + s * C::kStageElems;
+      T* sa = sx + BM * C::kXP;
+      const int kbase = kb * C::kBK;
+#pragma unroll
+      for (int it = 0; it < (BM * (BK / 8) + C::kThreads - 1) / C::kThreads; ++it) {
+        const int v = threadIdx.x + it * C::kThreads;
+        if ((BM * (BK / 8)) % C::kThreads != 0 && v >= (BM * (BK / 8))) break;
+        const int r = v / (BK / 8), kv = (v % (BK / 8)) * 8;
+        const bool p = r < rows && kbase + kv < kc;
+        cp_async16(sx + r * C::kXP + kv, p ? X + int64_t(r) * ld_x + kbase + kv : X, p);
+      }
+#pragma unroll
+      for (int it = 0; it < (KMAX * (BK / 8) + C::kThreads - 1) / C::kThreads; ++it) {
+        const int v = threadIdx.x + it * C::kThreads;
+        if ((KMAX * (BK / 8)) % C::kThreads != 0 && v >= (KMAX * (BK / 8))) break;
+        const int n = v / (BK / 8), kv = (v % (BK / 8)) * 8;
+        if (n < K16) {  // rank rows [rp, K16) are zero-filled; rows past K16 are never read
+          const bool p = n < rp && kbase + kv < kc;
+          cp_async16(sa + n * C::kXP + kv, p ? A + int64_t(n) * ld_a + kbase + kv : A, p);
+        }
+      }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < nk) load_stage(s, s);
+      cp_async_commit();
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = warp % WM, wn = warp / WM;
+#pragma unroll
+    for (int i = 0; i < C::MT; ++i)
+#pragma unroll
+      for (int j = 0; j < C::NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+    for (int kb = 0; kb < nk; ++kb) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // stage kb has landed for every thread; stage kb-1 is no longer read
+      {
+        const int nb = kb + STAGES - 1;
+        if (nb < nk) load_stage(nb % STAGES, nb);
+        cp_async_commit();
+      }
+      const T* sx = smem + (kb % STAGES) * C::kStageElems;
+      const T* sa = sx + BM * C::kXP;
+#pragma unroll
+      for (int kk = 0; kk < C::kBK; kk += 16) {
+        uint32_t af[C::MT][4];
+#pragma unroll
+        for (int mt = 0; mt < C::MT; ++mt)
+          ldsm_x4(af[mt], sx + (wm * C::kWarpM + mt * 16 + (lane & 15)) * C::kXP + kk + (lane >> 4) * 8);
+#pragma unroll
+        for (int np = 0; np < C::NT / 2; ++np) {
+          const int n0 = wn * C::kWarpN + np * 16;
+          if (n0 < K16) {  // warp-uniform
+            uint32_t bf[4];
+            ldsm_x4(bf, sa + (n0 + (lane & 7) + ((lane >> 4) << 3)) * C::kXP + kk + ((lane >> 3) & 1) * 8);
+#pragma unroll
+            for (int mt = 0; mt < C::MT; ++mt) {
+              Mma<T>::run(acc[mt][2 * np], af[mt], bf[0], bf[1]);
+              Mma<T>::run(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+            }
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every thread is done reading the stage buffers
+  }
+
+  // f(r, n, a0, a1) for each accumulator pair this thread holds: tile row r, rank columns n and n + 1.
+  template <class F>
+  static __device__ __forceinline__ void for_each(Acc const& acc, F&& f) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = warp % WM, wn = warp / WM;
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          f(wm * C::kWarpM + mt * 16 + g + 8 * h, wn * C::kWarpN + nt * 8 + t4 * 2, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+  }
+};
+
 template <typename T, int BM, int BK, int WM, int WN, int KMAX, int STAGES>
 __global__ void __launch_bounds__(32 * WM * WN) stream_shrink_kernel(FusedArgs a) {
-  using C = ShrinkCfg<T, BM, BK, WM, WN, KMAX, STAGES>;
+  using Tile = ShrinkTile<T, BM, BK, WM, WN, KMAX, STAGES>;
   pdl_launch_dependents();  // the expand may start now: it prefetches y and lora_B, then waits for v
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
   int seg, tile;
-  find_tile<BM, C::kThreads>(a, blockIdx.x, seg, tile);
+  find_tile<BM, Tile::C::kThreads>(a, blockIdx.x, seg, tile);
   if (seg < 0) return;
   const int c = blockIdx.y;
   const int k0 = c * a.k_chunk;
@@ -167,107 +270,23 @@ __global__ void __launch_bounds__(32 * WM * WN) stream_shrink_kernel(FusedArgs a
   if (kc <= 0) return;
   const int slot = a.seg_slot[seg];
   const int rp = a.slots.rank_padded[slot];
-  const int K16 = (rp + 15) & ~15;
   const int row0 = a.seg_indptr[seg] + tile * BM;
   const int rows = min(BM, a.seg_indptr[seg + 1] - row0);
   const T* X = static_cast<const T*>(a.x) + int64_t(row0) * a.ld_x + k0;
   const T* A = static_cast<const T*>(a.lora_a) + int64_t(slot) * a.r_max * a.d_in + k0;
-  const int nk = (kc + C::kBK - 1) / C::kBK;
-
-  auto load_stage = [&](int s, int kb) {
-    T* sx = smem + s * C::kStageElems;
-    T* sa = sx + BM * C::kXP;
-    const int kbase = kb * C::kBK;
-#pragma unroll
-    for (int it = 0; it < (BM * (BK / 8) + C::kThreads - 1) / C::kThreads; ++it) {
-      const int v = threadIdx.x + it * C::kThreads;
-      if ((BM * (BK / 8)) % C::kThreads != 0 && v >= (BM * (BK / 8))) break;
-      const int r = v / (BK / 8), kv = (v % (BK / 8)) * 8;
-      const bool p = r < rows && kbase + kv < kc;
-      cp_async16(sx + r * C::kXP + kv, p ? X + int64_t(r) * a.ld_x + kbase + kv : X, p);
-    }
-#pragma unroll
-    for (int it = 0; it < (KMAX * (BK / 8) + C::kThreads - 1) / C::kThreads; ++it) {
-      const int v = threadIdx.x + it * C::kThreads;
-      if ((KMAX * (BK / 8)) % C::kThreads != 0 && v >= (KMAX * (BK / 8))) break;
-      const int n = v / (BK / 8), kv = (v % (BK / 8)) * 8;
-      if (n < K16) {  // rank rows [rp, K16) are zero-filled; rows past K16 are never read
-        const bool p = n < rp && kbase + kv < kc;
-        cp_async16(sa + n * C::kXP + kv, p ? A + int64_t(n) * a.d_in + kbase + kv : A, p);
-      }
-    }
-  };
-
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < nk) load_stage(s, s);
-    cp_async_commit();
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wm = warp % WM, wn = warp / WM;
-  float acc[C::MT][C::NT][4];
-#pragma unroll
-  for (int i = 0; i < C::MT; ++i)
-#pragma unroll
-    for (int j = 0; j < C::NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-
-  for (int kb = 0; kb < nk; ++kb) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // stage kb has landed for every thread; stage kb-1 is no longer read
-    {
-      const int nb = kb + STAGES - 1;
-      if (nb < nk) load_stage(nb % STAGES, nb);
-      cp_async_commit();
-    }
-    const T* sx = smem + (kb % STAGES) * C::kStageElems;
-    const T* sa = sx + BM * C::kXP;
-#pragma unroll
-    for (int kk = 0; kk < C::kBK; kk += 16) {
-      uint32_t af[C::MT][4];
-#pragma unroll
-      for (int mt = 0; mt < C::MT; ++mt)
-        ldsm_x4(af[mt], sx + (wm * C::kWarpM + mt * 16 + (lane & 15)) * C::kXP + kk + (lane >> 4) * 8);
-#pragma unroll
-      for (int np = 0; np < C::NT / 2; ++np) {
-        const int n0 = wn * C::kWarpN + np * 16;
-        if (n0 < K16) {  // warp-uniform
-          uint32_t bf[4];
-          ldsm_x4(bf, sa + (n0 + (lane & 7) + ((lane >> 4) << 3)) * C::kXP + kk + ((lane >> 3) & 1) * 8);
-#pragma unroll
-          for (int mt = 0; mt < C::MT; ++mt) {
-            Mma<T>::run(acc[mt][2 * np], af[mt], bf[0], bf[1]);
-            Mma<T>::run(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
-          }
-        }
-      }
-    }
-  }
-  cp_async_wait<0>();
+  typename Tile::Acc acc;
+  Tile::mainloop(smem, X, a.ld_x, A, a.d_in, rows, rp, kc, acc);
 
   // v in the activation dtype when d_in is not split (the reference rounds v too), else partials.
-  const int g = lane >> 2, t4 = lane & 3;
   using PT = typename Pair<T>::P;
-#pragma unroll
-  for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < C::NT; ++nt) {
-      const int n = wn * C::kWarpN + nt * 8 + t4 * 2;
-      if (n >= rp) continue;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = wm * C::kWarpM + mt * 16 + g + 8 * h;
-        if (r >= rows) continue;
-        const int64_t row = row0 + r;
-        if (a.splits == 1)
-          *reinterpret_cast<PT*>(static_cast<T*>(a.v) + row * a.r_max + n) =
-              Pair<T>::from_f2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
-        else
-          *reinterpret_cast<float2*>(a.partial + (int64_t(c) * a.num_tokens + row) * a.r_max + n) =
-              make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
-      }
-    }
+  Tile::for_each(acc, [&](int r, int n, float a0, float a1) {
+    if (n >= rp || r >= rows) return;
+    const int64_t row = row0 + r;
+    if (a.splits == 1)
+      *reinterpret_cast<PT*>(static_cast<T*>(a.v) + row * a.r_max + n) = Pair<T>::from_f2(a0, a1);
+    else
+      *reinterpret_cast<float2*>(a.partial + (int64_t(c) * a.num_tokens + row) * a.r_max + n) = make_float2(a0, a1);
+  });
 }
 
 // ---- stream update (expand and merge) ------------------------------------------------------------
@@ -305,16 +324,17 @@ struct UpdateTile {
   float alpha;
 };
 
+// The update's pieces, shared by the stream expand, the merge and the fused call. Shared memory:
+// STAGES stage buffers (Bop chunk, then y chunk) at `smem`, then the V tile (sv = v_tile(smem)).
 template <typename T, int BM, int BN, int WM, int WN, int KMAX, int STAGES, bool TRANS_B>
-__device__ __forceinline__ void stream_update_tile(UpdateTile<T> const& t, int c_begin, int c_end, bool wait_for_v) {
+struct UpdateOps {
   using C = UpdateCfg<T, BM, BN, WM, WN, KMAX, STAGES, TRANS_B>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
-  T* sv = smem + STAGES * C::kStageElems;
-  const int K16 = (t.rp + 15) & ~15;
-  const int nj = c_end - c_begin;
 
-  auto load_stage = [&](int s, int j) {
+  static __device__ __forceinline__ T* v_tile(T* smem) { return smem + STAGES * C::kStageElems; }
+
+  // Stage s <- column chunk j of y and of Bop (cp.async, not committed).
+  static __device__ __forceinline__ void load_stage(T* smem, UpdateTile<T> const& t, int s, int j) {
+    const int K16 = (t.rp + 15) & ~15;
     T* sb = smem + s * C::kStageElems;
     T* sy = sb + C::kBElems;
     const int n0 = j * BN;
@@ -349,121 +369,145 @@ __device__ __forceinline__ void stream_update_tile(UpdateTile<T> const& t, int c
         }
       }
     }
-  };
-
-  // y and Bop do not depend on the previous kernel (the shrink): start them before waiting on it.
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < nj) load_stage(s, c_begin + s);
-    cp_async_commit();
   }
-  if (wait_for_v) pdl_wait();
 
-  // V tile -> shared memory (zero past the rows and the rank), summing split-K partials if given.
+  // The first STAGES - 1 chunks, one commit group each (y and Bop do not depend on v).
+  static __device__ __forceinline__ void prefetch(T* smem, UpdateTile<T> const& t, int c_begin, int c_end) {
 #pragma unroll
-  for (int it = 0; it < (BM * (KMAX / 8) + C::kThreads - 1) / C::kThreads; ++it) {
-    const int v = threadIdx.x + it * C::kThreads;
-    if ((BM * (KMAX / 8)) % C::kThreads != 0 && v >= (BM * (KMAX / 8))) break;
-    const int r = v / (KMAX / 8), kv = (v % (KMAX / 8)) * 8;
-    if (kv >= K16) continue;
-    uint4 out = make_uint4(0, 0, 0, 0);
-    if (r < t.rows && kv < t.rp) {
-      if (t.partial) {
-        float s[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s[e] = 0.f;
-        const float* p = t.partial + int64_t(r) * t.ld_v + kv;
-#pragma unroll 8
-        for (int c = 0; c < t.splits; ++c) {  // unrolled: the partials' loads are in flight together
-          const float4 u = *reinterpret_cast<const float4*>(p + c * t.split_stride);
-          const float4 w = *reinterpret_cast<const float4*>(p + c * t.split_stride + 4);
-          s[0] += u.x; s[1] += u.y; s[2] += u.z; s[3] += u.w;
-          s[4] += w.x; s[5] += w.y; s[6] += w.z; s[7] += w.w;
-        }
-        using PT = typename Pair<T>::P;
-        PT* o = reinterpret_cast<PT*>(&out);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[e] = Pair<T>::from_f2(s[2 * e], s[2 * e + 1]);
-      } else {
-        out = *reinterpret_cast<const uint4*>(t.v + int64_t(r) * t.ld_v + kv);
-      }
-    }
-    *reinterpret_cast<uint4*>(sv + r * C::kVP + kv) = out;
-  }
-  __syncthreads();
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wm = warp % WM, wn = warp / WM;
-  uint32_t vf[C::MT][C::KS][4];
-#pragma unroll
-  for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-    for (int ks = 0; ks < C::KS; ++ks)
-      if (ks * 16 < K16)
-        ldsm_x4(vf[mt][ks], sv + (wm * C::kWarpM + mt * 16 + (lane & 15)) * C::kVP + ks * 16 + (lane >> 4) * 8);
-
-  const int g = lane >> 2, t4 = lane & 3;
-  using PT = typename Pair<T>::P;
-  for (int j = 0; j < nj; ++j) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // chunk j has landed; every thread is done storing chunk j-1
-    {
-      const int jn = j + STAGES - 1;
-      if (jn < nj) load_stage(jn % STAGES, c_begin + jn);
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < c_end - c_begin) load_stage(smem, t, s, c_begin + s);
       cp_async_commit();
     }
-    const T* sb = smem + (j % STAGES) * C::kStageElems;
-    T* sy = const_cast<T*>(sb) + C::kBElems;
-    float acc[C::MT][C::NT][4];
+  }
+
+  // V tile -> shared memory (zero past the rows and the rank), summing split-K partials if given.
+  static __device__ __forceinline__ void load_v(T* smem, UpdateTile<T> const& t) {
+    T* sv = v_tile(smem);
+    const int K16 = (t.rp + 15) & ~15;
 #pragma unroll
-    for (int i = 0; i < C::MT; ++i)
+    for (int it = 0; it < (BM * (KMAX / 8) + C::kThreads - 1) / C::kThreads; ++it) {
+      const int v = threadIdx.x + it * C::kThreads;
+      if ((BM * (KMAX / 8)) % C::kThreads != 0 && v >= (BM * (KMAX / 8))) break;
+      const int r = v / (KMAX / 8), kv = (v % (KMAX / 8)) * 8;
+      if (kv >= K16) continue;
+      uint4 out = make_uint4(0, 0, 0, 0);
+      if (r < t.rows && kv < t.rp) {
+        if (t.partial) {
+          float s[8];
 #pragma unroll
-      for (int q = 0; q < C::NT; ++q)
+          for (int e = 0; e < 8; ++e) s[e] = 0.f;
+          const float* p = t.partial + int64_t(r) * t.ld_v + kv;
+#pragma unroll 8
+          for (int c = 0; c < t.splits; ++c) {  // unrolled: the partials' loads are in flight together
+            const float4 u = *reinterpret_cast<const float4*>(p + c * t.split_stride);
+            const float4 w = *reinterpret_cast<const float4*>(p + c * t.split_stride + 4);
+            s[0] += u.x; s[1] += u.y; s[2] += u.z; s[3] += u.w;
+            s[4] += w.x; s[5] += w.y; s[6] += w.z; s[7] += w.w;
+          }
+          using PT = typename Pair<T>::P;
+          PT* o = reinterpret_cast<PT*>(&out);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][q][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < C::KS; ++ks) {
-      if (ks * 16 >= K16) break;
-#pragma unroll
-      for (int np = 0; np < C::NT / 2; ++np) {
-        uint32_t bf[4];
-        const int nb = wn * C::kWarpN + np * 16;
-        if constexpr (!TRANS_B)
-          ldsm_x4(bf, sb + (nb + (lane & 7) + ((lane >> 4) << 3)) * C::kBP + ks * 16 + ((lane >> 3) & 1) * 8);
-        else
-          ldsm_x4_t(bf, sb + (ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * C::kBP + nb + ((lane >> 4) << 3));
-#pragma unroll
-        for (int mt = 0; mt < C::MT; ++mt) {
-          Mma<T>::run(acc[mt][2 * np], vf[mt][ks], bf[0], bf[1]);
-          Mma<T>::run(acc[mt][2 * np + 1], vf[mt][ks], bf[2], bf[3]);
+          for (int e = 0; e < 4; ++e) o[e] = Pair<T>::from_f2(s[2 * e], s[2 * e + 1]);
+        } else {
+          out = *reinterpret_cast<const uint4*>(t.v + int64_t(r) * t.ld_v + kv);
         }
       }
+      *reinterpret_cast<uint4*>(sv + r * C::kVP + kv) = out;
     }
-    // y chunk += alpha * acc, in place in shared memory (each thread its own elements).
+  }
+
+  // Column chunks [c_begin, c_end) of y += alpha * V @ Bop, after prefetch() and with the V tile in
+  // shared memory behind a barrier. Every commit group is waited for on return.
+  static __device__ __forceinline__ void mainloop(T* smem, UpdateTile<T> const& t, int c_begin, int c_end) {
+    const T* sv = v_tile(smem);
+    const int K16 = (t.rp + 15) & ~15;
+    const int nj = c_end - c_begin;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = warp % WM, wn = warp / WM;
+    uint32_t vf[C::MT][C::KS][4];
 #pragma unroll
     for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < C::NT; ++nt)
+      for (int ks = 0; ks < C::KS; ++ks)
+        if (ks * 16 < K16)
+          ldsm_x4(vf[mt][ks], sv + (wm * C::kWarpM + mt * 16 + (lane & 15)) * C::kVP + ks * 16 + (lane >> 4) * 8);
+
+    const int g = lane >> 2, t4 = lane & 3;
+    using PT = typename Pair<T>::P;
+    for (int j = 0; j < nj; ++j) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // chunk j has landed; every thread is done storing chunk j-1
+      {
+        const int jn = j + STAGES - 1;
+        if (jn < nj) load_stage(smem, t, jn % STAGES, c_begin + jn);
+        cp_async_commit();
+      }
+      const T* sb = smem + (j % STAGES) * C::kStageElems;
+      T* sy = const_cast<T*>(sb) + C::kBElems;
+      float acc[C::MT][C::NT][4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = wm * C::kWarpM + mt * 16 + g + 8 * h;
-          const int col = wn * C::kWarpN + nt * 8 + t4 * 2;
-          PT* p = reinterpret_cast<PT*>(sy + r * C::kYP + col);
-          const float2 yv = Pair<T>::to_f2(*p);
-          *p = Pair<T>::from_f2(yv.x + t.alpha * acc[mt][nt][2 * h], yv.y + t.alpha * acc[mt][nt][2 * h + 1]);
+      for (int i = 0; i < C::MT; ++i)
+#pragma unroll
+        for (int q = 0; q < C::NT; ++q)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][q][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < C::KS; ++ks) {
+        if (ks * 16 >= K16) break;
+#pragma unroll
+        for (int np = 0; np < C::NT / 2; ++np) {
+          uint32_t bf[4];
+          const int nb = wn * C::kWarpN + np * 16;
+          if constexpr (!TRANS_B)
+            ldsm_x4(bf, sb + (nb + (lane & 7) + ((lane >> 4) << 3)) * C::kBP + ks * 16 + ((lane >> 3) & 1) * 8);
+          else
+            ldsm_x4_t(bf, sb + (ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * C::kBP + nb + ((lane >> 4) << 3));
+#pragma unroll
+          for (int mt = 0; mt < C::MT; ++mt) {
+            Mma<T>::run(acc[mt][2 * np], vf[mt][ks], bf[0], bf[1]);
+            Mma<T>::run(acc[mt][2 * np + 1], vf[mt][ks], bf[2], bf[3]);
+          }
         }
-    __syncthreads();
-    const int n0 = (c_begin + j) * BN;
+      }
+      // y chunk += alpha * acc, in place in shared memory (each thread its own elements).
 #pragma unroll
-    for (int it = 0; it < (BM * (BN / 8) + C::kThreads - 1) / C::kThreads; ++it) {
-      const int v = threadIdx.x + it * C::kThreads;
-      if ((BM * (BN / 8)) % C::kThreads != 0 && v >= (BM * (BN / 8))) break;
-      const int r = v / (BN / 8), cv = (v % (BN / 8)) * 8;
-      if (r < t.rows && n0 + cv < t.n_total)
-        *reinterpret_cast<uint4*>(t.y + int64_t(r) * t.ld_y + n0 + cv) = *reinterpret_cast<const uint4*>(sy + r * C::kYP + cv);
+      for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = wm * C::kWarpM + mt * 16 + g + 8 * h;
+            const int col = wn * C::kWarpN + nt * 8 + t4 * 2;
+            PT* p = reinterpret_cast<PT*>(sy + r * C::kYP + col);
+            const float2 yv = Pair<T>::to_f2(*p);
+            *p = Pair<T>::from_f2(yv.x + t.alpha * acc[mt][nt][2 * h], yv.y + t.alpha * acc[mt][nt][2 * h + 1]);
+          }
+      __syncthreads();
+      const int n0 = (c_begin + j) * BN;
+#pragma unroll
+      for (int it = 0; it < (BM * (BN / 8) + C::kThreads - 1) / C::kThreads; ++it) {
+        const int v = threadIdx.x + it * C::kThreads;
+        if ((BM * (BN / 8)) % C::kThreads != 0 && v >= (BM * (BN / 8))) break;
+        const int r = v / (BN / 8), cv = (v % (BN / 8)) * 8;
+        if (r < t.rows && n0 + cv < t.n_total)
+          *reinterpret_cast<uint4*>(t.y + int64_t(r) * t.ld_y + n0 + cv) = *reinterpret_cast<const uint4*>(sy + r * C::kYP + cv);
+      }
     }
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
+};
+
+template <typename T, int BM, int BN, int WM, int WN, int KMAX, int STAGES, bool TRANS_B>
+__device__ __forceinline__ void stream_update_tile(UpdateTile<T> const& t, int c_begin, int c_end, bool wait_for_v) {
+  using Ops = UpdateOps<T, BM, BN, WM, WN, KMAX, STAGES, TRANS_B>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  // y and Bop do not depend on the previous kernel (the shrink): start them before waiting on it.
+  Ops::prefetch(smem, t, c_begin, c_end);
+  if (wait_for_v) pdl_wait();
+  Ops::load_v(smem, t);
+  __syncthreads();
+  Ops::mainloop(smem, t, c_begin, c_end);
 }
 
 // Column chunks of this block: gridDim.y ranges of contiguous BN-wide chunks.

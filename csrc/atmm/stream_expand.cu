@@ -15,4 +15,5 @@
     return detail::stream_expand<__nv_bfloat16, BM, BN, WM, WN, KMAX, ST>(a, s);                       \
   }                                                                                                    \
   }
+#define ATMM_FUSED_CALL(...)
 #include "atmm/tile_configs.def"

@@ -15,4 +15,5 @@
     return detail::stream_shrink<__nv_bfloat16, BM, BK, WM, WN, KMAX, ST>(a, s);                           \
   }                                                                                                    \
   }
+#define ATMM_FUSED_CALL(...)
 #include "atmm/tile_configs.def"

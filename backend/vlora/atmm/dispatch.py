@@ -51,6 +51,7 @@ class AtmmKernels:
         self.table_source = "built-in default rule"
         self._table_dir = table_dir
         self._names: tuple[str, ...] = tuple(c["name"] for c in ext.configs()) if ext is not None else ()
+        self._kinds: dict[str, str] = {c["name"]: c.get("kind", "") for c in ext.configs()} if ext is not None else {}
         # Hot-path caches (every LoRA layer of every step calls run()): the launch plan of a call
         # signature, the static checks of a pair of slot buffers, and one growing workspace per device.
         self._plans: dict[tuple, tuple] = {}
@@ -238,8 +239,15 @@ class AtmmKernels:
         if shrink is None:
             hit = self.lookup("shrink", dtype, T, d_in, rank, S)
             shrink = (hit["config"], hit["split_k"])
+            if expand is None and self._kinds.get(shrink[0]) == "call":
+                expand = shrink[0]  # a fused call runs both directions in one launch
         if expand is None:
             expand = self.lookup("expand", dtype, T, d_out, rank, S)["config"]
+            if self._kinds.get(expand) == "call" and expand != shrink[0]:
+                # The nearest expand key is a fused call but the shrink's is not (a table whose
+                # entries differ per direction, or a miss that fell to different neighbours): the
+                # default rule's expand pairs with any shrink.
+                expand = self.ext.TilingTable().lookup("expand", dtype, T, d_out, rank, S)["config"]
         split_k = int(shrink[1])
         need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
         return self._names.index(shrink[0]), split_k, self._names.index(expand), ranks_list, need

@@ -106,18 +106,30 @@ def time_option(kernels: AtmmKernels, p: Problem, shrink: tuple[str, int], expan
     return graph_time_us([call(s, phases) for s in p.sets])
 
 
-def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], expand_cfgs: list[dict],
-                  splits=SPLITS, pair_candidates: int = 3) -> dict:
-    """Every feasible option of both directions: {"shrink": {(cfg, split): us}, "expand": {cfg: us},
-    "pair": ((cfg, split), cfg)}. Shrink options are timed alone; then every expand is timed as a whole
-    call with each of the ``pair_candidates`` fastest shrinks, and the fastest whole call is the pair
-    (with PDL and split-K partials, the best pair is not always built on the fastest shrink alone);
-    "expand" holds each expand's best whole-call time.
+CLUSTERS = (1, 2, 4, 8)  # cluster sizes a fused call is timed with (its split_k in the table)
 
-    The gemv shrink is skipped for segments longer than 32 tokens (it re-reads lora_A per 4 rows)."""
+
+def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], expand_cfgs: list[dict],
+                  splits=SPLITS, pair_candidates: int = 3, clusters=CLUSTERS) -> dict:
+    """Every feasible option for one shape:
+
+    - "shrink": {(cfg, split): us}, each shrink timed alone;
+    - "expand": {cfg: us}, each expand's best whole call with one of the ``pair_candidates`` fastest
+      shrinks (on Hopper an expand launched as a programmatic dependent overlaps its prologue with
+      the shrink, and with split-K partials the best pair is not always built on the fastest shrink);
+    - "call": {(cfg, cluster): us}, the fused calls (kind "call": shrink and expand in one launch),
+      each with every cluster size;
+    - "pair": the fastest whole call, ((shrink cfg, split), expand cfg); for a fused call
+      ((cfg, cluster), cfg); "pair_us": its time, "shrink_us": its shrink alone (the whole call for a
+      fused call).
+
+    Configs of kind "call" in ``shrink_cfgs`` are timed as fused calls, never as a shrink or an expand
+    alone. The gemv shrink is skipped for segments longer than 32 tokens (it re-reads lora_A per 4 rows)."""
     longest = max(p.mapping.seg_indptr_host[i + 1] - p.mapping.seg_indptr_host[i] for i in range(p.mapping.num_segments))
     rank = -(-max(p.ranks) // 8) * 8
-    expand_cfgs = [c for c in expand_cfgs if serves_rank(c, rank)]
+    calls = [c for c in shrink_cfgs if c["kind"] == "call" and serves_rank(c, rank)]
+    shrink_cfgs = [c for c in shrink_cfgs if c["kind"] != "call"]
+    expand_cfgs = [c for c in expand_cfgs if c["kind"] != "call" and serves_rank(c, rank)]
     fused = [c for c in expand_cfgs if c["kind"] == "fused"]
     base_expand = (fused or expand_cfgs)[0]["name"]
     shrink = {}
@@ -130,19 +142,36 @@ def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], exp
                 shrink[(c["name"], k)] = t
     if not shrink:
         raise RuntimeError("atmm tuner: no shrink configuration ran for this shape")
-    # Expands are compared by whole calls: on Hopper an expand launched as a programmatic dependent
-    # overlaps its prologue with the shrink, which timing it alone would hide.
+    whole = PHASE_PREP | PHASE_SHRINK | PHASE_EXPAND
     expand: dict[str, float] = {}
     pairs: dict[tuple, float] = {}
     for sk in sorted(shrink, key=shrink.get)[:max(1, pair_candidates)]:
         for c in expand_cfgs:
-            t = _timed_or_none(kernels, p, sk, c["name"], PHASE_PREP | PHASE_SHRINK | PHASE_EXPAND)
+            t = _timed_or_none(kernels, p, sk, c["name"], whole)
             if t is not None:
                 pairs[(sk, c["name"])] = t
                 expand[c["name"]] = min(t, expand.get(c["name"], t))
     if not expand:
         raise RuntimeError("atmm tuner: no expand configuration ran for this shape")
-    return {"shrink": shrink, "expand": expand, "pair": min(pairs, key=pairs.get)}
+    call: dict[tuple, float] = {}
+    for c in calls:
+        for cl in clusters:
+            t = _timed_or_none(kernels, p, (c["name"], cl), c["name"], whole)
+            if t is not None:
+                call[(c["name"], cl)] = t
+                pairs[((c["name"], cl), c["name"])] = t
+    pair = min(pairs, key=pairs.get)
+    shrink_us = call[pair[0]] if pair[0] in call else shrink[pair[0]]
+    return {"shrink": shrink, "expand": expand, "call": call, "pair": pair, "pair_us": pairs[pair], "shrink_us": shrink_us}
+
+
+def table_entries(prof: dict, **shape) -> list[dict]:
+    """The two table entries (shrink, expand) of one profiled shape (``shape``: dtype, tokens, width,
+    rank, segments). A fused call is named in both, its cluster size as the shrink's split_k; the
+    expand's time is the whole call's."""
+    (sc, sk), ec = prof["pair"]
+    return [dict(direction="shrink", **shape, config=sc, split_k=sk, time_us=round(prof["shrink_us"], 2)),
+            dict(direction="expand", **shape, config=ec, split_k=1, time_us=round(prof["pair_us"], 2))]
 
 
 def _timed_or_none(kernels: AtmmKernels, p: Problem, shrink: tuple[str, int], expand: str, phases: int) -> float | None:
@@ -180,13 +209,11 @@ def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], 
         p = make_problem(kernels, T, d, d, [r] * S, dtype)
         res = profile_shape(kernels, p, shrink_cfgs, expand_cfgs)
         (sc, sk), ec = res["pair"]
-        st, et = res["shrink"][(sc, sk)], res["expand"][ec]
-        common = dict(dtype=dtype, tokens=T, width=d, rank=r, segments=S)
-        entries.append(dict(direction="shrink", **common, config=sc, split_k=sk, time_us=round(st, 2)))
-        # The expand's time is the whole call with the chosen shrink (see profile_shape).
-        entries.append(dict(direction="expand", **common, config=ec, split_k=1, time_us=round(et, 2)))
-        progress(f"[{i + 1}/{len(grid)}] {dtype} d={d} r={r} T={T} S={S}: shrink {sc}/{sk} {st:.1f} us, "
-                 f"expand {ec} {et:.1f} us ({time.monotonic() - t0:.0f} s)")
+        entries += table_entries(res, dtype=dtype, tokens=T, width=d, rank=r, segments=S)
+        what = (f"fused call {sc}/cluster {sk}" if sc == ec else
+                f"shrink {sc}/{sk} {res['shrink_us']:.1f} us, expand {ec}")
+        progress(f"[{i + 1}/{len(grid)}] {dtype} d={d} r={r} T={T} S={S}: {what}, whole call {res['pair_us']:.1f} us "
+                 f"({time.monotonic() - t0:.0f} s)")
         del p
         if budget_s is not None and time.monotonic() - t0 > budget_s:
             progress(f"time budget of {budget_s:.0f} s spent after {i + 1} of {len(grid)} shapes; the table is partial")
