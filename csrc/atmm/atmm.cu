@@ -45,6 +45,14 @@ namespace atmm {
 #define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES) \
   ATMM_DECLARE_FUSED(NAME)                                             \
   size_t atmm_fused_##NAME##_smem();
+#if ATMM_HAVE_SM90
+#define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, SCHED) \
+  ATMM_DECLARE_ATMM_EXPAND_ONLY(NAME)                \
+  size_t atmm_sm90_ws_##NAME##_f16(int);             \
+  size_t atmm_sm90_ws_##NAME##_bf16(int);
+#else
+#define ATMM_SM90_EXPAND(...)  // built only for sm_90a (ATMM_CUDA_ARCHS)
+#endif
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
@@ -53,6 +61,7 @@ namespace atmm {
 #undef ATMM_STREAM_SHRINK
 #undef ATMM_STREAM_EXPAND
 #undef ATMM_FUSED_CALL
+#undef ATMM_SM90_EXPAND
 
 #define ATMM_FNS_ATMM_BOTH(NAME) \
   atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
@@ -83,6 +92,13 @@ const std::vector<KernelConfig>& kernel_configs() {
 #define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES)                                       \
   KernelConfig{#NAME, BM, BN, 64, BM / EWM, BN / EWN, 16, SS, true, nullptr, nullptr, nullptr, nullptr,       \
                Kind::kFusedCall, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX, atmm_fused_##NAME##_smem()},
+#if ATMM_HAVE_SM90
+#define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, SCHED)                                                        \
+  KernelConfig{#NAME, TBM, TBN, TBK, 64, TBN, 16, 0, false, ATMM_FNS_ATMM_EXPAND_ONLY(NAME), Kind::kSm90Expand, \
+               nullptr, nullptr, 0, 0, atmm_sm90_ws_##NAME##_f16, atmm_sm90_ws_##NAME##_bf16},
+#else
+#define ATMM_SM90_EXPAND(...)
+#endif
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
@@ -91,6 +107,7 @@ const std::vector<KernelConfig>& kernel_configs() {
 #undef ATMM_STREAM_SHRINK
 #undef ATMM_STREAM_EXPAND
 #undef ATMM_FUSED_CALL
+#undef ATMM_SM90_EXPAND
   };
   return configs;
 }
@@ -109,6 +126,7 @@ bool KernelConfig::serves(Direction d, DType t) const {
     case Kind::kFusedExpand:
     case Kind::kStreamExpand: return d == Direction::kExpand;
     case Kind::kFusedCall: return true;  // one launch for both: the table names it for each direction
+    case Kind::kSm90Expand: return d == Direction::kExpand && fn(d, t) != nullptr;
   }
   return false;
 }
@@ -154,7 +172,7 @@ size_t carve(size_t& cursor, size_t bytes) {
 }
 }  // namespace
 
-WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_tokens, int r_max, DType) {
+WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_tokens, int r_max, DType dtype) {
   WorkspaceLayout w{};
   size_t c = 0;
   size_t p1 = size_t(num_segments) * size_t(split_k), p2 = size_t(num_segments);
@@ -175,6 +193,14 @@ WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_toke
   w.seg_rank = carve(c, p2 * sizeof(int));
   w.partial = carve(c, size_t(split_k) * size_t(num_tokens) * size_t(r_max) * sizeof(float));
   w.v = carve(c, size_t(num_tokens) * size_t(r_max) * 2);
+  size_t scratch = 0;
+  for (KernelConfig const& k : kernel_configs())
+    if (k.kind == Kind::kSm90Expand) {
+      auto fn = dtype == DType::kF16 ? k.scratch_f16 : k.scratch_bf16;
+      scratch = std::max(scratch, fn(num_segments));
+    }
+  w.scratch_bytes = scratch;
+  w.scratch = carve(c, scratch);
   w.total = (c + 255) & ~size_t(255);
   return w;
 }
@@ -395,7 +421,8 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   int splits_used = (a.d_in + k_chunk - 1) / k_chunk;
   WorkspaceLayout w = workspace_layout(a.num_segments, a.split_k, a.num_tokens, a.r_max, a.dtype);
   if (a.workspace_bytes < w.total) return "atmm: workspace too small: " + shape_of(a);
-  const bool cutlass_shrink = cs.kind == Kind::kCutlass, cutlass_expand = ce.kind == Kind::kCutlass;
+  const bool cutlass_shrink = cs.kind == Kind::kCutlass;
+  const bool cutlass_expand = ce.kind == Kind::kCutlass || ce.kind == Kind::kSm90Expand;  // the prep's problem arrays
   // The stream shrink writes v itself when d_in is not split; every other shrink writes partials.
   const bool v_ready = cs.kind == Kind::kStreamShrink && splits_used == 1;
   char* ws = static_cast<char*>(a.workspace);
@@ -457,7 +484,7 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
                        reinterpret_cast<void**>(ws + w.expand_ptr_a), reinterpret_cast<void**>(ws + w.expand_ptr_b),
                        reinterpret_cast<void**>(ws + w.expand_ptr_c), reinterpret_cast<int64_t*>(ws + w.expand_ld_ab),
                        reinterpret_cast<int64_t*>(ws + w.expand_ld_ab), reinterpret_cast<int64_t*>(ws + w.expand_ld_c),
-                       reinterpret_cast<float const* const*>(ws + w.alpha_ptrs), 1.0f};
+                       reinterpret_cast<float const* const*>(ws + w.alpha_ptrs), 1.0f, ws + w.scratch, w.scratch_bytes};
       e = ce.fn(Direction::kExpand, a.dtype)(le, stream);
     } else {
       e = (a.dtype == DType::kF16 ? ce.fused_f16 : ce.fused_bf16)(fa, stream);

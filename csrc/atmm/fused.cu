@@ -503,4 +503,5 @@ cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream) {
 #define ATMM_STREAM_SHRINK(...)
 #define ATMM_STREAM_EXPAND(...)
 #define ATMM_FUSED_CALL(...)
+#define ATMM_SM90_EXPAND(...)
 #include "atmm/tile_configs.def"

@@ -16,4 +16,5 @@
   }                                                                                                    \
   }
 #define ATMM_FUSED_CALL(...)
+#define ATMM_SM90_EXPAND(...)
 #include "atmm/tile_configs.def"
