@@ -46,12 +46,17 @@ namespace atmm {
   ATMM_DECLARE_FUSED(NAME)                                             \
   size_t atmm_fused_##NAME##_smem();
 #if ATMM_HAVE_SM90
-#define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, SCHED) \
-  ATMM_DECLARE_ATMM_EXPAND_ONLY(NAME)                \
-  size_t atmm_sm90_ws_##NAME##_f16(int);             \
+#define ATMM_DECLARE_SM90_WS(NAME)       \
+  size_t atmm_sm90_ws_##NAME##_f16(int); \
   size_t atmm_sm90_ws_##NAME##_bf16(int);
+#define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, EM, EN, SCHED) ATMM_DECLARE_ATMM_EXPAND_ONLY(NAME) ATMM_DECLARE_SM90_WS(NAME)
+#define ATMM_SM90_SHRINK(NAME, TBM, TBN, TBK, EM, EN, SCHED)                       \
+  cudaError_t atmm_run_##NAME##_f16_shrink(GroupedLaunch const&, cudaStream_t);  \
+  cudaError_t atmm_run_##NAME##_bf16_shrink(GroupedLaunch const&, cudaStream_t); \
+  ATMM_DECLARE_SM90_WS(NAME)
 #else
 #define ATMM_SM90_EXPAND(...)  // built only for sm_90a (ATMM_CUDA_ARCHS)
+#define ATMM_SM90_SHRINK(...)
 #endif
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
@@ -62,6 +67,7 @@ namespace atmm {
 #undef ATMM_STREAM_EXPAND
 #undef ATMM_FUSED_CALL
 #undef ATMM_SM90_EXPAND
+#undef ATMM_SM90_SHRINK
 
 #define ATMM_FNS_ATMM_BOTH(NAME) \
   atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
@@ -93,11 +99,15 @@ const std::vector<KernelConfig>& kernel_configs() {
   KernelConfig{#NAME, BM, BN, 64, BM / EWM, BN / EWN, 16, SS, true, nullptr, nullptr, nullptr, nullptr,       \
                Kind::kFusedCall, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX, atmm_fused_##NAME##_smem()},
 #if ATMM_HAVE_SM90
-#define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, SCHED)                                                        \
-  KernelConfig{#NAME, TBM, TBN, TBK, 64, TBN, 16, 0, false, ATMM_FNS_ATMM_EXPAND_ONLY(NAME), Kind::kSm90Expand, \
+#define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, EM, EN, SCHED)                                                \
+  KernelConfig{#NAME, TBM, TBN, TBK, 64, TBN, 16, 0, false, ATMM_FNS_ATMM_EXPAND_ONLY(NAME), Kind::kSm90, \
                nullptr, nullptr, 0, 0, atmm_sm90_ws_##NAME##_f16, atmm_sm90_ws_##NAME##_bf16},
+#define ATMM_SM90_SHRINK(NAME, TBM, TBN, TBK, EM, EN, SCHED)                                                  \
+  KernelConfig{#NAME, TBM, TBN, TBK, 64, TBN, 16, 0, true, atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, \
+               nullptr, nullptr, Kind::kSm90, nullptr, nullptr, 0, 0, atmm_sm90_ws_##NAME##_f16, atmm_sm90_ws_##NAME##_bf16},
 #else
 #define ATMM_SM90_EXPAND(...)
+#define ATMM_SM90_SHRINK(...)
 #endif
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
@@ -108,6 +118,7 @@ const std::vector<KernelConfig>& kernel_configs() {
 #undef ATMM_STREAM_EXPAND
 #undef ATMM_FUSED_CALL
 #undef ATMM_SM90_EXPAND
+#undef ATMM_SM90_SHRINK
   };
   return configs;
 }
@@ -126,7 +137,7 @@ bool KernelConfig::serves(Direction d, DType t) const {
     case Kind::kFusedExpand:
     case Kind::kStreamExpand: return d == Direction::kExpand;
     case Kind::kFusedCall: return true;  // one launch for both: the table names it for each direction
-    case Kind::kSm90Expand: return d == Direction::kExpand && fn(d, t) != nullptr;
+    case Kind::kSm90: return fn(d, t) != nullptr;
   }
   return false;
 }
@@ -193,11 +204,11 @@ WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_toke
   w.seg_rank = carve(c, p2 * sizeof(int));
   w.partial = carve(c, size_t(split_k) * size_t(num_tokens) * size_t(r_max) * sizeof(float));
   w.v = carve(c, size_t(num_tokens) * size_t(r_max) * 2);
-  size_t scratch = 0;
+  size_t scratch = 0;  // shrink and expand run one after the other: they share it
   for (KernelConfig const& k : kernel_configs())
-    if (k.kind == Kind::kSm90Expand) {
+    if (k.kind == Kind::kSm90) {
       auto fn = dtype == DType::kF16 ? k.scratch_f16 : k.scratch_bf16;
-      scratch = std::max(scratch, fn(num_segments));
+      scratch = std::max(scratch, fn(k.shrink ? num_segments * split_k : num_segments));
     }
   w.scratch_bytes = scratch;
   w.scratch = carve(c, scratch);
@@ -421,8 +432,9 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   int splits_used = (a.d_in + k_chunk - 1) / k_chunk;
   WorkspaceLayout w = workspace_layout(a.num_segments, a.split_k, a.num_tokens, a.r_max, a.dtype);
   if (a.workspace_bytes < w.total) return "atmm: workspace too small: " + shape_of(a);
-  const bool cutlass_shrink = cs.kind == Kind::kCutlass;
-  const bool cutlass_expand = ce.kind == Kind::kCutlass || ce.kind == Kind::kSm90Expand;  // the prep's problem arrays
+  // The CUTLASS kernels, 2.x and 3.x, read the prep kernel's problem arrays.
+  const bool cutlass_shrink = cs.kind == Kind::kCutlass || cs.kind == Kind::kSm90;
+  const bool cutlass_expand = ce.kind == Kind::kCutlass || ce.kind == Kind::kSm90;
   // The stream shrink writes v itself when d_in is not split; every other shrink writes partials.
   const bool v_ready = cs.kind == Kind::kStreamShrink && splits_used == 1;
   char* ws = static_cast<char*>(a.workspace);
@@ -469,7 +481,7 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
                        reinterpret_cast<void**>(ws + w.shrink_ptr_a), reinterpret_cast<void**>(ws + w.shrink_ptr_b),
                        reinterpret_cast<void**>(ws + w.shrink_ptr_c), reinterpret_cast<int64_t*>(ws + w.shrink_ld_ab),
                        reinterpret_cast<int64_t*>(ws + w.shrink_ld_ab), reinterpret_cast<int64_t*>(ws + w.shrink_ld_c),
-                       nullptr, 0.0f};
+                       nullptr, 0.0f, ws + w.scratch, w.scratch_bytes};
       e = cs.fn(Direction::kShrink, a.dtype)(ls, stream);
     } else {
       e = (a.dtype == DType::kF16 ? cs.fused_f16 : cs.fused_bf16)(fa, stream);

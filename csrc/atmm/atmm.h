@@ -52,8 +52,8 @@ struct FusedArgs;
 using FusedFn = cudaError_t (*)(FusedArgs const&, cudaStream_t);
 
 enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2, kWmmaShrink = 3, kStreamShrink = 4, kStreamExpand = 5,
-                  kFusedCall = 6, kSm90Expand = 7 };
-// The workspace a Hopper (CUTLASS 3) expand needs for `groups` problems, beyond the problem arrays.
+                  kFusedCall = 6, kSm90 = 7 };
+// The workspace a Hopper (CUTLASS 3) kernel needs for `groups` problems, beyond the problem arrays.
 using ScratchFn = size_t (*)(int groups);
 
 struct KernelConfig {
@@ -65,7 +65,7 @@ struct KernelConfig {
   FusedFn fused_f16, fused_bf16;
   int max_rank;  // largest padded rank this config serves; 0: any
   size_t smem;   // dynamic shared memory per block (hand-written kinds; CUTLASS: 0, see the tuner)
-  ScratchFn scratch_f16 = nullptr, scratch_bf16 = nullptr;  // kSm90Expand: its own workspace (TMA descriptors)
+  ScratchFn scratch_f16 = nullptr, scratch_bf16 = nullptr;  // kSm90: its own workspace (TMA descriptors)
   GroupedFn fn(Direction d, DType t) const;
   // Whether this config can serve direction d for dtype t (either kind).
   bool serves(Direction d, DType t) const;
@@ -82,7 +82,7 @@ struct WorkspaceLayout {
   size_t shrink_problems, shrink_ptr_a, shrink_ptr_b, shrink_ptr_c, shrink_ld_ab, shrink_ld_c;
   size_t expand_problems, expand_ptr_a, expand_ptr_b, expand_ptr_c, expand_ld_ab, expand_ld_c;
   size_t alpha, alpha_ptrs, seg_rank, partial, v;
-  size_t scratch, scratch_bytes;  // the Hopper expands' own workspace (the largest any of them needs)
+  size_t scratch, scratch_bytes;  // the Hopper kernels' own workspace (the largest any of them needs)
   size_t total;
 };
 WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_tokens, int r_max, DType dtype);

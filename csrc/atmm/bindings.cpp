@@ -64,7 +64,7 @@ PYBIND11_MODULE(vlora_atmm_ext, m) {
                   : c.kind == Kind::kWmmaShrink ? "wmma"
                   : (c.kind == Kind::kStreamShrink || c.kind == Kind::kStreamExpand) ? "stream"
                   : c.kind == Kind::kFusedCall ? "call"
-                  : c.kind == Kind::kSm90Expand ? "cutlass3" : "fused";
+                  : c.kind == Kind::kSm90 ? "cutlass3" : "fused";
       d["max_rank"] = c.max_rank;
       d["smem_bytes"] = c.smem;
       out.append(d);

@@ -504,4 +504,5 @@ cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream) {
 #define ATMM_STREAM_EXPAND(...)
 #define ATMM_FUSED_CALL(...)
 #define ATMM_SM90_EXPAND(...)
+#define ATMM_SM90_SHRINK(...)
 #include "atmm/tile_configs.def"

@@ -1,10 +1,11 @@
-// Hopper path for the expand: a CUTLASS 3.x pointer-array grouped GEMM (TMA loads, wgmma, a
-// warp-specialized persistent kernel whose epilogue loads y by TMA while the main loop runs),
-// one instantiation per (config, dtype) from the ATMM_SM90_EXPAND lines of tile_configs.def.
+// Hopper path: CUTLASS 3.x pointer-array grouped GEMMs (TMA loads, wgmma, warp-specialized persistent
+// kernels whose epilogue loads its source by TMA while the main loop runs), one instantiation per
+// (config, dtype) from the ATMM_SM90_EXPAND / ATMM_SM90_SHRINK lines of tile_configs.def.
 //
-//   y[seg] = scale[slot] * v[seg] @ lora_B[slot]^T + y[seg]    (in place: C = D = y rows)
+//   expand: y[seg] = scale[slot] * v[seg] @ lora_B[slot]^T + y[seg]    (in place: C = D = y rows)
+//   shrink: partial[k][seg] = x[seg, chunk k] @ lora_A[slot][:, chunk k]^T   (fp32, summed later)
 //
-// It reads the same problem arrays the prep kernel writes for the SM80 CUTLASS expand (sizes,
+// They read the same problem arrays the prep kernel writes for the SM80 CUTLASS kernels (sizes,
 // pointers, leading dimensions, per-group alpha pointers): a CUTLASS 3 row-major stride holds just its
 // leading dimension, and a problem shape is three ints, as a GemmCoord is (checked below). The
 // persistent grid is one block per SM whatever the segment lengths, so nothing is read back to the
@@ -36,21 +37,28 @@ struct Sm90Cooperative {
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-template <typename Element, int TbM, int TbN, int TbK, typename Schedule>
-struct Sm90Expand {
+// D[g] = alpha[g] * A[g] @ B[g] (+ C[g] when kSource). Expand: Element in and out, C = D = y rows,
+// alpha = the slot's scale. Shrink: fp32 partials out (ElementD = float), no source read, alpha 1.
+// EpiM/EpiN: the epilogue's sub-tile (0: CUTLASS's choice). The epilogue keeps up to 4 sub-tiles of
+// y in flight per block, so a larger sub-tile means more bytes of y in flight.
+template <typename Element, typename ElementD, bool kSource, int TbM, int TbN, int TbK, int EpiM, int EpiN, typename Schedule>
+struct Sm90Grouped {
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-  using LayoutA = cutlass::layout::RowMajor;     // v rows [M, K = padded rank], leading dimension r_max
-  using LayoutB = cutlass::layout::ColumnMajor;  // lora_B[slot] [N = d_out, K] row-major, read as [K, N] column-major
-  using LayoutC = cutlass::layout::RowMajor;     // y rows [M, N], leading dimension ld_y
+  using LayoutA = cutlass::layout::RowMajor;     // x or v rows [M, K], leading dimension d_in or r_max
+  using LayoutB = cutlass::layout::ColumnMajor;  // a PEFT weight [N, K] row-major, read as [K, N] column-major
+  using LayoutC = cutlass::layout::RowMajor;     // y rows or fp32 partials [M, N]
+  using ElementC = std::conditional_t<kSource, ElementD, void>;
   static constexpr int kAlign = 8;
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
   using TileShape = cute::Shape<cute::Int<TbM>, cute::Int<TbN>, cute::Int<TbK>>;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using EpiTile = std::conditional_t<EpiM == 0, cutlass::epilogue::collective::EpilogueTileAuto,
+                                     cute::Shape<cute::Int<(EpiM > 0 ? EpiM : 1)>, cute::Int<(EpiN > 0 ? EpiN : 1)>>>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      Element, LayoutC*, kAlign, Element, LayoutC*, kAlign, typename Schedule::Epilogue,
-      cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>::CollectiveOp;
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpiTile, float, float,
+      ElementC, LayoutC*, kAlignD, ElementD, LayoutC*, kAlignD, typename Schedule::Epilogue,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,
       float, TileShape, ClusterShape,
@@ -76,21 +84,21 @@ struct Sm90Expand {
     hw.sm_count = sm_count();
     typename Gemm::Arguments args;
     decltype(args.epilogue.thread) fusion{};
-    fusion.alpha = 0.0f;
+    fusion.alpha = L.alpha_ptrs ? 0.0f : 1.0f;
     fusion.beta = L.beta;
     fusion.alpha_ptr = nullptr;
     fusion.beta_ptr = nullptr;
-    fusion.alpha_ptr_array = L.alpha_ptrs;  // the adapter's scale, one per group
+    fusion.alpha_ptr_array = L.alpha_ptrs;  // the expand: the adapter's scale, one per group
     fusion.beta_ptr_array = nullptr;
-    fusion.dAlpha = {cute::_0{}, cute::_0{}, 1};
+    fusion.dAlpha = {cute::_0{}, cute::_0{}, L.alpha_ptrs ? 1 : 0};
     fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
     auto elem = [](void** p) { return (Element const**)(p); };  // the arrays hold pointers to Element
     args = typename Gemm::Arguments{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {L.count, reinterpret_cast<Shape3*>(L.problems), nullptr},  // no host copy: the device schedules
         {elem(L.ptr_a), reinterpret_cast<StrideA*>(L.ld_a), elem(L.ptr_b), reinterpret_cast<StrideB*>(L.ld_b)},
-        {fusion, elem(L.ptr_c), reinterpret_cast<StrideC*>(L.ld_c), reinterpret_cast<Element**>(L.ptr_c),
-         reinterpret_cast<StrideD*>(L.ld_c)},
+        {fusion, kSource ? (ElementC const**)(L.ptr_c) : nullptr, reinterpret_cast<StrideC*>(L.ld_c),
+         reinterpret_cast<ElementD**>(L.ptr_c), reinterpret_cast<StrideD*>(L.ld_c)},
         hw};
     return args;
   }
@@ -121,13 +129,20 @@ struct Sm90Expand {
 
 #define ATMM_SM90_SCHEDULE_ATMM_PINGPONG atmm::Sm90Pingpong
 #define ATMM_SM90_SCHEDULE_ATMM_COOPERATIVE atmm::Sm90Cooperative
-// Defines atmm_run_<name>_<dtype>_expand and atmm_sm90_ws_<name>_<dtype>.
-#define ATMM_DEFINE_SM90(NAME, DT, ELEMENT, TBM, TBN, TBK, SCHED)                                         \
-  namespace atmm {                                                                                        \
-  cudaError_t atmm_run_##NAME##_##DT##_expand(GroupedLaunch const& L, cudaStream_t s) {                   \
-    return Sm90Expand<ELEMENT, TBM, TBN, TBK, ATMM_SM90_SCHEDULE_##SCHED>::run(L, s);                     \
-  }                                                                                                       \
-  size_t atmm_sm90_ws_##NAME##_##DT(int groups) {                                                         \
-    return Sm90Expand<ELEMENT, TBM, TBN, TBK, ATMM_SM90_SCHEDULE_##SCHED>::workspace_bytes(groups);       \
-  }                                                                                                       \
+// Defines atmm_run_<name>_<dtype>_<expand|shrink> and atmm_sm90_ws_<name>_<dtype>.
+#define ATMM_DEFINE_SM90_EXPAND(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, SCHED)                          \
+  namespace atmm {                                                                                       \
+  using Sm90_##NAME##_##DT = Sm90Grouped<ELEMENT, ELEMENT, true, TBM, TBN, TBK, EM, EN, ATMM_SM90_SCHEDULE_##SCHED>; \
+  cudaError_t atmm_run_##NAME##_##DT##_expand(GroupedLaunch const& L, cudaStream_t s) {                  \
+    return Sm90_##NAME##_##DT::run(L, s);                                                                \
+  }                                                                                                      \
+  size_t atmm_sm90_ws_##NAME##_##DT(int groups) { return Sm90_##NAME##_##DT::workspace_bytes(groups); }  \
+  }
+#define ATMM_DEFINE_SM90_SHRINK(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, SCHED)                          \
+  namespace atmm {                                                                                       \
+  using Sm90_##NAME##_##DT = Sm90Grouped<ELEMENT, float, false, TBM, TBN, TBK, EM, EN, ATMM_SM90_SCHEDULE_##SCHED>; \
+  cudaError_t atmm_run_##NAME##_##DT##_shrink(GroupedLaunch const& L, cudaStream_t s) {                  \
+    return Sm90_##NAME##_##DT::run(L, s);                                                                \
+  }                                                                                                      \
+  size_t atmm_sm90_ws_##NAME##_##DT(int groups) { return Sm90_##NAME##_##DT::workspace_bytes(groups); }  \
   }

@@ -17,4 +17,5 @@
   }
 #define ATMM_FUSED_CALL(...)
 #define ATMM_SM90_EXPAND(...)
+#define ATMM_SM90_SHRINK(...)
 #include "atmm/tile_configs.def"
