@@ -49,8 +49,8 @@ namespace atmm {
 #define ATMM_DECLARE_SM90_WS(NAME)       \
   size_t atmm_sm90_ws_##NAME##_f16(int); \
   size_t atmm_sm90_ws_##NAME##_bf16(int);
-#define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, EM, EN, SCHED) ATMM_DECLARE_ATMM_EXPAND_ONLY(NAME) ATMM_DECLARE_SM90_WS(NAME)
-#define ATMM_SM90_SHRINK(NAME, TBM, TBN, TBK, EM, EN, SCHED)                       \
+#define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, EM, EN, CM, SCHED) ATMM_DECLARE_ATMM_EXPAND_ONLY(NAME) ATMM_DECLARE_SM90_WS(NAME)
+#define ATMM_SM90_SHRINK(NAME, TBM, TBN, TBK, EM, EN, CM, SCHED)                       \
   cudaError_t atmm_run_##NAME##_f16_shrink(GroupedLaunch const&, cudaStream_t);  \
   cudaError_t atmm_run_##NAME##_bf16_shrink(GroupedLaunch const&, cudaStream_t); \
   ATMM_DECLARE_SM90_WS(NAME)
@@ -99,10 +99,10 @@ const std::vector<KernelConfig>& kernel_configs() {
   KernelConfig{#NAME, BM, BN, 64, BM / EWM, BN / EWN, 16, SS, true, nullptr, nullptr, nullptr, nullptr,       \
                Kind::kFusedCall, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX, atmm_fused_##NAME##_smem()},
 #if ATMM_HAVE_SM90
-#define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, EM, EN, SCHED)                                                \
+#define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, EM, EN, CM, SCHED)                                                \
   KernelConfig{#NAME, TBM, TBN, TBK, 64, TBN, 16, 0, false, ATMM_FNS_ATMM_EXPAND_ONLY(NAME), Kind::kSm90, \
                nullptr, nullptr, 0, 0, atmm_sm90_ws_##NAME##_f16, atmm_sm90_ws_##NAME##_bf16},
-#define ATMM_SM90_SHRINK(NAME, TBM, TBN, TBK, EM, EN, SCHED)                                                  \
+#define ATMM_SM90_SHRINK(NAME, TBM, TBN, TBK, EM, EN, CM, SCHED)                                                  \
   KernelConfig{#NAME, TBM, TBN, TBK, 64, TBN, 16, 0, true, atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, \
                nullptr, nullptr, Kind::kSm90, nullptr, nullptr, 0, 0, atmm_sm90_ws_##NAME##_f16, atmm_sm90_ws_##NAME##_bf16},
 #else

@@ -41,7 +41,8 @@ struct Sm90Cooperative {
 // alpha = the slot's scale. Shrink: fp32 partials out (ElementD = float), no source read, alpha 1.
 // EpiM/EpiN: the epilogue's sub-tile (0: CUTLASS's choice). The epilogue keeps up to 4 sub-tiles of
 // y in flight per block, so a larger sub-tile means more bytes of y in flight.
-template <typename Element, typename ElementD, bool kSource, int TbM, int TbN, int TbK, int EpiM, int EpiN, typename Schedule>
+template <typename Element, typename ElementD, bool kSource, int TbM, int TbN, int TbK, int EpiM, int EpiN, int ClM,
+          typename Schedule>
 struct Sm90Grouped {
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using LayoutA = cutlass::layout::RowMajor;     // x or v rows [M, K], leading dimension d_in or r_max
@@ -51,7 +52,9 @@ struct Sm90Grouped {
   static constexpr int kAlign = 8;
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
   using TileShape = cute::Shape<cute::Int<TbM>, cute::Int<TbN>, cute::Int<TbK>>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  // ClM = 2: two blocks on neighbouring row tiles of one segment share each lora tile (TMA multicast),
+  // halving its reads from L2 (per row tile the weight is as large as, or larger than, the activations).
+  using ClusterShape = cute::Shape<cute::Int<ClM>, cute::_1, cute::_1>;
   using EpiTile = std::conditional_t<EpiM == 0, cutlass::epilogue::collective::EpilogueTileAuto,
                                      cute::Shape<cute::Int<(EpiM > 0 ? EpiM : 1)>, cute::Int<(EpiN > 0 ? EpiN : 1)>>>;
 
@@ -130,17 +133,17 @@ struct Sm90Grouped {
 #define ATMM_SM90_SCHEDULE_ATMM_PINGPONG atmm::Sm90Pingpong
 #define ATMM_SM90_SCHEDULE_ATMM_COOPERATIVE atmm::Sm90Cooperative
 // Defines atmm_run_<name>_<dtype>_<expand|shrink> and atmm_sm90_ws_<name>_<dtype>.
-#define ATMM_DEFINE_SM90_EXPAND(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, SCHED)                          \
+#define ATMM_DEFINE_SM90_EXPAND(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, CM, SCHED)                          \
   namespace atmm {                                                                                       \
-  using Sm90_##NAME##_##DT = Sm90Grouped<ELEMENT, ELEMENT, true, TBM, TBN, TBK, EM, EN, ATMM_SM90_SCHEDULE_##SCHED>; \
+  using Sm90_##NAME##_##DT = Sm90Grouped<ELEMENT, ELEMENT, true, TBM, TBN, TBK, EM, EN, CM, ATMM_SM90_SCHEDULE_##SCHED>; \
   cudaError_t atmm_run_##NAME##_##DT##_expand(GroupedLaunch const& L, cudaStream_t s) {                  \
     return Sm90_##NAME##_##DT::run(L, s);                                                                \
   }                                                                                                      \
   size_t atmm_sm90_ws_##NAME##_##DT(int groups) { return Sm90_##NAME##_##DT::workspace_bytes(groups); }  \
   }
-#define ATMM_DEFINE_SM90_SHRINK(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, SCHED)                          \
+#define ATMM_DEFINE_SM90_SHRINK(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, CM, SCHED)                          \
   namespace atmm {                                                                                       \
-  using Sm90_##NAME##_##DT = Sm90Grouped<ELEMENT, float, false, TBM, TBN, TBK, EM, EN, ATMM_SM90_SCHEDULE_##SCHED>; \
+  using Sm90_##NAME##_##DT = Sm90Grouped<ELEMENT, float, false, TBM, TBN, TBK, EM, EN, CM, ATMM_SM90_SCHEDULE_##SCHED>; \
   cudaError_t atmm_run_##NAME##_##DT##_shrink(GroupedLaunch const& L, cudaStream_t s) {                  \
     return Sm90_##NAME##_##DT::run(L, s);                                                                \
   }                                                                                                      \

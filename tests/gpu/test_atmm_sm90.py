@@ -68,7 +68,7 @@ def test_rank_256_and_odd_widths(kernels):
         check(kernels, 300, 4096, 4096, torch.bfloat16, "3x3", seed=5, shrink=(c["name"], 4), expand="t128x128_k32_s4",
               ranks=(256, 64, 8, 0))
         check(kernels, 129, 4104, 1000, torch.float16, "many_short", seed=6, shrink=(c["name"], 5), expand="fx_m64n128")
-        check(kernels, 8192, 4096, 4096, torch.bfloat16, "1x7", seed=7, shrink=(c["name"], 1), expand=SM90[1]["name"])
+        check(kernels, 8192, 4096, 4096, torch.bfloat16, "1x7", seed=7, shrink=(c["name"], 1), expand=SM90[-1]["name"])
     for c in SM90:
         check(kernels, 300, 4096, 4096, torch.bfloat16, "3x3", seed=3, shrink=("t64x64_k64_s5", 2), expand=c["name"],
               ranks=(256, 64, 8, 0))
