@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <sstream>
 
 #include "cutlass/gemm_coord.h"
@@ -183,6 +186,26 @@ size_t carve(size_t& cursor, size_t bytes) {
 }
 }  // namespace
 
+// The largest workspace any Hopper kernel needs for this call (shrink and expand run one after the
+// other: they share it). Asked on every forward(): cached per (dtype, segments, split_k).
+static size_t sm90_scratch_bytes(int num_segments, int split_k, DType dtype) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int>, size_t> cache;
+  const auto key = std::make_tuple(int(dtype), num_segments, split_k);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  size_t scratch = 0;
+  for (KernelConfig const& k : kernel_configs())
+    if (k.kind == Kind::kSm90) {
+      auto fn = dtype == DType::kF16 ? k.scratch_f16 : k.scratch_bf16;
+      scratch = std::max(scratch, fn(k.shrink ? num_segments * split_k : num_segments));
+    }
+  if (cache.size() > 4096) cache.clear();
+  cache.emplace(key, scratch);
+  return scratch;
+}
+
 WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_tokens, int r_max, DType dtype) {
   WorkspaceLayout w{};
   size_t c = 0;
@@ -204,14 +227,8 @@ WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_toke
   w.seg_rank = carve(c, p2 * sizeof(int));
   w.partial = carve(c, size_t(split_k) * size_t(num_tokens) * size_t(r_max) * sizeof(float));
   w.v = carve(c, size_t(num_tokens) * size_t(r_max) * 2);
-  size_t scratch = 0;  // shrink and expand run one after the other: they share it
-  for (KernelConfig const& k : kernel_configs())
-    if (k.kind == Kind::kSm90) {
-      auto fn = dtype == DType::kF16 ? k.scratch_f16 : k.scratch_bf16;
-      scratch = std::max(scratch, fn(k.shrink ? num_segments * split_k : num_segments));
-    }
-  w.scratch_bytes = scratch;
-  w.scratch = carve(c, scratch);
+  w.scratch_bytes = sm90_scratch_bytes(num_segments, split_k, dtype);
+  w.scratch = carve(c, w.scratch_bytes);
   w.total = (c + 255) & ~size_t(255);
   return w;
 }

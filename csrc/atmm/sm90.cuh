@@ -133,19 +133,14 @@ struct Sm90Grouped {
 #define ATMM_SM90_SCHEDULE_ATMM_PINGPONG atmm::Sm90Pingpong
 #define ATMM_SM90_SCHEDULE_ATMM_COOPERATIVE atmm::Sm90Cooperative
 // Defines atmm_run_<name>_<dtype>_<expand|shrink> and atmm_sm90_ws_<name>_<dtype>.
-#define ATMM_DEFINE_SM90_EXPAND(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, CM, SCHED)                          \
-  namespace atmm {                                                                                       \
-  using Sm90_##NAME##_##DT = Sm90Grouped<ELEMENT, ELEMENT, true, TBM, TBN, TBK, EM, EN, CM, ATMM_SM90_SCHEDULE_##SCHED>; \
-  cudaError_t atmm_run_##NAME##_##DT##_expand(GroupedLaunch const& L, cudaStream_t s) {                  \
-    return Sm90_##NAME##_##DT::run(L, s);                                                                \
-  }                                                                                                      \
-  size_t atmm_sm90_ws_##NAME##_##DT(int groups) { return Sm90_##NAME##_##DT::workspace_bytes(groups); }  \
+#define ATMM_DEFINE_SM90_(NAME, DT, DIR, ELEMENT, ELEMENT_D, SOURCE, TBM, TBN, TBK, EM, EN, CM, SCHED)                   \
+  namespace atmm {                                                                                                     \
+  using Sm90_##NAME##_##DT = Sm90Grouped<ELEMENT, ELEMENT_D, SOURCE, TBM, TBN, TBK, EM, EN, CM, ATMM_SM90_SCHEDULE_##SCHED>; \
+  cudaError_t atmm_run_##NAME##_##DT##_##DIR(GroupedLaunch const& L, cudaStream_t s) { return Sm90_##NAME##_##DT::run(L, s); } \
+  size_t atmm_sm90_ws_##NAME##_##DT(int groups) { return Sm90_##NAME##_##DT::workspace_bytes(groups); }                \
   }
-#define ATMM_DEFINE_SM90_SHRINK(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, CM, SCHED)                          \
-  namespace atmm {                                                                                       \
-  using Sm90_##NAME##_##DT = Sm90Grouped<ELEMENT, float, false, TBM, TBN, TBK, EM, EN, CM, ATMM_SM90_SCHEDULE_##SCHED>; \
-  cudaError_t atmm_run_##NAME##_##DT##_shrink(GroupedLaunch const& L, cudaStream_t s) {                  \
-    return Sm90_##NAME##_##DT::run(L, s);                                                                \
-  }                                                                                                      \
-  size_t atmm_sm90_ws_##NAME##_##DT(int groups) { return Sm90_##NAME##_##DT::workspace_bytes(groups); }  \
-  }
+// The expand updates y in place (source read); the shrink writes fp32 partials (no source).
+#define ATMM_DEFINE_SM90_EXPAND(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, CM, SCHED) \
+  ATMM_DEFINE_SM90_(NAME, DT, expand, ELEMENT, ELEMENT, true, TBM, TBN, TBK, EM, EN, CM, SCHED)
+#define ATMM_DEFINE_SM90_SHRINK(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, CM, SCHED) \
+  ATMM_DEFINE_SM90_(NAME, DT, shrink, ELEMENT, float, false, TBM, TBN, TBK, EM, EN, CM, SCHED)

@@ -58,6 +58,26 @@ def untouched_rows(mapping, ranks):
     return rows
 
 
+def check_graph_replay(kernels, shrink, expand, calls=4, replays=3):
+    """``calls`` back-to-back calls captured in one CUDA graph (each call's launches depend on its own
+    earlier ones only) stay exact over ``replays`` replays."""
+    x, y0, a, b, mapping = make(256, 4096, 4096, torch.bfloat16, "3x3", seed=11)
+    ref = ref_fp32(y0, x, a, b, RANKS, SCALES, mapping)
+    y = y0.clone()
+    run = lambda: kernels.run(y, x, a, b, RANKS, SCALES, mapping, shrink=shrink, expand=expand)  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    for _ in range(replays):
+        y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = y0.float() + calls * (ref - y0.float())
+        assert ((y.float() - want).norm() / want.norm()).item() <= 2e-2
+
+
 def check(kernels, T, d_in, d_out, dtype, pattern, seed, shrink=None, expand=None, ranks=RANKS, pdl=True):
     x, y0, a, b, mapping = make(T, d_in, d_out, dtype, pattern, seed, ranks)
     scales = tuple(SCALES[i % len(SCALES)] for i in range(len(ranks)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, make, ref_fp32  # noqa: F401  (same oracle and tolerances)
+from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, make, ref_fp32  # noqa: F401  (same oracle and tolerances)
 from vlora.atmm import AtmmKernels
 
 pytestmark = pytest.mark.gpu
@@ -76,19 +76,4 @@ def test_rank_256_and_odd_widths(kernels):
 
 
 def test_graph_replay(kernels):
-    x, y0, a, b, mapping = make(256, 4096, 4096, torch.bfloat16, "3x3", seed=11)
-    ref = ref_fp32(y0, x, a, b, RANKS, SCALES, mapping)
-    y = y0.clone()
-    run = lambda: kernels.run(y, x, a, b, RANKS, SCALES, mapping, shrink=("t64x64_k64_s5", 2),  # noqa: E731
-                              expand=SM90[0]["name"])
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(4):
-            run()
-    for _ in range(3):
-        y.copy_(y0)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = y0.float() + 4 * (ref - y0.float())
-        assert ((y.float() - want).norm() / want.norm()).item() <= 2e-2
+    check_graph_replay(kernels, shrink=("t64x64_k64_s5", 2), expand=SM90[0]["name"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, make, ref_fp32  # noqa: F401  (same oracle and tolerances)
+from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, make, ref_fp32  # noqa: F401  (same oracle and tolerances)
 from vlora.atmm import AtmmKernels
 
 pytestmark = pytest.mark.gpu
@@ -94,21 +94,7 @@ def test_rank_limit_is_refused_with_the_config_named(kernels):
 @pytest.mark.parametrize("pair", [("xs_m16_r128_w1x4", "ye_m16n128_r128_w1x4"), ("xs_m64_r128_w2x2", "ye_m64n128_r128_w1x8")])
 def test_graph_replay_with_dependent_launch(kernels, pair):
     """The expand's programmatic dependency on the shrink survives capture: replays stay exact."""
-    x, y0, a, b, mapping = make(256, 4096, 4096, torch.bfloat16, "3x3", seed=11)
-    ref = ref_fp32(y0, x, a, b, RANKS, SCALES, mapping)
-    y = y0.clone()
-    run = lambda: kernels.run(y, x, a, b, RANKS, SCALES, mapping, shrink=(pair[0], 1), expand=pair[1])  # noqa: E731
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(4):  # back-to-back calls: each expand depends on its own shrink only
-            run()
-    for _ in range(3):
-        y.copy_(y0)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = y0.float() + 4 * (ref - y0.float())
-        assert ((y.float() - want).norm() / want.norm()).item() <= 2e-2
+    check_graph_replay(kernels, shrink=(pair[0], 1), expand=pair[1])
 
 
 def test_unused_resident_slot_of_larger_rank_does_not_refuse(kernels):
