@@ -183,7 +183,7 @@ def main() -> int:
         problems.append(p)
         profiles.append(prof)
         bs, be = prof["pair"]
-        what = f"fused call {bs[0]}/cluster {bs[1]}" if bs[0] == be else f"shrink {bs} {prof['shrink_us']:.1f} us, expand {be}"
+        what = f"one-launch call {bs[0]}/{bs[1]}" if bs[0] == be else f"shrink {bs} {prof['shrink_us']:.1f} us, expand {be}"
         log(f"profiled {c.name}: {what}, whole call {prof['pair_us']:.1f} us ({time.monotonic() - t0:.0f} s)")
     # The best static choices: least total time over every case, per direction; one among the CUTLASS
     # tilings (Punica's approach: one tile for every shape), one among every compiled config.

@@ -48,6 +48,9 @@ namespace atmm {
 #define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES) \
   ATMM_DECLARE_FUSED(NAME)                                             \
   size_t atmm_fused_##NAME##_smem();
+#define ATMM_FLAG_CALL(NAME, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES) \
+  ATMM_DECLARE_FUSED(NAME)                                             \
+  size_t atmm_fused_##NAME##_smem();
 #if ATMM_HAVE_SM90
 #define ATMM_DECLARE_SM90_WS(NAME)       \
   size_t atmm_sm90_ws_##NAME##_f16(int); \
@@ -69,6 +72,7 @@ namespace atmm {
 #undef ATMM_STREAM_SHRINK
 #undef ATMM_STREAM_EXPAND
 #undef ATMM_FUSED_CALL
+#undef ATMM_FLAG_CALL
 #undef ATMM_SM90_EXPAND
 #undef ATMM_SM90_SHRINK
 
@@ -101,6 +105,9 @@ const std::vector<KernelConfig>& kernel_configs() {
 #define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES)                                       \
   KernelConfig{#NAME, BM, BN, 64, BM / EWM, BN / EWN, 16, SS, true, nullptr, nullptr, nullptr, nullptr,       \
                Kind::kFusedCall, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX, atmm_fused_##NAME##_smem()},
+#define ATMM_FLAG_CALL(NAME, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES)                                        \
+  KernelConfig{#NAME, BM, BN, 64, BM / EWM, BN / EWN, 16, SS, true, nullptr, nullptr, nullptr, nullptr,       \
+               Kind::kFlagCall, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX, atmm_fused_##NAME##_smem()},
 #if ATMM_HAVE_SM90
 #define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, EM, EN, CM, SCHED)                                                \
   KernelConfig{#NAME, TBM, TBN, TBK, 64, TBN, 16, 0, false, ATMM_FNS_ATMM_EXPAND_ONLY(NAME), Kind::kSm90, \
@@ -120,6 +127,7 @@ const std::vector<KernelConfig>& kernel_configs() {
 #undef ATMM_STREAM_SHRINK
 #undef ATMM_STREAM_EXPAND
 #undef ATMM_FUSED_CALL
+#undef ATMM_FLAG_CALL
 #undef ATMM_SM90_EXPAND
 #undef ATMM_SM90_SHRINK
   };
@@ -139,7 +147,8 @@ bool KernelConfig::serves(Direction d, DType t) const {
     case Kind::kStreamShrink: return d == Direction::kShrink;
     case Kind::kFusedExpand:
     case Kind::kStreamExpand: return d == Direction::kExpand;
-    case Kind::kFusedCall: return true;  // one launch for both: the table names it for each direction
+    case Kind::kFusedCall:
+    case Kind::kFlagCall: return true;  // one launch for both: the table names it for each direction
     case Kind::kSm90: return fn(d, t) != nullptr;
   }
   return false;
@@ -424,11 +433,12 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
     return "atmm: config index out of range: " + shape_of(a);
   const KernelConfig& cs = cfgs[a.shrink_config];
   const KernelConfig& ce = cfgs[a.expand_config];
-  const bool fused_call = cs.kind == Kind::kFusedCall;
-  if (fused_call != (ce.kind == Kind::kFusedCall) || (fused_call && a.shrink_config != a.expand_config))
+  auto one_launch = [](Kind k) { return k == Kind::kFusedCall || k == Kind::kFlagCall; };
+  const bool fused_call = one_launch(cs.kind);
+  if (fused_call != one_launch(ce.kind) || (fused_call && a.shrink_config != a.expand_config))
     return std::string("atmm: a fused call (") + (fused_call ? cs.name : ce.name) +
            ") runs both directions in one launch: name it for the shrink and the expand: " + shape_of(a);
-  if (fused_call && (a.split_k < 1 || a.split_k > 8))
+  if (cs.kind == Kind::kFusedCall && (a.split_k < 1 || a.split_k > 8))
     return std::string("atmm: config ") + cs.name + " takes split_k (its cluster size) 1..8: " + shape_of(a);
   const int both = kPhaseShrink | kPhaseExpand;
   if (fused_call && (phases & both) && (phases & both) != both)
@@ -476,8 +486,11 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   fa.ld_x = a.ld_x; fa.ld_y = a.ld_y;
 
   cudaError_t e = cudaSuccess;
-  if (fused_call) {  // shrink and expand in one launch; the cluster size is the d_in split
-    fa.splits = a.split_k;
+  if (fused_call) {  // shrink and expand in one launch
+    // A fused call's cluster size is its d_in split (its own chunking); a flag call splits d_in like
+    // the stream shrink (64-column multiples), v itself when not split.
+    if (cs.kind == Kind::kFusedCall) fa.splits = a.split_k;
+    fa.v_ready = fa.splits == 1 ? 1 : 0;
     fa.pdl = 0;
     if ((phases & both) == both) e = (a.dtype == DType::kF16 ? cs.fused_f16 : cs.fused_bf16)(fa, stream);
     if (e != cudaSuccess) return std::string("atmm: fused call ") + cs.name + "/" + std::to_string(a.split_k) + ": " +

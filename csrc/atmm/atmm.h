@@ -52,7 +52,7 @@ struct FusedArgs;
 using FusedFn = cudaError_t (*)(FusedArgs const&, cudaStream_t);
 
 enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2, kWmmaShrink = 3, kStreamShrink = 4, kStreamExpand = 5,
-                  kFusedCall = 6, kSm90 = 7 };
+                  kFusedCall = 6, kSm90 = 7, kFlagCall = 8 };
 // The workspace a Hopper (CUTLASS 3) kernel needs for `groups` problems, beyond the problem arrays.
 using ScratchFn = size_t (*)(int groups);
 

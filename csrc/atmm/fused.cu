@@ -499,10 +499,4 @@ cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream) {
     return fused_expand<__nv_bfloat16, BM, BN, WM, WN, MINB>(a, s);                                           \
   }                                                                                                     \
   }
-#define ATMM_CONFIG(...)
-#define ATMM_STREAM_SHRINK(...)
-#define ATMM_STREAM_EXPAND(...)
-#define ATMM_FUSED_CALL(...)
-#define ATMM_SM90_EXPAND(...)
-#define ATMM_SM90_SHRINK(...)
 #include "atmm/tile_configs.def"

@@ -381,6 +381,7 @@ struct UpdateOps {
   }
 
   // V tile -> shared memory (zero past the rows and the rank), summing split-K partials if given.
+  // Loads go to L2 (ld.cg): in a flag call v and the partials were written by other SMs of the same grid.
   static __device__ __forceinline__ void load_v(T* smem, UpdateTile<T> const& t) {
     T* sv = v_tile(smem);
     const int K16 = (t.rp + 15) & ~15;
@@ -399,8 +400,8 @@ struct UpdateOps {
           const float* p = t.partial + int64_t(r) * t.ld_v + kv;
 #pragma unroll 8
           for (int c = 0; c < t.splits; ++c) {  // unrolled: the partials' loads are in flight together
-            const float4 u = *reinterpret_cast<const float4*>(p + c * t.split_stride);
-            const float4 w = *reinterpret_cast<const float4*>(p + c * t.split_stride + 4);
+            const float4 u = __ldcg(reinterpret_cast<const float4*>(p + c * t.split_stride));
+            const float4 w = __ldcg(reinterpret_cast<const float4*>(p + c * t.split_stride + 4));
             s[0] += u.x; s[1] += u.y; s[2] += u.z; s[3] += u.w;
             s[4] += w.x; s[5] += w.y; s[6] += w.z; s[7] += w.w;
           }
@@ -409,7 +410,7 @@ struct UpdateOps {
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[e] = Pair<T>::from_f2(s[2 * e], s[2 * e + 1]);
         } else {
-          out = *reinterpret_cast<const uint4*>(t.v + int64_t(r) * t.ld_v + kv);
+          out = __ldcg(reinterpret_cast<const uint4*>(t.v + int64_t(r) * t.ld_v + kv));
         }
       }
       *reinterpret_cast<uint4*>(sv + r * C::kVP + kv) = out;

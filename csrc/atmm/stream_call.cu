@@ -163,14 +163,6 @@ cudaError_t fused_call(FusedArgs const& a, cudaStream_t stream) {
 }  // namespace detail
 }  // namespace atmm
 
-#define ATMM_CONFIG(...)
-#define ATMM_GEMV_SHRINK(...)
-#define ATMM_WMMA_SHRINK(...)
-#define ATMM_FUSED_EXPAND(...)
-#define ATMM_STREAM_SHRINK(...)
-#define ATMM_STREAM_EXPAND(...)
-#define ATMM_SM90_EXPAND(...)
-#define ATMM_SM90_SHRINK(...)
 #define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES)                                 \
   namespace atmm {                                                                                     \
   cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                            \

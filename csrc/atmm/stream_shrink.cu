@@ -1,11 +1,6 @@
 // Instantiations of the stream shrink (stream.cuh) named in tile_configs.def (ATMM_STREAM_SHRINK lines).
 #include "atmm/stream.cuh"
 
-#define ATMM_CONFIG(...)
-#define ATMM_GEMV_SHRINK(...)
-#define ATMM_WMMA_SHRINK(...)
-#define ATMM_FUSED_EXPAND(...)
-#define ATMM_STREAM_EXPAND(...)
 #define ATMM_STREAM_SHRINK(NAME, BM, BK, WM, WN, KMAX, ST)                                                 \
   namespace atmm {                                                                                     \
   cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                            \
@@ -15,7 +10,4 @@
     return detail::stream_shrink<__nv_bfloat16, BM, BK, WM, WN, KMAX, ST>(a, s);                           \
   }                                                                                                    \
   }
-#define ATMM_FUSED_CALL(...)
-#define ATMM_SM90_EXPAND(...)
-#define ATMM_SM90_SHRINK(...)
 #include "atmm/tile_configs.def"

@@ -20,7 +20,7 @@ ext = pytest.importorskip("vlora_atmm_ext", reason="vlora_atmm_ext not built (pi
 if torch.cuda.get_device_capability()[0] < 9:
     pytest.skip("fused calls need thread-block clusters (Hopper and later)", allow_module_level=True)
 
-CALLS = [c for c in ext.configs() if c["kind"] == "call"]
+CALLS = [c for c in ext.configs() if c["kind"] == "call" and c["name"].startswith("fc_")]  # fl_*: test_atmm_flag.py
 CLUSTERS = (1, 2, 4, 8)
 
 

@@ -109,6 +109,12 @@ def time_option(kernels: AtmmKernels, p: Problem, shrink: tuple[str, int], expan
 CLUSTERS = (1, 2, 4, 8)  # cluster sizes a fused call is timed with (its split_k in the table)
 
 
+def call_splits(c: dict, default=CLUSTERS) -> tuple[int, ...]:
+    """The split_k values a one-launch call (kind "call") is timed with: what the extension says it
+    takes (a fused call's cluster sizes, a flag call's d_in splits), else ``default``."""
+    return tuple(c.get("call_splits") or default)
+
+
 def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], expand_cfgs: list[dict],
                   splits=SPLITS, pair_candidates: int = 3, clusters=CLUSTERS) -> dict:
     """Every feasible option for one shape:
@@ -117,13 +123,14 @@ def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], exp
     - "expand": {cfg: us}, each expand's best whole call with one of the ``pair_candidates`` fastest
       shrinks (on Hopper an expand launched as a programmatic dependent overlaps its prologue with
       the shrink, and with split-K partials the best pair is not always built on the fastest shrink);
-    - "call": {(cfg, cluster): us}, the fused calls (kind "call": shrink and expand in one launch),
-      each with every cluster size;
-    - "pair": the fastest whole call, ((shrink cfg, split), expand cfg); for a fused call
-      ((cfg, cluster), cfg); "pair_us": its time, "shrink_us": its shrink alone (the whole call for a
-      fused call).
+    - "call": {(cfg, split): us}, the one-launch calls (kind "call": shrink and expand in one launch),
+      each with every split it takes (``call_splits``: a fused call's cluster sizes, a flag call's d_in
+      splits; ``clusters`` for an extension that does not say);
+    - "pair": the fastest whole call, ((shrink cfg, split), expand cfg); for a one-launch call
+      ((cfg, split), cfg); "pair_us": its time, "shrink_us": its shrink alone (the whole call for a
+      one-launch call).
 
-    Configs of kind "call" in ``shrink_cfgs`` are timed as fused calls, never as a shrink or an expand
+    Configs of kind "call" in ``shrink_cfgs`` are timed as whole calls, never as a shrink or an expand
     alone. The gemv shrink is skipped for segments longer than 32 tokens (it re-reads lora_A per 4 rows)."""
     longest = max(p.mapping.seg_indptr_host[i + 1] - p.mapping.seg_indptr_host[i] for i in range(p.mapping.num_segments))
     rank = -(-max(p.ranks) // 8) * 8
@@ -155,7 +162,7 @@ def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], exp
         raise RuntimeError("atmm tuner: no expand configuration ran for this shape")
     call: dict[tuple, float] = {}
     for c in calls:
-        for cl in clusters:
+        for cl in call_splits(c, clusters):
             t = _timed_or_none(kernels, p, (c["name"], cl), c["name"], whole)
             if t is not None:
                 call[(c["name"], cl)] = t
@@ -167,7 +174,7 @@ def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], exp
 
 def table_entries(prof: dict, **shape) -> list[dict]:
     """The two table entries (shrink, expand) of one profiled shape (``shape``: dtype, tokens, width,
-    rank, segments). A fused call is named in both, its cluster size as the shrink's split_k; the
+    rank, segments). A one-launch call is named in both, its split (cluster size or d_in split) as the shrink's split_k; the
     expand's time is the whole call's."""
     (sc, sk), ec = prof["pair"]
     return [dict(direction="shrink", **shape, config=sc, split_k=sk, time_us=round(prof["shrink_us"], 2)),
@@ -210,7 +217,7 @@ def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], 
         res = profile_shape(kernels, p, shrink_cfgs, expand_cfgs)
         (sc, sk), ec = res["pair"]
         entries += table_entries(res, dtype=dtype, tokens=T, width=d, rank=r, segments=S)
-        what = (f"fused call {sc}/cluster {sk}" if sc == ec else
+        what = (f"one-launch call {sc}/{sk}" if sc == ec else
                 f"shrink {sc}/{sk} {res['shrink_us']:.1f} us, expand {ec}")
         progress(f"[{i + 1}/{len(grid)}] {dtype} d={d} r={r} T={T} S={S}: {what}, whole call {res['pair_us']:.1f} us "
                  f"({time.monotonic() - t0:.0f} s)")
