@@ -141,6 +141,7 @@ __device__ inline void find_tile(FusedArgs const& a, int target, int& seg_out, i
 template <typename T, int BM, int BK, int WM, int WN, int KMAX, int STAGES>
 struct ShrinkCfg {
   static constexpr int kThreads = 32 * WM * WN;
+  static constexpr int kBM = BM;
   static constexpr int kBK = BK;           // d_in columns per pipeline stage (64 or 128)
   static constexpr int kXP = kBK + 8;      // smem row stride: an odd number of 16-byte units, conflict-free ldmatrix
   static constexpr int kWarpM = BM / WM, kWarpN = KMAX / WN;
@@ -255,29 +256,22 @@ struct ShrinkTile {
   }
 };
 
-template <typename T, int BM, int BK, int WM, int WN, int KMAX, int STAGES>
-__global__ void __launch_bounds__(32 * WM * WN) stream_shrink_kernel(FusedArgs a) {
-  using Tile = ShrinkTile<T, BM, BK, WM, WN, KMAX, STAGES>;
-  pdl_launch_dependents();  // the expand may start now: it prefetches y and lora_B, then waits for v
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
-  int seg, tile;
-  find_tile<BM, Tile::C::kThreads>(a, blockIdx.x, seg, tile);
-  if (seg < 0) return;
-  const int c = blockIdx.y;
+// One shrink unit of a call: d_in chunk c of row tile `tile` of segment `seg`, through Tile's main loop
+// (smem: its stage buffers). Writes v in the activation dtype when d_in is not split (the reference
+// rounds v too), else chunk c's fp32 partial. Shared by the stream shrink and the flag call.
+template <typename Tile, typename T>
+__device__ __forceinline__ void shrink_unit(FusedArgs const& a, T* smem, int seg, int tile, int c) {
   const int k0 = c * a.k_chunk;
   const int kc = min(a.k_chunk, a.d_in - k0);
   if (kc <= 0) return;
   const int slot = a.seg_slot[seg];
   const int rp = a.slots.rank_padded[slot];
-  const int row0 = a.seg_indptr[seg] + tile * BM;
-  const int rows = min(BM, a.seg_indptr[seg + 1] - row0);
+  const int row0 = a.seg_indptr[seg] + tile * Tile::C::kBM;
+  const int rows = min(Tile::C::kBM, a.seg_indptr[seg + 1] - row0);
   const T* X = static_cast<const T*>(a.x) + int64_t(row0) * a.ld_x + k0;
   const T* A = static_cast<const T*>(a.lora_a) + int64_t(slot) * a.r_max * a.d_in + k0;
   typename Tile::Acc acc;
   Tile::mainloop(smem, X, a.ld_x, A, a.d_in, rows, rp, kc, acc);
-
-  // v in the activation dtype when d_in is not split (the reference rounds v too), else partials.
   using PT = typename Pair<T>::P;
   Tile::for_each(acc, [&](int r, int n, float a0, float a1) {
     if (n >= rp || r >= rows) return;
@@ -287,6 +281,16 @@ __global__ void __launch_bounds__(32 * WM * WN) stream_shrink_kernel(FusedArgs a
     else
       *reinterpret_cast<float2*>(a.partial + (int64_t(c) * a.num_tokens + row) * a.r_max + n) = make_float2(a0, a1);
   });
+}
+
+template <typename T, int BM, int BK, int WM, int WN, int KMAX, int STAGES>
+__global__ void __launch_bounds__(32 * WM * WN) stream_shrink_kernel(FusedArgs a) {
+  using Tile = ShrinkTile<T, BM, BK, WM, WN, KMAX, STAGES>;
+  pdl_launch_dependents();  // the expand may start now: it prefetches y and lora_B, then waits for v
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  int seg, tile;
+  find_tile<BM, Tile::C::kThreads>(a, blockIdx.x, seg, tile);
+  if (seg >= 0) shrink_unit<Tile>(a, reinterpret_cast<T*>(smem_raw), seg, tile, int(blockIdx.y));
 }
 
 // ---- stream update (expand and merge) ------------------------------------------------------------
@@ -521,13 +525,11 @@ __device__ __forceinline__ bool column_range(int n_total, int& c_begin, int& c_e
   return c_begin < c_end;
 }
 
-template <typename T, int BM, int BN, int WM, int WN, int KMAX, int STAGES>
-__global__ void __launch_bounds__(32 * WM * WN) stream_expand_kernel(FusedArgs a) {
-  using C = UpdateCfg<T, BM, BN, WM, WN, KMAX, STAGES, false>;
-  int seg, tile;
-  find_tile<BM, C::kThreads>(a, blockIdx.x, seg, tile);
-  int c_begin, c_end;
-  if (seg < 0 || !column_range<BN>(a.d_out, c_begin, c_end)) return;
+// The expand's update tile for row tile `tile` (BM rows) of segment `seg`: v of its rows (or the split-K
+// partials, summed as they load), lora_B and scale of its adapter, its rows of y. Shared by the stream
+// expand and the flag call.
+template <typename T, int BM>
+__device__ __forceinline__ UpdateTile<T> expand_tile(FusedArgs const& a, int seg, int tile) {
   const int slot = a.seg_slot[seg];
   const int row0 = a.seg_indptr[seg] + tile * BM;
   UpdateTile<T> t;
@@ -544,7 +546,17 @@ __global__ void __launch_bounds__(32 * WM * WN) stream_expand_kernel(FusedArgs a
   t.rp = a.slots.rank_padded[slot];
   t.n_total = a.d_out;
   t.alpha = a.slots.scale[slot];
-  stream_update_tile<T, BM, BN, WM, WN, KMAX, STAGES, false>(t, c_begin, c_end, true);
+  return t;
+}
+
+template <typename T, int BM, int BN, int WM, int WN, int KMAX, int STAGES>
+__global__ void __launch_bounds__(32 * WM * WN) stream_expand_kernel(FusedArgs a) {
+  using C = UpdateCfg<T, BM, BN, WM, WN, KMAX, STAGES, false>;
+  int seg, tile;
+  find_tile<BM, C::kThreads>(a, blockIdx.x, seg, tile);
+  int c_begin, c_end;
+  if (seg < 0 || !column_range<BN>(a.d_out, c_begin, c_end)) return;
+  stream_update_tile<T, BM, BN, WM, WN, KMAX, STAGES, false>(expand_tile<T, BM>(a, seg, tile), c_begin, c_end, true);
 }
 
 template <typename T, int BM, int BN, int WM, int WN, int KMAX, int STAGES>
@@ -669,3 +681,17 @@ cudaError_t stream_merge(MergeArgs const& a, cudaStream_t stream) {
 
 }  // namespace detail
 }  // namespace atmm
+
+// The entry points of a one-launch call config NAME (fused or flag call): the registry's f16/bf16
+// functions and its shared memory per block. LAUNCH and CFG are templates of detail taking the element
+// type, then the config's parameters (__VA_ARGS__).
+#define ATMM_ONE_LAUNCH_ENTRIES(NAME, LAUNCH, CFG, ...)                                               \
+  namespace atmm {                                                                                     \
+  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                            \
+    return detail::LAUNCH<__half, __VA_ARGS__>(a, s);                                                  \
+  }                                                                                                    \
+  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                           \
+    return detail::LAUNCH<__nv_bfloat16, __VA_ARGS__>(a, s);                                           \
+  }                                                                                                    \
+  size_t atmm_fused_##NAME##_smem() { return detail::CFG<__nv_bfloat16, __VA_ARGS__>::kSmem; }         \
+  }

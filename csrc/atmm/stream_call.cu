@@ -163,16 +163,6 @@ cudaError_t fused_call(FusedArgs const& a, cudaStream_t stream) {
 }  // namespace detail
 }  // namespace atmm
 
-#define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES)                                 \
-  namespace atmm {                                                                                     \
-  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                            \
-    return detail::fused_call<__half, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES>(a, s);                 \
-  }                                                                                                    \
-  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                           \
-    return detail::fused_call<__nv_bfloat16, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES>(a, s);          \
-  }                                                                                                    \
-  size_t atmm_fused_##NAME##_smem() {                                                                  \
-    return detail::CallCfg<__nv_bfloat16, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES>::kSmem;            \
-  }                                                                                                    \
-  }
+#define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES) \
+  ATMM_ONE_LAUNCH_ENTRIES(NAME, fused_call, CallCfg, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES)
 #include "atmm/tile_configs.def"

@@ -69,27 +69,8 @@ __global__ void __launch_bounds__(32 * SWM * SWN) flag_call_kernel(FusedArgs a, 
     find_tile<BM, Cfg::kThreads>(a, rt, seg, tile);
     if (seg < 0) continue;  // an index past the call's row tiles: no item of it publishes or waits
 
-    const int slot = a.seg_slot[seg];
-    const int rp = a.slots.rank_padded[slot];
-    const int row0 = a.seg_indptr[seg] + tile * BM;
-    const int rows = min(BM, a.seg_indptr[seg + 1] - row0);
     if (is_shrink) {
-      const int c = item % a.splits;
-      const int k0 = c * a.k_chunk;
-      const int kc = min(a.k_chunk, a.d_in - k0);  // > 0: the host sizes the chunks so
-      const T* X = static_cast<const T*>(a.x) + int64_t(row0) * a.ld_x + k0;
-      const T* A = static_cast<const T*>(a.lora_a) + int64_t(slot) * a.r_max * a.d_in + k0;
-      typename Shrink::Acc acc;
-      Shrink::mainloop(smem, X, a.ld_x, A, a.d_in, rows, rp, kc, acc);
-      using PT = typename Pair<T>::P;
-      Shrink::for_each(acc, [&](int r, int n, float a0, float a1) {
-        if (n >= rp || r >= rows) return;
-        const int64_t row = row0 + r;
-        if (a.splits == 1)
-          *reinterpret_cast<PT*>(static_cast<T*>(a.v) + row * a.r_max + n) = Pair<T>::from_f2(a0, a1);
-        else
-          *reinterpret_cast<float2*>(a.partial + (int64_t(c) * a.num_tokens + row) * a.r_max + n) = make_float2(a0, a1);
-      });
+      shrink_unit<Shrink>(a, smem, seg, tile, item % a.splits);
       // Publish: the barrier orders every thread's stores before thread 0's release (cumulative at
       // gpu scope), as in CUTLASS's generic barrier; no separate fence.
       __syncthreads();
@@ -99,20 +80,7 @@ __global__ void __launch_bounds__(32 * SWM * SWN) flag_call_kernel(FusedArgs a, 
     const int cp = (item - n_shrink) % col_splits;
     const int c_begin = min(chunks, cp * per), c_end = min(chunks, c_begin + per);
     if (c_begin >= c_end) continue;  // not one of the n_readers
-    UpdateTile<T> t;
-    t.v = a.splits == 1 ? static_cast<const T*>(a.v) + int64_t(row0) * a.r_max : nullptr;
-    t.partial = a.splits == 1 ? nullptr : a.partial + int64_t(row0) * a.r_max;
-    t.split_stride = a.num_tokens * a.r_max;
-    t.splits = a.splits;
-    t.ld_v = a.r_max;
-    t.b = static_cast<const T*>(a.lora_b) + int64_t(slot) * a.d_out * a.r_max;
-    t.ld_b = a.r_max;
-    t.y = static_cast<T*>(a.y) + int64_t(row0) * a.ld_y;
-    t.ld_y = a.ld_y;
-    t.rows = rows;
-    t.rp = rp;
-    t.n_total = a.d_out;
-    t.alpha = a.slots.scale[slot];
+    const UpdateTile<T> t = expand_tile<T, BM>(a, seg, tile);  // v itself when a.v_ready (d_in not split)
     Update::prefetch(smem, t, c_begin, c_end);  // y and lora_B do not depend on v
     if (threadIdx.x == 0) {
       // Bounded wait: a row tile's shrink items are short; a counter that never fills means a broken
@@ -191,16 +159,6 @@ cudaError_t flag_call(FusedArgs const& a, cudaStream_t stream) {
 }  // namespace detail
 }  // namespace atmm
 
-#define ATMM_FLAG_CALL(NAME, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES)                                \
-  namespace atmm {                                                                                     \
-  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                            \
-    return detail::flag_call<__half, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES>(a, s);                  \
-  }                                                                                                    \
-  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                           \
-    return detail::flag_call<__nv_bfloat16, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES>(a, s);           \
-  }                                                                                                    \
-  size_t atmm_fused_##NAME##_smem() {                                                                  \
-    return detail::FlagCfg<__nv_bfloat16, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES>::kSmem;            \
-  }                                                                                                    \
-  }
+#define ATMM_FLAG_CALL(NAME, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES) \
+  ATMM_ONE_LAUNCH_ENTRIES(NAME, flag_call, FlagCfg, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES)
 #include "atmm/tile_configs.def"
