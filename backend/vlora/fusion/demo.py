@@ -59,9 +59,16 @@ TRAINED_DEMO_NAMES = tuple(d.name for d in TRAINED_DEMOS)
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """What the demo weights depend on: the model's config and weights files."""
+    """What the demo weights depend on: the model's config and weights files. The config is hashed
+    without its "transformers_version" (save_pretrained writes the installed version there): a newer
+    transformers that generates the same tiny model bit for bit must not make the committed demos stale."""
     h = hashlib.sha256()
     for name in sorted(p.name for p in Path(model_dir).iterdir() if p.name == "config.json" or p.suffix == ".safetensors"):
+        if name == "config.json":
+            config = json.loads((Path(model_dir) / name).read_text(encoding="utf-8"))
+            config.pop("transformers_version", None)
+            h.update(json.dumps(config, sort_keys=True).encode())
+            continue
         with open(Path(model_dir) / name, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
