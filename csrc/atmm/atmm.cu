@@ -434,14 +434,14 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   const KernelConfig& cs = cfgs[a.shrink_config];
   const KernelConfig& ce = cfgs[a.expand_config];
   auto one_launch = [](Kind k) { return k == Kind::kFusedCall || k == Kind::kFlagCall; };
-  const bool fused_call = one_launch(cs.kind);
-  if (fused_call != one_launch(ce.kind) || (fused_call && a.shrink_config != a.expand_config))
-    return std::string("atmm: a fused call (") + (fused_call ? cs.name : ce.name) +
+  const bool one_call = one_launch(cs.kind);
+  if (one_call != one_launch(ce.kind) || (one_call && a.shrink_config != a.expand_config))
+    return std::string("atmm: a one-launch call (") + (one_call ? cs.name : ce.name) +
            ") runs both directions in one launch: name it for the shrink and the expand: " + shape_of(a);
   if (cs.kind == Kind::kFusedCall && (a.split_k < 1 || a.split_k > 8))
     return std::string("atmm: config ") + cs.name + " takes split_k (its cluster size) 1..8: " + shape_of(a);
   const int both = kPhaseShrink | kPhaseExpand;
-  if (fused_call && (phases & both) && (phases & both) != both)
+  if (one_call && (phases & both) && (phases & both) != both)
     return std::string("atmm: config ") + cs.name + " runs only as a whole call (shrink and expand together): " + shape_of(a);
   if (!cs.serves(Direction::kShrink, a.dtype)) return std::string("atmm: config ") + cs.name + " is not built for shrink: " + shape_of(a);
   if (!ce.serves(Direction::kExpand, a.dtype)) return std::string("atmm: config ") + ce.name + " is not built for expand: " + shape_of(a);
@@ -486,14 +486,14 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   fa.ld_x = a.ld_x; fa.ld_y = a.ld_y;
 
   cudaError_t e = cudaSuccess;
-  if (fused_call) {  // shrink and expand in one launch
+  if (one_call) {  // shrink and expand in one launch
     // A fused call's cluster size is its d_in split (its own chunking); a flag call splits d_in like
     // the stream shrink (64-column multiples), v itself when not split.
     if (cs.kind == Kind::kFusedCall) fa.splits = a.split_k;
     fa.v_ready = fa.splits == 1 ? 1 : 0;
     fa.pdl = 0;
     if ((phases & both) == both) e = (a.dtype == DType::kF16 ? cs.fused_f16 : cs.fused_bf16)(fa, stream);
-    if (e != cudaSuccess) return std::string("atmm: fused call ") + cs.name + "/" + std::to_string(a.split_k) + ": " +
+    if (e != cudaSuccess) return std::string("atmm: one-launch call ") + cs.name + "/" + std::to_string(a.split_k) + ": " +
                                  cudaGetErrorString(e) + ": " + shape_of(a);
     return "";
   }

@@ -116,7 +116,7 @@ def test_atmm_matches_fp32_reference(kernels, dtype, d, pattern, T):
 def test_every_compiled_config(kernels, dtype):
     for c in ext.configs():
         if c["kind"] == "call":
-            continue  # a fused call runs both directions as one launch (test_atmm_call.py)
+            continue  # a one-launch call runs both directions at once (test_atmm_call.py, test_atmm_flag.py)
         # Configs limited to a rank serve calls up to it: give them slots of every rank they serve.
         ranks = RANKS if not c["max_rank"] else tuple(r for r in RANKS if r <= c["max_rank"]) + (24,)
         for split in (1, 3):
