@@ -83,12 +83,13 @@ __global__ void __launch_bounds__(32 * SWM * SWN) flag_call_kernel(FusedArgs a, 
     const UpdateTile<T> t = expand_tile<T, BM>(a, seg, tile);  // v itself when a.v_ready (d_in not split)
     Update::prefetch(smem, t, c_begin, c_end);  // y and lora_B do not depend on v
     if (threadIdx.x == 0) {
-      // Bounded wait: a row tile's shrink items are short; a counter that never fills means a broken
-      // invariant (a second stream using the same device state, say): trap rather than hang the GPU.
-      long long spins = 0;
+      // Bounded wait: a row tile's shrink items take microseconds; a counter that never fills means a
+      // broken invariant (a second stream using the same device state, say): after ~2^22 polls (seconds)
+      // trap, which fails the call with a CUDA error, rather than hang the GPU.
+      int spins = 0;
       while (ld_acquire_gpu(ready + rt) < a.splits) {
         __nanosleep(32);
-        if (++spins > (1ll << 27)) __trap();
+        if (++spins > (1 << 22)) __trap();
       }
     }
     __syncthreads();
