@@ -1,6 +1,7 @@
 """Quick look at the one-launch ATMM calls (fused fc_* and flag fl_*) on the benchmark's cases, beside
-what the committed tiling table picks, without the full profile of benchmarks/atmm.py (minutes
-instead of ten). Same timing method: CUDA-graph replay over > 256 MB of rotated inputs.
+what the committed tiling table picks, without the full profile of benchmarks/atmm.py (under a minute
+on an H100 instead of five). Same timing method: CUDA-graph replay over > 256 MB of rotated inputs.
+A developer's diagnostic: it prints (and writes --json), it records nothing in benchmarks/RESULTS.md.
 
     python benchmarks/atmm_calls.py [--only REGEX] [--prefix fl_] [--json OUT]
 """
