@@ -44,3 +44,19 @@ def test_example_request_is_a_head_request():
     params = json.loads(body["sampling_parameters"])
     assert params == {"lora_name": "demo-shapes", "task": "color"} and len(body["image"]) == 1
     assert body["text_input"].count("<image>") == 1
+
+
+def test_fingerprint_ignores_the_transformers_version_in_the_config(tiny_model_dir, tmp_path):
+    """save_pretrained writes the installed transformers version into config.json: a release that generates
+    the same tiny model bit for bit must leave the fingerprint (and the committed demos) as they are."""
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["transformers_version"] = "0.0.1-other"
+    (copy / "config.json").write_text(json.dumps(config, indent=2))
+    assert model_fingerprint(copy) == model_fingerprint(tiny_model_dir)
+    config["text_config"]["num_hidden_layers"] += 1  # any other change of the config still counts
+    (copy / "config.json").write_text(json.dumps(config, indent=2))
+    assert model_fingerprint(copy) != model_fingerprint(tiny_model_dir)
