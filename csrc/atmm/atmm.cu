@@ -64,6 +64,10 @@ namespace atmm {
 #define ATMM_SM90_EXPAND(...)  // built only for sm_90a (ATMM_CUDA_ARCHS)
 #define ATMM_SM90_SHRINK(...)
 #endif
+#if ATMM_HAVE_TRITON
+#define ATMM_TRITON_SHRINK(NAME, ...) ATMM_DECLARE_FUSED(NAME) size_t atmm_fused_##NAME##_smem();
+#define ATMM_TRITON_EXPAND(NAME, ...) ATMM_DECLARE_FUSED(NAME) size_t atmm_fused_##NAME##_smem();
+#endif
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
@@ -75,6 +79,8 @@ namespace atmm {
 #undef ATMM_FLAG_CALL
 #undef ATMM_SM90_EXPAND
 #undef ATMM_SM90_SHRINK
+#undef ATMM_TRITON_SHRINK
+#undef ATMM_TRITON_EXPAND
 
 #define ATMM_FNS_ATMM_BOTH(NAME) \
   atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
@@ -119,6 +125,14 @@ const std::vector<KernelConfig>& kernel_configs() {
 #define ATMM_SM90_EXPAND(...)
 #define ATMM_SM90_SHRINK(...)
 #endif
+#if ATMM_HAVE_TRITON
+#define ATMM_TRITON_SHRINK(NAME, BM, BK, R, W, S)                                                                \
+  KernelConfig{#NAME, BM, R, BK, BM, R, 16, S, true, nullptr, nullptr, nullptr, nullptr, Kind::kTritonShrink,    \
+               atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, R, atmm_fused_##NAME##_smem()},
+#define ATMM_TRITON_EXPAND(NAME, BM, BN, R, CH, W, S)                                                            \
+  KernelConfig{#NAME, BM, BN, R, BM, BN, 16, S, false, nullptr, nullptr, nullptr, nullptr, Kind::kTritonExpand,  \
+               atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, R, atmm_fused_##NAME##_smem()},
+#endif
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
@@ -130,6 +144,8 @@ const std::vector<KernelConfig>& kernel_configs() {
 #undef ATMM_FLAG_CALL
 #undef ATMM_SM90_EXPAND
 #undef ATMM_SM90_SHRINK
+#undef ATMM_TRITON_SHRINK
+#undef ATMM_TRITON_EXPAND
   };
   return configs;
 }
@@ -144,9 +160,11 @@ bool KernelConfig::serves(Direction d, DType t) const {
     case Kind::kCutlass: return fn(d, t) != nullptr;
     case Kind::kGemvShrink:
     case Kind::kWmmaShrink:
-    case Kind::kStreamShrink: return d == Direction::kShrink;
+    case Kind::kStreamShrink:
+    case Kind::kTritonShrink: return d == Direction::kShrink;
     case Kind::kFusedExpand:
-    case Kind::kStreamExpand: return d == Direction::kExpand;
+    case Kind::kStreamExpand:
+    case Kind::kTritonExpand: return d == Direction::kExpand;
     case Kind::kFusedCall:
     case Kind::kFlagCall: return true;  // one launch for both: the table names it for each direction
     case Kind::kSm90: return fn(d, t) != nullptr;
@@ -236,6 +254,7 @@ WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_toke
   w.seg_rank = carve(c, p2 * sizeof(int));
   w.partial = carve(c, size_t(split_k) * size_t(num_tokens) * size_t(r_max) * sizeof(float));
   w.v = carve(c, size_t(num_tokens) * size_t(r_max) * 2);
+  w.slot_scale = carve(c, kMaxSlots * (sizeof(float) + sizeof(int)));
   w.scratch_bytes = sm90_scratch_bytes(num_segments, split_k, dtype);
   w.scratch = carve(c, w.scratch_bytes);
   w.total = (c + 255) & ~size_t(255);
@@ -462,8 +481,8 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   // The CUTLASS kernels, 2.x and 3.x, read the prep kernel's problem arrays.
   const bool cutlass_shrink = cs.kind == Kind::kCutlass || cs.kind == Kind::kSm90;
   const bool cutlass_expand = ce.kind == Kind::kCutlass || ce.kind == Kind::kSm90;
-  // The stream shrink writes v itself when d_in is not split; every other shrink writes partials.
-  const bool v_ready = cs.kind == Kind::kStreamShrink && splits_used == 1;
+  // The stream and Triton shrinks write v themselves when d_in is not split; every other shrink writes partials.
+  const bool v_ready = (cs.kind == Kind::kStreamShrink || cs.kind == Kind::kTritonShrink) && splits_used == 1;
   char* ws = static_cast<char*>(a.workspace);
 
   FusedArgs fa{};
@@ -477,6 +496,7 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   fa.x = a.x; fa.lora_a = a.lora_a; fa.lora_b = a.lora_b; fa.y = a.y;
   fa.partial = reinterpret_cast<float*>(ws + w.partial);
   fa.v = ws + w.v;
+  fa.slot_scale = reinterpret_cast<float*>(ws + w.slot_scale);
   fa.v_ready = v_ready ? 1 : 0;
   // The expand may start while the shrink of this same call runs (it waits before reading v):
   // programmatic dependent launch, Hopper and later.

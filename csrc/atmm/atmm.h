@@ -52,7 +52,7 @@ struct FusedArgs;
 using FusedFn = cudaError_t (*)(FusedArgs const&, cudaStream_t);
 
 enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2, kWmmaShrink = 3, kStreamShrink = 4, kStreamExpand = 5,
-                  kFusedCall = 6, kSm90 = 7, kFlagCall = 8 };
+                  kFusedCall = 6, kSm90 = 7, kFlagCall = 8, kTritonShrink = 9, kTritonExpand = 10 };
 // The workspace a Hopper (CUTLASS 3) kernel needs for `groups` problems, beyond the problem arrays.
 using ScratchFn = size_t (*)(int groups);
 
@@ -82,6 +82,7 @@ struct WorkspaceLayout {
   size_t shrink_problems, shrink_ptr_a, shrink_ptr_b, shrink_ptr_c, shrink_ld_ab, shrink_ld_c;
   size_t expand_problems, expand_ptr_a, expand_ptr_b, expand_ptr_c, expand_ld_ab, expand_ld_c;
   size_t alpha, alpha_ptrs, seg_rank, partial, v;
+  size_t slot_scale;  // kMaxSlots floats, then kMaxSlots ints: each slot's scale and padded rank (Triton expand)
   size_t scratch, scratch_bytes;  // the Hopper kernels' own workspace (the largest any of them needs)
   size_t total;
 };

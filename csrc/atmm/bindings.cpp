@@ -64,7 +64,8 @@ PYBIND11_MODULE(vlora_atmm_ext, m) {
                   : c.kind == Kind::kWmmaShrink ? "wmma"
                   : (c.kind == Kind::kStreamShrink || c.kind == Kind::kStreamExpand) ? "stream"
                   : (c.kind == Kind::kFusedCall || c.kind == Kind::kFlagCall) ? "call"
-                  : c.kind == Kind::kSm90 ? "cutlass3" : "fused";
+                  : c.kind == Kind::kSm90 ? "cutlass3"
+                  : (c.kind == Kind::kTritonShrink || c.kind == Kind::kTritonExpand) ? "triton" : "fused";
       d["max_rank"] = c.max_rank;
       // The split_k values the tuner times a one-launch call with: a fused call's cluster sizes (it takes
       // 1..8), a flag call's d_in splits (it takes 1..64; 32 never won on the H100). None for other kinds.

@@ -21,6 +21,7 @@ struct FusedArgs {
   void* y;
   float* partial;  // [splits, T, r_max] fp32
   void* v;         // [T, r_max] in the activation dtype
+  float* slot_scale;  // workspace the Triton expand fills: kMaxSlots scales (0: rank 0), then kMaxSlots padded ranks
   int v_ready;     // the shrink wrote v itself (stream shrink, d_in not split): expands read v, not partials
   int pdl;         // launch the expand as a programmatic dependent of the shrink (sm_90)
   int splits;      // chunks of d_in actually used

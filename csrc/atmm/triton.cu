@@ -1,0 +1,207 @@
+// The Triton ATMM kernels (triton_lora.py): cubins compiled at build time by triton_aot.py, loaded
+// here with the driver API (one module per device, on first use) and launched on the caller's stream
+// with the FusedArgs contract of the hand-written kinds. Triton is not needed at run time.
+// Built only when CMake found the triton package (ATMM_HAVE_TRITON); otherwise this file is empty and
+// the tr_* lines of tile_configs.def name nothing.
+#include "atmm/atmm.h"
+#include "atmm/fused.cuh"
+
+#if ATMM_HAVE_TRITON
+#include <cuda.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+
+namespace atmm {
+namespace {
+
+struct TritonCubin {
+  const char* config;
+  DType dtype;
+  int cc;  // compute capability the cubin was built for (90: sm_90a)
+  const char* entry;
+  int shared;  // dynamic shared memory of one block, bytes
+  int warps;
+  const unsigned char* data;
+  size_t size;
+};
+#include "atmm_triton_cubins.inc"
+
+constexpr int kMaxDevices = 64;
+
+// One config's loaded function per device; filled on first use, read without a lock afterwards.
+struct TritonFn {
+  std::atomic<CUfunction> f[kMaxDevices];
+  std::atomic<int> cubin[kMaxDevices];
+};
+
+int device_cc() {
+  static std::atomic<int> cached[kMaxDevices];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  dev &= kMaxDevices - 1;
+  int cc = cached[dev].load(std::memory_order_relaxed);
+  if (cc == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    cc = major * 10 + minor;
+    cached[dev].store(cc, std::memory_order_relaxed);
+  }
+  return cc;
+}
+
+cudaError_t from_driver(CUresult r) {
+  switch (r) {
+    case CUDA_SUCCESS: return cudaSuccess;
+    case CUDA_ERROR_OUT_OF_MEMORY: return cudaErrorMemoryAllocation;
+    case CUDA_ERROR_INVALID_VALUE: return cudaErrorInvalidValue;
+    case CUDA_ERROR_NO_BINARY_FOR_GPU: return cudaErrorNoKernelImageForDevice;
+    case CUDA_ERROR_INVALID_IMAGE: return cudaErrorInvalidKernelImage;
+    case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: return cudaErrorLaunchOutOfResources;
+    default: return cudaErrorLaunchFailure;
+  }
+}
+
+// The config's function on the current device, loading its module the first time.
+cudaError_t function_for(TritonFn& fn, const char* config, DType dtype, CUfunction* out, int* cubin_index) {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  dev &= kMaxDevices - 1;
+  CUfunction f = fn.f[dev].load(std::memory_order_acquire);
+  if (f != nullptr) {
+    *out = f;
+    *cubin_index = fn.cubin[dev].load(std::memory_order_relaxed);
+    return cudaSuccess;
+  }
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  f = fn.f[dev].load(std::memory_order_acquire);
+  if (f == nullptr) {
+    const int cc = device_cc();
+    int idx = -1;
+    for (size_t i = 0; i < sizeof(kTritonCubins) / sizeof(kTritonCubins[0]); ++i)
+      if (kTritonCubins[i].dtype == dtype && kTritonCubins[i].cc == cc && std::strcmp(kTritonCubins[i].config, config) == 0)
+        idx = int(i);
+    if (idx < 0) return cudaErrorNoKernelImageForDevice;  // not built for this GPU's architecture
+    // Loading a module is no stream operation; allow it while a graph is being captured (relaxed mode),
+    // as the first call of a shape may come inside the engine's capture.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    CUcontext ctx = nullptr;
+    CUresult r = cuCtxGetCurrent(&ctx);
+    if (r == CUDA_SUCCESS && ctx == nullptr) {  // the runtime has not made the primary context current yet
+      cudaSetDevice(dev);
+      r = cuCtxGetCurrent(&ctx);
+    }
+    CUmodule mod = nullptr;
+    if (r == CUDA_SUCCESS) r = cuModuleLoadData(&mod, kTritonCubins[idx].data);
+    if (r == CUDA_SUCCESS) r = cuModuleGetFunction(&f, mod, kTritonCubins[idx].entry);
+    if (r == CUDA_SUCCESS && kTritonCubins[idx].shared > 48 * 1024)
+      r = cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kTritonCubins[idx].shared);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    if (r != CUDA_SUCCESS) return from_driver(r);
+    fn.cubin[dev].store(idx, std::memory_order_relaxed);
+    fn.f[dev].store(f, std::memory_order_release);
+  }
+  *out = f;
+  *cubin_index = fn.cubin[dev].load(std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
+cudaError_t launch(TritonFn& fn, const char* config, DType dtype, unsigned gx, unsigned gy, void** params, cudaStream_t s) {
+  CUfunction f = nullptr;
+  int idx = 0;
+  cudaError_t e = function_for(fn, config, dtype, &f, &idx);
+  if (e != cudaSuccess) return e;
+  if (gx == 0 || gy == 0) return cudaSuccess;
+  const TritonCubin& c = kTritonCubins[idx];
+  return from_driver(cuLaunchKernel(f, gx, gy, 1, 32 * c.warps, 1, 1, c.shared, reinterpret_cast<CUstream>(s), params, nullptr));
+}
+
+// The expand reads each slot's scale (0 for a slot of rank 0: its rows stay as they are) and padded rank
+// from the workspace: kMaxSlots floats, then kMaxSlots ints.
+__global__ void slot_scale_kernel(SlotTable t, float* out) {
+  const int s = threadIdx.x;
+  out[s] = t.rank_padded[s] > 0 ? t.scale[s] : 0.0f;
+  reinterpret_cast<int*>(out + kMaxSlots)[s] = t.rank_padded[s];
+}
+
+unsigned row_tiles(FusedArgs const& a, int bm) {
+  return unsigned(std::min<int64_t>((a.num_tokens + bm - 1) / bm + a.num_segments, int64_t(1) << 30));
+}
+
+cudaError_t triton_shrink(TritonFn& fn, const char* config, DType dtype, int bm, FusedArgs const& a, cudaStream_t s) {
+  const void* x = a.x;
+  const void* lora_a = a.lora_a;
+  void* v = a.v;
+  float* partial = a.partial;
+  const int32_t* indptr = a.seg_indptr;
+  const int32_t* slot = a.seg_slot;
+  int32_t num_segments = a.num_segments, num_tokens = int32_t(a.num_tokens), d_in = a.d_in, r_max = a.r_max,
+          k_chunk = a.k_chunk, splits = a.splits;
+  void* scratch = nullptr;
+  void* profile = nullptr;
+  void* params[] = {&x, &lora_a, &v, &partial, &indptr, &slot, &num_segments, &num_tokens, &d_in, &r_max, &k_chunk, &splits,
+                    &scratch, &profile};
+  return launch(fn, config, dtype, row_tiles(a, bm), unsigned(a.splits), params, s);
+}
+
+cudaError_t triton_expand(TritonFn& fn, const char* config, DType dtype, int bm, int ch, FusedArgs const& a, cudaStream_t s) {
+  slot_scale_kernel<<<1, kMaxSlots, 0, s>>>(a.slots, a.slot_scale);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  void* y = a.y;
+  const void* v = a.v;
+  const float* partial = a.partial;
+  const void* lora_b = a.lora_b;
+  const float* scale = a.slot_scale;
+  const int32_t* rank = reinterpret_cast<const int32_t*>(a.slot_scale + kMaxSlots);
+  const int32_t* indptr = a.seg_indptr;
+  const int32_t* slot = a.seg_slot;
+  // splits 0: v itself, written by the shrink; else the fp32 partials of that many d_in chunks (also one).
+  int32_t num_segments = a.num_segments, num_tokens = int32_t(a.num_tokens), d_out = a.d_out, r_max = a.r_max,
+          ld_y = int32_t(a.ld_y), splits = a.v_ready ? 0 : a.splits;
+  void* scratch = nullptr;
+  void* profile = nullptr;
+  void* params[] = {&y, &v, &partial, &lora_b, &scale, &rank, &indptr, &slot, &num_segments, &num_tokens, &d_out, &r_max, &ld_y,
+                    &splits, &scratch, &profile};
+  return launch(fn, config, dtype, row_tiles(a, bm), unsigned((a.d_out + ch - 1) / ch), params, s);
+}
+
+size_t triton_smem(const char* config) {
+  size_t m = 0;
+  for (const TritonCubin& c : kTritonCubins)
+    if (std::strcmp(c.config, config) == 0) m = std::max(m, size_t(c.shared));
+  return m;
+}
+
+}  // namespace
+
+// One loaded-function cache per (config, dtype); the entry points atmm.cu's registry names.
+#define ATMM_TRITON_SHRINK(NAME, BM, BK, R, W, S)                                                              \
+  static TritonFn triton_fn_##NAME[2];                                                                          \
+  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                                    \
+    return triton_shrink(triton_fn_##NAME[0], #NAME, DType::kF16, BM, a, s);                                    \
+  }                                                                                                             \
+  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                                   \
+    return triton_shrink(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, a, s);                                   \
+  }                                                                                                             \
+  size_t atmm_fused_##NAME##_smem() { return triton_smem(#NAME); }
+#define ATMM_TRITON_EXPAND(NAME, BM, BN, R, CH, W, S)                                                          \
+  static TritonFn triton_fn_##NAME[2];                                                                          \
+  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                                    \
+    return triton_expand(triton_fn_##NAME[0], #NAME, DType::kF16, BM, CH, a, s);                                \
+  }                                                                                                             \
+  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                                   \
+    return triton_expand(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, CH, a, s);                               \
+  }                                                                                                             \
+  size_t atmm_fused_##NAME##_smem() { return triton_smem(#NAME); }
+#include "atmm/tile_configs.def"
+#undef ATMM_TRITON_SHRINK
+#undef ATMM_TRITON_EXPAND
+
+}  // namespace atmm
+#endif  // ATMM_HAVE_TRITON

@@ -1,0 +1,136 @@
+"""The Triton ATMM kernels (csrc/atmm/triton_lora.py, compiled ahead of time and launched by triton.cu)
+against the fp32 reference, on fresh random data with the workspace poisoned before every call: each
+Triton shrink and expand, every way v is handed over (v written directly, split-K partials, a CUTLASS,
+stream or gemv kernel on the other side), uneven widths, and CUDA-graph replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_atmm_gpu import check, check_graph_replay, make, RANKS, SCALES  # noqa: F401  (same oracle and tolerances)
+from vlora.atmm import AtmmKernels
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+ext = pytest.importorskip("vlora_atmm_ext", reason="vlora_atmm_ext not built (pip install ./csrc)")
+
+TR_SHRINK = [c for c in ext.configs() if c["kind"] == "triton" and c["shrink"]]
+TR_EXPAND = [c for c in ext.configs() if c["kind"] == "triton" and c["expand"]]
+if not TR_SHRINK:
+    pytest.skip("the extension was built without the Triton kernels (no triton at build time)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> AtmmKernels:
+    return AtmmKernels(load_table=False)
+
+
+def ranks_for(*configs) -> tuple[int, ...]:
+    """Slot ranks every config serves (8..max_rank, a rank that is not a multiple of 16, and 0)."""
+    limit = min(c["max_rank"] for c in configs)
+    return tuple(r for r in (8, 16, 32, 64, 128) if r <= limit) + (24, 0)
+
+
+def partner(c, pool):
+    return pool[(TR_SHRINK + TR_EXPAND).index(c) % len(pool)]
+
+
+def test_there_are_triton_configs():
+    assert len(TR_SHRINK) >= 2 and len(TR_EXPAND) >= 2
+    assert all(c["smem_bytes"] > 0 for c in TR_SHRINK + TR_EXPAND)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])
+@pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])
+def test_every_triton_config(kernels, dtype, pattern, T):
+    pairs = [(cs, partner(cs, TR_EXPAND)) for cs in TR_SHRINK] + [(partner(ce, TR_SHRINK), ce) for ce in TR_EXPAND]
+    for cs, ce in pairs:
+        for split in (1, 3):
+            check(kernels, T, 4096, 5120, dtype, pattern, seed=T + split, shrink=(cs["name"], split),
+                  expand=ce["name"], ranks=ranks_for(cs, ce))
+
+
+@pytest.mark.parametrize("d", [4096, 5120])
+@pytest.mark.parametrize("T", [8192, 4097])
+@pytest.mark.parametrize("split", [1, 2])
+def test_large_prefill(kernels, d, T, split):
+    check(kernels, T, d, d, torch.bfloat16, "1x7", seed=T + d, shrink=("tr_s_m64k128_r128_w4s4", split),
+          expand="tr_e_m128n128_r128_c1024_w4s2")
+    check(kernels, T, d, d, torch.float16, "one_long", seed=T, shrink=("tr_s_m64k64_r128_w4s5", split),
+          expand="tr_e_m64n128_r128_c1024_w8s2")
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("pair", [("tr_s_m64k128_r128_w4s4", "ye_m64n128_r128_w1x8"),    # Triton v, stream expand (PDL)
+                                  ("tr_s_m64k128_r128_w4s4", "t128x128_k32_s4"),         # Triton v, CUTLASS expand
+                                  ("tr_s_m32k128_r128_w4s4", "fx_m64n128"),              # the fused expand reads v
+                                  ("t64x64_k64_s5", "tr_e_m64n128_r128_c1024_w4s2"),     # CUTLASS partials summed
+                                  ("xs_m64_r128_w2x2", "tr_e_m128n128_r128_c1024_w4s2"),  # stream v
+                                  ("gemv_shrink", "tr_e_m64n128_r64_c1024_w4s3")])
+@pytest.mark.parametrize("split", [1, 4])
+def test_mixed_pairs(kernels, pdl, pair, split):
+    cfgs = {c["name"]: c for c in ext.configs()}
+    ranks = ranks_for(*[cfgs[n] for n in pair if cfgs[n]["max_rank"]])
+    for pattern in ("many_short", "3x3", "no_adapter"):
+        check(kernels, 129, 5120, 4096, torch.bfloat16, pattern, seed=split, shrink=(pair[0], split), expand=pair[1],
+              ranks=ranks, pdl=pdl)
+
+
+def test_uneven_widths_and_deep_split(kernels):
+    """Widths that are multiples of 8 only, and more d_in chunks than the table ever picks."""
+    check(kernels, 500, 11008, 4096, torch.bfloat16, "many_short", seed=5, shrink=("tr_s_m64k128_r128_w4s4", 40),
+          expand="tr_e_m64n128_r128_c512_w4s2")
+    check(kernels, 500, 4096, 11008, torch.float16, "empty", seed=6, shrink=("tr_s_m64k64_r128_w4s5", 1),
+          expand="tr_e_m128n64_r128_c1024_w8s3")
+    check(kernels, 64, 4104, 1000, torch.bfloat16, "many_short", seed=7, shrink=("tr_s_m64k128_r64_w4s4", 7),
+          expand="tr_e_m128n128_r64_c1024_w4s2", ranks=(8, 16, 32, 64, 24, 0))
+
+
+def test_many_segments(kernels):
+    """More segments than one step of the row-tile scan (256): every program still finds its tile."""
+    from test_atmm_gpu import ref_fp32, untouched_rows
+    from vlora.atmm.cases import lora_weights
+    from vlora.lora.mapping import LoraBatchMapping
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    ranks = (8, 16, 32, 64, 128, 24, 0)
+    scales = tuple(SCALES[i % len(SCALES)] for i in range(len(ranks)))
+    lengths = [(i * 7) % 5 for i in range(700)]  # 700 segments of 0..4 tokens
+    slots = [(i % (len(ranks) + 1)) - 1 for i in range(700)]  # -1 and every slot, rank 0 included
+    indptr = [0]
+    for n in lengths:
+        indptr.append(indptr[-1] + n)
+    T = indptr[-1]
+    a, b = lora_weights(len(ranks), 4096, 4096, ranks, torch.bfloat16, "cuda", g)
+    x = torch.randn(T, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    y0 = torch.randn(T, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    mapping = LoraBatchMapping.from_segments(indptr, slots, "cuda")
+    ref = ref_fp32(y0, x, a, b, ranks, scales, mapping)
+    for shrink, expand in ((("tr_s_m32k128_r128_w4s4", 1), "tr_e_m64n128_r128_c1024_w4s2"),
+                           (("tr_s_m64k64_r128_w4s5", 3), "tr_e_m128n128_r128_c1024_w4s2")):
+        y = y0.clone()
+        kernels.run(y, x, a, b, ranks, scales, mapping, shrink=shrink, expand=expand)
+        torch.cuda.synchronize()
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        assert err <= 1e-2, f"relative error {err:.2e} ({shrink}, {expand})"
+        delta = ref - y0.float()
+        assert ((y.float() - y0.float() - delta).norm() / delta.norm()).item() <= 2e-2
+        rows = torch.tensor(untouched_rows(mapping, ranks), device="cuda")
+        assert torch.equal(y[rows], y0[rows]), "rows without an adapter were modified"
+
+
+def test_rank_limit_is_refused_with_the_config_named(kernels):
+    x, y0, a, b, mapping = make(16, 4096, 4096, torch.bfloat16, "many_short", seed=1)  # uses the rank-128 slot
+    with pytest.raises(RuntimeError, match="tr_s_m64k128_r64_w4s4 serves ranks up to 64"):
+        kernels.run(y0.clone(), x, a, b, RANKS, SCALES, mapping, shrink=("tr_s_m64k128_r64_w4s4", 1),
+                    expand="tr_e_m64n128_r128_c1024_w4s2")
+
+
+@pytest.mark.parametrize("pair", [("tr_s_m64k128_r128_w4s4", "tr_e_m128n128_r128_c1024_w4s2"),
+                                  ("tr_s_m64k128_r128_w4s4", "ye_m64n128_r128_w1x8")])
+def test_graph_replay(kernels, pair):
+    """Loaded modules and the slot-scale kernel survive capture: replays stay exact."""
+    check_graph_replay(kernels, shrink=(pair[0], 1), expand=pair[1])
