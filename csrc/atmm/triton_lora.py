@@ -17,6 +17,7 @@ compiler is told, so masked loads stay 16-byte vectors.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
@@ -43,7 +44,10 @@ def _row_tile(pid, seg_indptr, seg_slot, num_segments, BM: tl.constexpr, SEGS: t
 @triton.jit
 def lora_shrink(x, lora_a, v, partial, seg_indptr, seg_slot, num_segments, num_tokens, d_in, r_max, k_chunk, splits,
                 BM: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, SEGS: tl.constexpr):
-    """v[rows] = x[rows] @ lora_a[slot, :R].T over d_in chunk program_id(1) (fp32 partials when split)."""
+    """v[rows] = x[rows] @ lora_a[slot, :R].T over d_in chunk program_id(1) (fp32 partials when split).
+    An expand launched as its programmatic dependent (the stream expands) may start at once: it prefetches
+    what the shrink does not write and waits (griddepcontrol.wait: this whole grid done) before reading v."""
+    gdc_launch_dependents()
     seg, before = _row_tile(tl.program_id(0), seg_indptr, seg_slot, num_segments, BM, SEGS)
     if seg < num_segments:
         ks = tl.program_id(1)
@@ -101,12 +105,11 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
                     s += tl.where(live, tl.load(partial + k.to(tl.int64) * num_tokens * r_max + vo, mask=vm, other=0.0), 0.0)
                 vt = s.to(y.dtype.element_ty)
             n_lo = tl.program_id(1) * CH
-            n_hi = tl.minimum(d_out, n_lo + CH)
             b_base = lora_b + slot.to(tl.int64) * d_out * r_max + rr[:, None]
             y_rows = y + rows.to(tl.int64)[:, None] * ld_y
-            for n0 in range(n_lo, n_hi, BN):
-                rn = n0 + tl.arange(0, BN)
-                nm = rn < n_hi
+            for i in range(CH // BN):  # a fixed trip count pipelines better than a bound read at run time
+                rn = n_lo + i * BN + tl.arange(0, BN)
+                nm = rn < d_out
                 bt = tl.load(b_base + rn[None, :] * r_max, mask=cm[:, None] & nm[None, :], other=0.0)
                 ym = rm[:, None] & nm[None, :]
                 yt = tl.load(y_rows + rn[None, :], mask=ym, other=0.0)

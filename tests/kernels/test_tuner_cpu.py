@@ -86,3 +86,14 @@ def test_tuner_at_load_auto_skips_a_covering_table_and_tunes_otherwise(tmp_path)
     always = _at_load(_FakeKernels(tmp_path), tmp_path, mode="always")
     assert always is not None
     always.stop()
+
+
+def test_pair_shrinks_keeps_the_fastest_of_each_close_kind():
+    """An expand is paired with the n fastest shrinks and with the fastest shrink of every other kind
+    within 20% of the fastest (its hand-over of v can make the faster call), never with slower ones."""
+    shrink = {("tr_a", 2): 15.6, ("tr_b", 2): 16.2, ("tr_a", 4): 16.3, ("xs_a", 4): 16.4, ("xs_b", 4): 16.5,
+              ("t64", 2): 19.0, ("gemv", 1): 40.0}
+    kinds = {"tr_a": "triton", "tr_b": "triton", "xs_a": "stream", "xs_b": "stream", "t64": "cutlass", "gemv": "gemv"}
+    assert tuner.pair_shrinks(shrink, kinds, 3) == [("tr_a", 2), ("tr_b", 2), ("tr_a", 4), ("xs_a", 4)]
+    assert tuner.pair_shrinks(shrink, kinds, 1, within=1.25) == [("tr_a", 2), ("xs_a", 4), ("t64", 2)]
+    assert tuner.pair_shrinks(shrink, kinds, 10) == sorted(shrink, key=shrink.get)

@@ -115,13 +115,32 @@ def call_splits(c: dict, default=CLUSTERS) -> tuple[int, ...]:
     return tuple(c.get("call_splits") or default)
 
 
+def pair_shrinks(shrink: dict, kinds: dict, n: int, within: float = 1.2) -> list:
+    """The shrinks an expand is paired with: the ``n`` fastest alone, and the fastest of every other kind
+    within ``within`` of the fastest. A whole call's time also depends on how the shrink hands v over (v
+    itself or partials; whether it lets a dependent expand start early), which its time alone does not
+    show: on the H100 the Triton shrink was faster alone at decode-64 but the stream shrink made the faster
+    call, and ranking by time alone dropped it."""
+    ranked = sorted(shrink, key=shrink.get)
+    out = ranked[:max(1, n)]
+    seen = {kinds.get(k[0]) for k in out}
+    for k in ranked[len(out):]:
+        if shrink[k] > within * shrink[ranked[0]]:
+            break
+        if kinds.get(k[0]) not in seen:
+            out.append(k)
+            seen.add(kinds.get(k[0]))
+    return out
+
+
 def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], expand_cfgs: list[dict],
                   splits=SPLITS, pair_candidates: int = 3, clusters=CLUSTERS) -> dict:
     """Every feasible option for one shape:
 
     - "shrink": {(cfg, split): us}, each shrink timed alone;
-    - "expand": {cfg: us}, each expand's best whole call with one of the ``pair_candidates`` fastest
-      shrinks (on Hopper an expand launched as a programmatic dependent overlaps its prologue with
+    - "expand": {cfg: us}, each expand's best whole call with one of the shrinks ``pair_shrinks`` picks
+      (the ``pair_candidates`` fastest, and the fastest of each other kind close to them; on Hopper an
+      expand launched as a programmatic dependent overlaps its prologue with
       the shrink, and with split-K partials the best pair is not always built on the fastest shrink);
     - "call": {(cfg, split): us}, the one-launch calls (kind "call": shrink and expand in one launch),
       each with every split it takes (``call_splits``: a fused call's cluster sizes, a flag call's d_in
@@ -152,7 +171,7 @@ def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], exp
     whole = PHASE_PREP | PHASE_SHRINK | PHASE_EXPAND
     expand: dict[str, float] = {}
     pairs: dict[tuple, float] = {}
-    for sk in sorted(shrink, key=shrink.get)[:max(1, pair_candidates)]:
+    for sk in pair_shrinks(shrink, {c["name"]: c["kind"] for c in shrink_cfgs}, pair_candidates):
         for c in expand_cfgs:
             t = _timed_or_none(kernels, p, sk, c["name"], whole)
             if t is not None:
