@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, make, ref_fp32  # noqa: F401  (same oracle and tolerances)
+from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
 from vlora.atmm import AtmmKernels
 from vlora.atmm.dispatch import PHASE_PREP, PHASE_SHRINK
 
@@ -27,10 +27,6 @@ CLUSTERS = (1, 2, 4, 8)
 @pytest.fixture(scope="module")
 def kernels() -> AtmmKernels:
     return AtmmKernels(load_table=False)
-
-
-def ranks_for(c) -> tuple[int, ...]:
-    return tuple(r for r in (8, 16, 32, 64, 128) if r <= c["max_rank"]) + (24, 0)
 
 
 def test_there_are_fused_calls():

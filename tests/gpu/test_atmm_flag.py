@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, make, ref_fp32  # noqa: F401  (same oracle and tolerances)
+from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
 from vlora.atmm import AtmmKernels
 
 pytestmark = pytest.mark.gpu
@@ -24,10 +24,6 @@ SPLITS = (1, 3, 8, 32)
 @pytest.fixture(scope="module")
 def kernels() -> AtmmKernels:
     return AtmmKernels(load_table=False)
-
-
-def ranks_for(c) -> tuple[int, ...]:
-    return tuple(r for r in (8, 16, 32, 64, 128) if r <= c["max_rank"]) + (24, 0)
 
 
 def test_there_are_flag_calls():

@@ -78,6 +78,28 @@ def check_graph_replay(kernels, shrink, expand, calls=4, replays=3):
         assert ((y.float() - want).norm() / want.norm()).item() <= 2e-2
 
 
+def ranks_for(*configs) -> tuple[int, ...]:
+    """Slot ranks every config serves (8..the smallest max_rank, a rank that is not a multiple of 16, and 0)."""
+    limit = min(c["max_rank"] for c in configs)
+    return tuple(r for r in (8, 16, 32, 64, 128) if r <= limit) + (24, 0)
+
+
+def check_family(kernels, shrinks, expands, T, dtype, pattern):
+    """Every shrink of a kernel family with an expand of it and every expand with a shrink, d_in 4096 ->
+    d_out 5120, d_in whole and split in 3. Partners rotate through the other list, small tiles with small."""
+    both = shrinks + expands
+
+    def partner(c, pool):
+        same = [o for o in pool if (o["tb_m"] >= 64) == (c["tb_m"] >= 64)] or pool
+        return same[both.index(c) % len(same)]
+
+    pairs = [(cs, partner(cs, expands)) for cs in shrinks] + [(partner(ce, shrinks), ce) for ce in expands]
+    for cs, ce in pairs:
+        for split in (1, 3):
+            check(kernels, T, 4096, 5120, dtype, pattern, seed=T + split, shrink=(cs["name"], split),
+                  expand=ce["name"], ranks=ranks_for(cs, ce))
+
+
 def check(kernels, T, d_in, d_out, dtype, pattern, seed, shrink=None, expand=None, ranks=RANKS, pdl=True):
     x, y0, a, b, mapping = make(T, d_in, d_out, dtype, pattern, seed, ranks)
     scales = tuple(SCALES[i % len(SCALES)] for i in range(len(ranks)))

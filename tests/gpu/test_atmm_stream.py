@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, make, ref_fp32  # noqa: F401  (same oracle and tolerances)
+from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
 from vlora.atmm import AtmmKernels
 
 pytestmark = pytest.mark.gpu
@@ -25,31 +25,15 @@ def kernels() -> AtmmKernels:
     return AtmmKernels(load_table=False)
 
 
-def ranks_for(*configs) -> tuple[int, ...]:
-    """Slot ranks every config serves (8..max_rank, a rank that is not a multiple of 16, and 0)."""
-    limit = min(c["max_rank"] for c in configs)
-    return tuple(r for r in (8, 16, 32, 64, 128) if r <= limit) + (24, 0)
-
-
 def test_there_are_stream_configs():
     assert len(STREAM_SHRINK) >= 4 and len(STREAM_EXPAND) >= 4
-
-
-def partner(c, pool):
-    """A config of the other direction for the same tile size class (small tiles with small)."""
-    same = [o for o in pool if (o["tb_m"] >= 64) == (c["tb_m"] >= 64)] or pool
-    return same[(STREAM_SHRINK + STREAM_EXPAND).index(c) % len(same)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])
 @pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])
 def test_every_stream_config(kernels, dtype, pattern, T):
-    pairs = [(cs, partner(cs, STREAM_EXPAND)) for cs in STREAM_SHRINK] + [(partner(ce, STREAM_SHRINK), ce) for ce in STREAM_EXPAND]
-    for cs, ce in pairs:
-        for split in (1, 3):
-            check(kernels, T, 4096, 5120, dtype, pattern, seed=T + split, shrink=(cs["name"], split),
-                  expand=ce["name"], ranks=ranks_for(cs, ce))
+    check_family(kernels, STREAM_SHRINK, STREAM_EXPAND, T, dtype, pattern)
 
 
 @pytest.mark.parametrize("d", [4096, 5120])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import check, check_graph_replay, make, RANKS, SCALES  # noqa: F401  (same oracle and tolerances)
+from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, make, ranks_for  # noqa: F401  (same oracle and tolerances)
 from vlora.atmm import AtmmKernels
 
 pytestmark = pytest.mark.gpu
@@ -27,16 +27,6 @@ def kernels() -> AtmmKernels:
     return AtmmKernels(load_table=False)
 
 
-def ranks_for(*configs) -> tuple[int, ...]:
-    """Slot ranks every config serves (8..max_rank, a rank that is not a multiple of 16, and 0)."""
-    limit = min(c["max_rank"] for c in configs)
-    return tuple(r for r in (8, 16, 32, 64, 128) if r <= limit) + (24, 0)
-
-
-def partner(c, pool):
-    return pool[(TR_SHRINK + TR_EXPAND).index(c) % len(pool)]
-
-
 def test_there_are_triton_configs():
     assert len(TR_SHRINK) >= 2 and len(TR_EXPAND) >= 2
     assert all(c["smem_bytes"] > 0 for c in TR_SHRINK + TR_EXPAND)
@@ -46,11 +36,7 @@ def test_there_are_triton_configs():
 @pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])
 @pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])
 def test_every_triton_config(kernels, dtype, pattern, T):
-    pairs = [(cs, partner(cs, TR_EXPAND)) for cs in TR_SHRINK] + [(partner(ce, TR_SHRINK), ce) for ce in TR_EXPAND]
-    for cs, ce in pairs:
-        for split in (1, 3):
-            check(kernels, T, 4096, 5120, dtype, pattern, seed=T + split, shrink=(cs["name"], split),
-                  expand=ce["name"], ranks=ranks_for(cs, ce))
+    check_family(kernels, TR_SHRINK, TR_EXPAND, T, dtype, pattern)
 
 
 @pytest.mark.parametrize("d", [4096, 5120])

@@ -57,3 +57,19 @@ def test_cpp_table_validation_and_fallback(tmp_path):
     assert not hit["exact"] and not hit["default"] and hit["config"] == names[1]
     assert table.key("shrink", "bf16", 250, 4096, 32, 1) == table.key("shrink", "bf16", 256, 4096, 32, 1)
     assert table.key("shrink", "bf16", 256, 4096, 32, 1) != table.key("expand", "bf16", 256, 4096, 32, 1)
+
+
+def test_committed_tables_name_only_configs_of_the_one_list():
+    """Every config a committed table names is a line of csrc/atmm/tile_configs.def (no extension needed)."""
+    import re
+
+    from vlora.atmm.tiling import default_table_dir
+
+    root = default_table_dir().parents[1]
+    lines = (root / "csrc" / "atmm" / "tile_configs.def").read_text().splitlines()
+    names = {m.group(1) for m in (re.match(r"^ATMM_[A-Z0-9_]+\(\s*(\w+)\s*[,)]", s) for s in lines) if m}
+    assert {"gemv_shrink", "t64x64_k64_s5", "tr_s_m64k128_r128_w4s4", "h9_m128n256_co_e128"} <= names
+    for path in default_table_dir().glob("*.json"):
+        _, entries = read_table(path)
+        unknown = sorted({e.config for e in entries} - names)
+        assert not unknown, f"{path.name} names configs that tile_configs.def does not list: {unknown}"

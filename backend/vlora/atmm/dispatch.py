@@ -32,6 +32,11 @@ def load_extension() -> tuple[ModuleType | None, str]:
         return None, f"vlora_atmm_ext not importable: {e}"
 
 
+# Config-name prefixes of kernel families that are built only where the build could (tile_configs.def):
+# the Triton kernels need the triton package at build time, the CUTLASS 3 ones an sm_90a build.
+OPTIONAL_FAMILIES = {"tr_": "triton", "h9": "cutlass3"}
+
+
 class AtmmKernels:
     """The extension, its tiling table, and the checks that decide whether a call can use them.
 
@@ -87,8 +92,18 @@ class AtmmKernels:
             entries = list(merged.values())
             source = f"{overlay} over {path}"
         table = self.ext.TilingTable()
+        # Families a build may lack (no triton at build time, no sm_90a): their entries are skipped, once
+        # warned, and the nearest remaining entry serves those shapes. Any other unknown name is refused.
+        missing = {prefix: kind for prefix, kind in OPTIONAL_FAMILIES.items() if kind not in set(self._kinds.values())}
+        skipped = [e for e in entries if e.config not in self._kinds and any(e.config.startswith(p) for p in missing)]
+        skip = {id(e) for e in skipped}
         for e in entries:
-            table.add(e.direction, e.dtype, e.tokens, e.width, e.rank, e.segments, e.config, e.split_k)
+            if id(e) not in skip:
+                table.add(e.direction, e.dtype, e.tokens, e.width, e.rank, e.segments, e.config, e.split_k)
+        if skipped:
+            log.warning("atmm: tiling table %s: %d entries name kernels this build lacks (%s: %s); the nearest other "
+                        "entries serve those shapes", source, len(skipped), ", ".join(sorted(set(missing.values()))),
+                        ", ".join(sorted({e.config for e in skipped})))
         with self._lock:
             self._table = table
             self.table_source = source
