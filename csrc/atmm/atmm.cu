@@ -183,23 +183,38 @@ const char* direction_name(Direction d) { return d == Direction::kShrink ? "shri
 const char* dtype_name(DType t) { return t == DType::kF16 ? "fp16" : "bf16"; }
 
 namespace {
-// A device attribute of the current device, read once per device (multi-GPU servers: per device).
-template <cudaDeviceAttr Attr>
-int cached_attribute() {
+// A positive value of the current device, read once per device (multi-GPU servers: per device); 0 marks
+// "not read yet", so a value that is not positive is cached as 1.
+template <int (*Read)(int dev)>
+int cached_per_device() {
   static std::atomic<int> cached[64];
   int dev = 0;
   cudaGetDevice(&dev);
-  dev &= 63;
-  int v = cached[dev].load(std::memory_order_relaxed);
+  int v = cached[dev & 63].load(std::memory_order_relaxed);
   if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, Attr, dev) != cudaSuccess || v <= 0) v = 1;
-    cached[dev].store(v, std::memory_order_relaxed);
+    v = std::max(Read(dev), 1);
+    cached[dev & 63].store(v, std::memory_order_relaxed);
   }
   return v;
 }
+
+template <cudaDeviceAttr Attr>
+int read_attribute(int dev) {
+  int v = 0;
+  return cudaDeviceGetAttribute(&v, Attr, dev) == cudaSuccess ? v : 0;
+}
+
+// major * 10 + minor: positive even where the minor version is 0 (an attribute of its own would not be).
+int read_cc(int dev) {
+  return read_attribute<cudaDevAttrComputeCapabilityMajor>(dev) * 10 + read_attribute<cudaDevAttrComputeCapabilityMinor>(dev);
+}
+
+template <cudaDeviceAttr Attr>
+int cached_attribute() { return cached_per_device<read_attribute<Attr>>(); }
 }  // namespace
 
 int device_cc_major() { return cached_attribute<cudaDevAttrComputeCapabilityMajor>(); }
+int device_cc() { return cached_per_device<read_cc>(); }
 int sm_count() { return cached_attribute<cudaDevAttrMultiProcessorCount>(); }
 
 // ---------------------------------------------------------------------------------------------

@@ -110,5 +110,7 @@ cudaError_t launch_reduce(ForwardArgs const& a, WorkspaceLayout const& w, int sp
 int sm_count();
 // Compute capability major of the current device (cached per device).
 int device_cc_major();
+// Compute capability of the current device as major * 10 + minor (90: H100/H200), cached per device.
+int device_cc();
 
 }  // namespace atmm

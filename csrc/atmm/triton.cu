@@ -25,7 +25,6 @@ struct TritonCubin {
   int shared;  // dynamic shared memory of one block, bytes
   int warps;
   const unsigned char* data;
-  size_t size;
 };
 #include "atmm_triton_cubins.inc"
 
@@ -36,22 +35,6 @@ struct TritonFn {
   std::atomic<CUfunction> f[kMaxDevices];
   std::atomic<int> cubin[kMaxDevices];
 };
-
-int device_cc() {
-  static std::atomic<int> cached[kMaxDevices];
-  int dev = 0;
-  cudaGetDevice(&dev);
-  dev &= kMaxDevices - 1;
-  int cc = cached[dev].load(std::memory_order_relaxed);
-  if (cc == 0) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    cc = major * 10 + minor;
-    cached[dev].store(cc, std::memory_order_relaxed);
-  }
-  return cc;
-}
 
 cudaError_t from_driver(CUresult r) {
   switch (r) {

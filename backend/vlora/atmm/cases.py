@@ -6,7 +6,7 @@ import torch
 from vlora.lora.mapping import LoraBatchMapping
 
 RANK_CYCLE = (8, 16, 32, 64, 128)
-PATTERNS = ("one_long", "many_short", "empty", "no_adapter", "1x7", "7x1", "3x3")
+PATTERNS = ("one_long", "many_short", "empty", "no_adapter", "1x7", "7x1", "3x3", "many_tiny")
 
 
 def segments(pattern: str, num_tokens: int, n_slots: int) -> tuple[list[int], list[int]]:
@@ -32,6 +32,14 @@ def segments(pattern: str, num_tokens: int, n_slots: int) -> tuple[list[int], li
         lengths = [T // n + (1 if i < T % n else 0) for i in range(n)]
         cycle = [-1, 0, n_slots - 1, 1 % n_slots, -1]
         return lengths, [cycle[i % len(cycle)] for i in range(n)]
+    if pattern == "many_tiny":
+        # Segments of 0-3 tokens (about one per token: over 256 at T >= 300), slot -1 and every slot in turn.
+        lengths, slots, i = [], [], 0
+        while sum(lengths) < T or not lengths:
+            lengths.append(min((0, 2, 1, 0, 3)[i % 5], T - sum(lengths)))
+            slots.append(i % (n_slots + 1) - 1)
+            i += 1
+        return lengths, slots
     if pattern in ("1x7", "7x1", "3x3"):
         groups, per = {"1x7": (1, 7), "7x1": (7, 1), "3x3": (3, 3)}[pattern]
         n = groups * per
