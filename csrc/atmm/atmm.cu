@@ -67,6 +67,7 @@ namespace atmm {
 #if ATMM_HAVE_TRITON
 #define ATMM_TRITON_SHRINK(NAME, ...) ATMM_DECLARE_FUSED(NAME) size_t atmm_fused_##NAME##_smem();
 #define ATMM_TRITON_EXPAND(NAME, ...) ATMM_DECLARE_FUSED(NAME) size_t atmm_fused_##NAME##_smem();
+#define ATMM_TRITON_EXPAND_COLS(NAME, ...) ATMM_DECLARE_FUSED(NAME) size_t atmm_fused_##NAME##_smem();
 #endif
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
@@ -81,6 +82,7 @@ namespace atmm {
 #undef ATMM_SM90_SHRINK
 #undef ATMM_TRITON_SHRINK
 #undef ATMM_TRITON_EXPAND
+#undef ATMM_TRITON_EXPAND_COLS
 
 #define ATMM_FNS_ATMM_BOTH(NAME) \
   atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
@@ -132,6 +134,9 @@ const std::vector<KernelConfig>& kernel_configs() {
 #define ATMM_TRITON_EXPAND(NAME, BM, BN, R, CH, W, S)                                                            \
   KernelConfig{#NAME, BM, BN, R, BM, BN, 16, S, false, nullptr, nullptr, nullptr, nullptr, Kind::kTritonExpand,  \
                atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, R, atmm_fused_##NAME##_smem()},
+#define ATMM_TRITON_EXPAND_COLS(NAME, BM, BN, R, W, S, WAVES)                                                   \
+  KernelConfig{#NAME, BM, BN, R, BM, BN, 16, S, false, nullptr, nullptr, nullptr, nullptr, Kind::kTritonExpand,  \
+               atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, R, atmm_fused_##NAME##_smem()},
 #endif
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
@@ -146,6 +151,7 @@ const std::vector<KernelConfig>& kernel_configs() {
 #undef ATMM_SM90_SHRINK
 #undef ATMM_TRITON_SHRINK
 #undef ATMM_TRITON_EXPAND
+#undef ATMM_TRITON_EXPAND_COLS
   };
   return configs;
 }
@@ -535,6 +541,15 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   // prep: the problem arrays of whichever direction runs on CUTLASS (and the reduce's ranks).
   if ((phases & kPhasePrep) && (cutlass_shrink || cutlass_expand)) e = launch_prep(a, w, k_chunk, splits_used, stream);
   if (e != cudaSuccess) return std::string("atmm: prep kernel: ") + cudaGetErrorString(e) + ": " + shape_of(a);
+#if ATMM_HAVE_TRITON
+  // The Triton expands read slot scales and ranks from the workspace. Written here, before the shrink, an
+  // expand launched as the shrink's programmatic dependent may read them before it waits.
+  if ((phases & kPhasePrep) && ce.kind == Kind::kTritonExpand) {
+    e = launch_slot_scale(fa, stream);
+    if (e != cudaSuccess) return std::string("atmm: slot-scale kernel: ") + cudaGetErrorString(e) + ": " + shape_of(a);
+    fa.slot_scale_ready = 1;
+  }
+#endif
 
   auto tiles = [&](int tb_m, int tb_n, int n, int groups) -> int {
     int64_t t = (a.num_tokens / tb_m + a.num_segments) * int64_t((n + tb_n - 1) / tb_n) * groups;

@@ -22,6 +22,7 @@ struct FusedArgs {
   float* partial;  // [splits, T, r_max] fp32
   void* v;         // [T, r_max] in the activation dtype
   float* slot_scale;  // workspace the Triton expand fills: kMaxSlots scales (0: rank 0), then kMaxSlots padded ranks
+  int slot_scale_ready;  // slot_scale was written before the shrink (launch_slot_scale in the prep phase)
   int v_ready;     // the shrink wrote v itself (stream shrink, d_in not split): expands read v, not partials
   int pdl;         // launch the expand as a programmatic dependent of the shrink (sm_90)
   int splits;      // chunks of d_in actually used
@@ -30,6 +31,11 @@ struct FusedArgs {
   int d_in, d_out, r_max;
   int64_t ld_x, ld_y;
 };
+
+#if ATMM_HAVE_TRITON
+// Writes slot scales (0 for rank 0) and padded ranks into a.slot_scale for the Triton expands (triton.cu).
+cudaError_t launch_slot_scale(FusedArgs const& a, cudaStream_t stream);
+#endif
 
 template <typename T>
 cudaError_t gemv_shrink(FusedArgs const& a, cudaStream_t stream);

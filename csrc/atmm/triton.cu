@@ -1,6 +1,8 @@
 // The Triton ATMM kernels (triton_lora.py): cubins compiled at build time by triton_aot.py, loaded
 // here with the driver API (one module per device, on first use) and launched on the caller's stream
-// with the FusedArgs contract of the hand-written kinds. Triton is not needed at run time.
+// with the FusedArgs contract of the hand-written kinds. Triton is not needed at run time. The expands
+// run as the shrink's programmatic dependents when the call asks for PDL and its prep phase wrote the
+// slot scales.
 // Built only when CMake found the triton package (ATMM_HAVE_TRITON); otherwise this file is empty and
 // the tr_* lines of tile_configs.def name nothing.
 #include "atmm/atmm.h"
@@ -94,17 +96,32 @@ cudaError_t function_for(TritonFn& fn, const char* config, DType dtype, CUfuncti
   return cudaSuccess;
 }
 
-cudaError_t launch(TritonFn& fn, const char* config, DType dtype, unsigned gx, unsigned gy, void** params, cudaStream_t s) {
+// pdl: launch as a programmatic dependent of the kernel before it on the stream (the kernel waits with
+// griddepcontrol.wait before it reads what that kernel writes).
+cudaError_t launch(TritonFn& fn, const char* config, DType dtype, unsigned gx, unsigned gy, void** params, cudaStream_t s,
+                   bool pdl = false) {
   CUfunction f = nullptr;
   int idx = 0;
   cudaError_t e = function_for(fn, config, dtype, &f, &idx);
   if (e != cudaSuccess) return e;
   if (gx == 0 || gy == 0) return cudaSuccess;
   const TritonCubin& c = kTritonCubins[idx];
-  return from_driver(cuLaunchKernel(f, gx, gy, 1, 32 * c.warps, 1, 1, c.shared, reinterpret_cast<CUstream>(s), params, nullptr));
+  if (!pdl)
+    return from_driver(cuLaunchKernel(f, gx, gy, 1, 32 * c.warps, 1, 1, c.shared, reinterpret_cast<CUstream>(s), params, nullptr));
+  CUlaunchAttribute attr{};
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig cfg{};
+  cfg.gridDimX = gx; cfg.gridDimY = gy; cfg.gridDimZ = 1;
+  cfg.blockDimX = 32 * c.warps; cfg.blockDimY = 1; cfg.blockDimZ = 1;
+  cfg.sharedMemBytes = c.shared;
+  cfg.hStream = reinterpret_cast<CUstream>(s);
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return from_driver(cuLaunchKernelEx(&cfg, f, params, nullptr));
 }
 
-// The expand reads each slot's scale (0 for a slot of rank 0: its rows stay as they are) and padded rank
+// The expands read each slot's scale (0 for a slot of rank 0: its rows stay as they are) and padded rank
 // from the workspace: kMaxSlots floats, then kMaxSlots ints.
 __global__ void slot_scale_kernel(SlotTable t, float* out) {
   const int s = threadIdx.x;
@@ -132,10 +149,14 @@ cudaError_t triton_shrink(TritonFn& fn, const char* config, DType dtype, int bm,
   return launch(fn, config, dtype, row_tiles(a, bm), unsigned(a.splits), params, s);
 }
 
-cudaError_t triton_expand(TritonFn& fn, const char* config, DType dtype, int bm, int ch, FusedArgs const& a, cudaStream_t s) {
-  slot_scale_kernel<<<1, kMaxSlots, 0, s>>>(a.slots, a.slot_scale);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
+// Both expands: the slot scales first unless the prep phase wrote them before the shrink; only then may the
+// expand start as the shrink's programmatic dependent (it reads the scales before it waits).
+cudaError_t triton_expand_launch(TritonFn& fn, const char* config, DType dtype, unsigned gx, unsigned gy, FusedArgs const& a,
+                                 cudaStream_t s) {
+  if (!a.slot_scale_ready) {
+    cudaError_t e = launch_slot_scale(a, s);
+    if (e != cudaSuccess) return e;
+  }
   void* y = a.y;
   const void* v = a.v;
   const float* partial = a.partial;
@@ -151,7 +172,22 @@ cudaError_t triton_expand(TritonFn& fn, const char* config, DType dtype, int bm,
   void* profile = nullptr;
   void* params[] = {&y, &v, &partial, &lora_b, &scale, &rank, &indptr, &slot, &num_segments, &num_tokens, &d_out, &r_max, &ld_y,
                     &splits, &scratch, &profile};
-  return launch(fn, config, dtype, row_tiles(a, bm), unsigned((a.d_out + ch - 1) / ch), params, s);
+  return launch(fn, config, dtype, gx, gy, params, s, a.pdl && a.slot_scale_ready);
+}
+
+// lora_expand: (row tiles) x (column chunks of ch).
+cudaError_t triton_expand(TritonFn& fn, const char* config, DType dtype, int bm, int ch, FusedArgs const& a, cudaStream_t s) {
+  return triton_expand_launch(fn, config, dtype, row_tiles(a, bm), unsigned((a.d_out + ch - 1) / ch), a, s);
+}
+
+// lora_expand_cols: (column tiles of bn) x (runs of rows), about `waves` blocks per SM in all, and no more
+// runs than row tiles.
+cudaError_t triton_expand_cols(TritonFn& fn, const char* config, DType dtype, int bm, int bn, int waves, FusedArgs const& a,
+                               cudaStream_t s) {
+  const int64_t cols = (a.d_out + bn - 1) / bn;
+  const int64_t tiles = (a.num_tokens + bm - 1) / bm;
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(tiles, (int64_t(waves) * sm_count() + cols / 2) / cols));
+  return triton_expand_launch(fn, config, dtype, unsigned(cols), unsigned(runs), a, s);
 }
 
 size_t triton_smem(const char* config) {
@@ -162,6 +198,11 @@ size_t triton_smem(const char* config) {
 }
 
 }  // namespace
+
+cudaError_t launch_slot_scale(FusedArgs const& a, cudaStream_t stream) {
+  slot_scale_kernel<<<1, kMaxSlots, 0, stream>>>(a.slots, a.slot_scale);
+  return cudaGetLastError();
+}
 
 // One loaded-function cache per (config, dtype); the entry points atmm.cu's registry names.
 #define ATMM_TRITON_SHRINK(NAME, BM, BK, R, W, S)                                                              \
@@ -182,9 +223,19 @@ size_t triton_smem(const char* config) {
     return triton_expand(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, CH, a, s);                               \
   }                                                                                                             \
   size_t atmm_fused_##NAME##_smem() { return triton_smem(#NAME); }
+#define ATMM_TRITON_EXPAND_COLS(NAME, BM, BN, R, W, S, WAVES)                                                  \
+  static TritonFn triton_fn_##NAME[2];                                                                          \
+  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                                    \
+    return triton_expand_cols(triton_fn_##NAME[0], #NAME, DType::kF16, BM, BN, WAVES, a, s);                    \
+  }                                                                                                             \
+  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                                   \
+    return triton_expand_cols(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, BN, WAVES, a, s);                   \
+  }                                                                                                             \
+  size_t atmm_fused_##NAME##_smem() { return triton_smem(#NAME); }
 #include "atmm/tile_configs.def"
 #undef ATMM_TRITON_SHRINK
 #undef ATMM_TRITON_EXPAND
+#undef ATMM_TRITON_EXPAND_COLS
 
 }  // namespace atmm
 #endif  // ATMM_HAVE_TRITON

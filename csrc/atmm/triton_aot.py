@@ -1,6 +1,6 @@
 """Compile the Triton ATMM kernels (triton_lora.py) ahead of time, for the extension's build.
 
-Reads the ATMM_TRITON_SHRINK / ATMM_TRITON_EXPAND lines of tile_configs.def, compiles each (config,
+Reads the ATMM_TRITON_SHRINK / _EXPAND / _EXPAND_COLS lines of tile_configs.def, compiles each (config,
 dtype, arch) to a cubin with Triton (no GPU needed: Triton's own ptxas does the assembly), and writes one
 C++ include file: the cubins as byte arrays and, per config, the launch facts (entry name, shared memory,
 warps). CMake runs it when the triton package is importable (ATMM_TRITON=auto|on); triton.cu includes the file.
@@ -21,18 +21,20 @@ HERE = Path(__file__).resolve().parent
 DTYPES = {"f16": "fp16", "bf16": "bf16"}
 SEGS = 256  # segments scanned per step when a program looks for its row tile
 
-# name -> (kernel, non-constexpr arguments with their Triton types, constexpr names in order of the def line)
+EXPAND_ARGS = [("y", "*D"), ("v", "*D"), ("partial", "*fp32"), ("lora_b", "*D"), ("slot_scale", "*fp32"),
+               ("slot_rank", "*i32"), ("seg_indptr", "*i32"), ("seg_slot", "*i32"), ("num_segments", "i32"),
+               ("num_tokens", "i32"), ("d_out", "i32"), ("r_max", "i32"), ("ld_y", "i32"), ("splits", "i32")]
+# name -> (kernel, non-constexpr arguments with their Triton types, constexpr names in order of the def line,
+#          fields after warps and stages that only the C++ launcher reads)
 KERNELS = {
     "SHRINK": ("lora_shrink",
                [("x", "*D"), ("lora_a", "*D"), ("v", "*D"), ("partial", "*fp32"), ("seg_indptr", "*i32"),
                 ("seg_slot", "*i32"), ("num_segments", "i32"), ("num_tokens", "i32"), ("d_in", "i32"),
                 ("r_max", "i32"), ("k_chunk", "i32"), ("splits", "i32")],
-               ["BM", "BK", "R"]),
-    "EXPAND": ("lora_expand",
-               [("y", "*D"), ("v", "*D"), ("partial", "*fp32"), ("lora_b", "*D"), ("slot_scale", "*fp32"),
-                ("slot_rank", "*i32"), ("seg_indptr", "*i32"), ("seg_slot", "*i32"), ("num_segments", "i32"), ("num_tokens", "i32"),
-                ("d_out", "i32"), ("r_max", "i32"), ("ld_y", "i32"), ("splits", "i32")],
-               ["BM", "BN", "R", "CH"]),
+               ["BM", "BK", "R"], []),
+    "EXPAND": ("lora_expand", EXPAND_ARGS, ["BM", "BN", "R", "CH"], []),
+    # the stages are also the pipelined loop's own num_stages (NS); waves: grid size in waves of the GPU
+    "EXPAND_COLS": ("lora_expand_cols", EXPAND_ARGS, ["BM", "BN", "R"], ["waves"]),
 }
 # Integer arguments that are multiples of 8 (checked by the extension before any launch).
 MULTIPLE_OF_8 = {"d_in", "d_out", "r_max", "k_chunk", "ld_y"}
@@ -42,14 +44,15 @@ def parse_def(path: Path) -> list[tuple[str, str, list[int], int, int]]:
     """(direction, name, constexpr values, warps, stages) of every ATMM_TRITON_* line."""
     out = []
     for line in path.read_text().splitlines():
-        m = re.match(r"^ATMM_TRITON_(SHRINK|EXPAND)\(([^)]*)\)", line)
+        m = re.match(r"^ATMM_TRITON_(SHRINK|EXPAND_COLS|EXPAND)\(([^)]*)\)", line)
         if not m:
             continue
         f = [s.strip() for s in m.group(2).split(",")]
-        n_const = len(KERNELS[m.group(1)][2])
-        if len(f) != 1 + n_const + 2:
-            raise SystemExit(f"triton_aot: {line!r}: expected name, {', '.join(KERNELS[m.group(1)][2])}, warps, stages")
-        out.append((m.group(1), f[0], [int(v) for v in f[1:1 + n_const]], int(f[-2]), int(f[-1])))
+        _, _, consts, extra = KERNELS[m.group(1)]
+        if len(f) != 1 + len(consts) + 2 + len(extra):
+            raise SystemExit(f"triton_aot: {line!r}: expected name, {', '.join(consts + ['warps', 'stages'] + extra)}")
+        out.append((m.group(1), f[0], [int(v) for v in f[1:1 + len(consts)]], int(f[1 + len(consts)]),
+                    int(f[2 + len(consts)])))
     return out
 
 
@@ -61,12 +64,14 @@ def compile_one(job: tuple) -> tuple:
     sys.path.insert(0, str(HERE))
     import triton_lora
 
-    kname, args, const_names = KERNELS[direction]
+    kname, args, const_names, _ = KERNELS[direction]
     fn = getattr(triton_lora, kname)
     ty = DTYPES[dt]
     signature = {a: t.replace("*D", "*" + ty) for a, t in args}
     constexprs = dict(zip(const_names, consts))
     constexprs["SEGS"] = SEGS
+    if "NS" in fn.arg_names:
+        constexprs["NS"] = stages
     for c in constexprs:
         signature[c] = "constexpr"
     # attrs are keyed by the argument's position in the kernel's own parameter list

@@ -1,7 +1,7 @@
 """ATMM kernels written in the Triton language, compiled ahead of time into the extension.
 
-`triton_aot.py` compiles every ATMM_TRITON_SHRINK / ATMM_TRITON_EXPAND line of tile_configs.def into a
-cubin at build time; `triton.cpp` loads the cubins and launches them like the hand-written kinds (same
+`triton_aot.py` compiles every ATMM_TRITON_SHRINK / _EXPAND / _EXPAND_COLS line of tile_configs.def into a
+cubin at build time; `triton.cu` loads the cubins and launches them like the hand-written kinds (same
 FusedArgs contract: v in the activation dtype when d_in is not split, fp32 partials otherwise). Nothing
 here runs through Triton's Python launcher, and serving needs no Triton at run time.
 
@@ -9,15 +9,17 @@ Why these exist (csrc/atmm/NOTES.md, 2026-11-25): on the H100, Triton's wgmma co
 row-tile shrink and a column-chunk expand moved x and y ~15-20% faster at T >= 4096 than any CUTLASS or
 hand-written (mma.sync) kernel here.
 
-Row tiles are numbered segment by segment (segments with slot -1 or no tokens have none); each program
-finds its segment by scanning seg_indptr in chunks of SEGS, so any number of segments works. The grid's
-first dimension is the upper bound T // BM + num_segments; programs past the last tile return at once.
+Row tiles are numbered segment by segment (segments with slot -1 or no tokens have none); in the shrink
+and the row-tile expand each program finds its segment by scanning seg_indptr in chunks of SEGS, so any
+number of segments works. Their grid's first dimension is the upper bound T // BM + num_segments; programs
+past the last tile return at once. The column-stationary expand (lora_expand_cols) walks the segments of
+its own run of rows instead.
 Every integer argument is a multiple of 8 (the extension checks widths, r_max and strides), which the
 compiler is told, so masked loads stay 16-byte vectors.
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -83,7 +85,8 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
     splits == 0: v was written by the shrink; else v is the sum of `splits` fp32 partials (rounded to the
     dtype, as the reference rounds it), as every shrink but the stream and Triton ones leaves it.
     Columns of v past the slot's padded rank may hold anything (a CUTLASS shrink writes only up to it):
-    they are zeroed after the load, which keeps the loads 16-byte vectors (lora_b is zero there)."""
+    they are zeroed after the load, which keeps the loads 16-byte vectors (lora_b is zero there).
+    Launched as the shrink's programmatic dependent (PDL), it finds its tile before waiting for the shrink."""
     seg, before = _row_tile(tl.program_id(0), seg_indptr, seg_slot, num_segments, BM, SEGS)
     if seg < num_segments:
         slot = tl.load(seg_slot + seg)
@@ -97,6 +100,7 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
             live = (rr < tl.load(slot_rank + slot))[None, :]
             vo = rows.to(tl.int64)[:, None] * r_max + rr[None, :]
             vm = rm[:, None] & cm[None, :]
+            gdc_wait()  # launched as the shrink's programmatic dependent: v is complete from here on
             if splits == 0:  # the shrink wrote v itself
                 vt = tl.where(live, tl.load(v + vo, mask=vm, other=0.0), 0.0)
             else:
@@ -115,3 +119,78 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
                 yt = tl.load(y_rows + rn[None, :], mask=ym, other=0.0)
                 o = tl.dot(vt, bt)
                 tl.store(y_rows + rn[None, :], (yt.to(tl.float32) + o * scale).to(y.dtype.element_ty), mask=ym)
+
+
+@triton.jit
+def _first_segment_past(row, seg_indptr, num_segments, SEGS: tl.constexpr):
+    """The first segment that ends after `row` (num_segments if none): seg_indptr does not decrease."""
+    n = 0
+    for c0 in range(0, num_segments, SEGS):
+        s = c0 + tl.arange(0, SEGS)
+        m = s < num_segments
+        n += tl.sum((m & (tl.load(seg_indptr + s + 1, mask=m, other=0) <= row)).to(tl.int32), 0)
+    return n
+
+
+@triton.jit
+def lora_expand_cols(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_slot, num_segments, num_tokens, d_out,
+                     r_max, ld_y, splits, BM: tl.constexpr, BN: tl.constexpr, R: tl.constexpr, NS: tl.constexpr,
+                     SEGS: tl.constexpr):
+    """The expand of lora_expand, column-stationary: program (j, g) owns columns [j*BN, (j+1)*BN) and, of the row
+    tiles (BM rows from a segment's start, as lora_expand cuts them), those that start in the g-th of G equal runs
+    of rows (G = programs along axis 1, set by the launcher to fill the GPU about once). Within one segment its
+    tiles are consecutive: the slot's lora_b tile is loaded once, and the loop over them is pipelined with
+    tl.range(num_stages=NS), which (unlike the kernel's num_stages) also keeps y of the next tiles in flight.
+
+    Why (csrc/atmm/NOTES.md, 2026-11-26): Triton pipelines only the loads that feed a dot unless the loop
+    carries its own num_stages, so the row-tile expand never had y loads in flight ahead of use.
+    Launched as the shrink's programmatic dependent (PDL), it finds its rows and loads its first lora_b tile
+    before waiting for the shrink. Each segment costs a few scalar loads: this kernel is for few, long
+    segments (prefill); the row-tile expand is the one for many short ones (decode)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = rn < d_out
+    rr = tl.arange(0, R)
+    cm = rr < r_max
+    rows_per = (num_tokens + tl.num_programs(1) * BM - 1) // (tl.num_programs(1) * BM) * BM
+    ra = tl.program_id(1) * rows_per  # this program owns the tiles that start in rows [ra, rb)
+    rb = ra + rows_per
+    seg = _first_segment_past(ra, seg_indptr, num_segments, SEGS)
+    lo = tl.load(seg_indptr + seg, mask=seg < num_segments, other=0)
+    while (seg < num_segments) & (lo < rb):
+        hi = tl.load(seg_indptr + seg + 1)
+        slot = tl.load(seg_slot + seg)
+        scale = tl.load(slot_scale + tl.maximum(slot, 0))
+        t0 = (tl.maximum(ra, lo) - lo + BM - 1) // BM  # the segment's tiles k start at lo + k * BM
+        t1 = (tl.minimum(rb, hi) - lo + BM - 1) // BM
+        if (slot >= 0) & (t0 < t1) & (scale != 0.0):  # scale 0: a slot of rank 0, its rows stay as they are
+            live = (rr < tl.load(slot_rank + slot))[None, :]
+            bt = tl.load(lora_b + slot.to(tl.int64) * d_out * r_max + rr[:, None] + rn[None, :] * r_max,
+                         mask=cm[:, None] & nm[None, :], other=0.0)
+            gdc_wait()  # launched as the shrink's programmatic dependent: v is complete from here on
+            if splits == 0:  # v written by the shrink: the pipelined loop
+                for t in tl.range(t0, t1, num_stages=NS):
+                    rows = lo + t * BM + tl.arange(0, BM)
+                    rm = rows < hi
+                    vt = tl.load(v + rows.to(tl.int64)[:, None] * r_max + rr[None, :], mask=rm[:, None] & cm[None, :],
+                                 other=0.0)
+                    yp = y + rows.to(tl.int64)[:, None] * ld_y + rn[None, :]
+                    ym = rm[:, None] & nm[None, :]
+                    yt = tl.load(yp, mask=ym, other=0.0)
+                    o = tl.dot(tl.where(live, vt, 0.0), bt)
+                    tl.store(yp, (yt.to(tl.float32) + o * scale).to(y.dtype.element_ty), mask=ym)
+            else:  # v is the sum of `splits` fp32 partials, rounded to the dtype as the reference rounds it
+                for t in range(t0, t1):
+                    rows = lo + t * BM + tl.arange(0, BM)
+                    rm = rows < hi
+                    vo = rows.to(tl.int64)[:, None] * r_max + rr[None, :]
+                    vm = rm[:, None] & cm[None, :]
+                    acc = tl.zeros((BM, R), tl.float32)
+                    for k in range(0, splits):
+                        acc += tl.where(live, tl.load(partial + k.to(tl.int64) * num_tokens * r_max + vo, mask=vm, other=0.0), 0.0)
+                    yp = y + rows.to(tl.int64)[:, None] * ld_y + rn[None, :]
+                    ym = rm[:, None] & nm[None, :]
+                    yt = tl.load(yp, mask=ym, other=0.0)
+                    o = tl.dot(acc.to(y.dtype.element_ty), bt)
+                    tl.store(yp, (yt.to(tl.float32) + o * scale).to(y.dtype.element_ty), mask=ym)
+        seg += 1
+        lo = hi

@@ -1,7 +1,8 @@
 """The Triton ATMM kernels (csrc/atmm/triton_lora.py, compiled ahead of time and launched by triton.cu)
 against the fp32 reference, on fresh random data with the workspace poisoned before every call: each
-Triton shrink and expand, every way v is handed over (v written directly, split-K partials, a CUTLASS,
-stream or gemv kernel on the other side), uneven widths, and CUDA-graph replay."""
+Triton shrink and expand (row-tile tr_e_* and column-stationary tr_c_*), every way v is handed over (v
+written directly, split-K partials, a CUTLASS, stream or gemv kernel on the other side, the expand as the
+shrink's programmatic dependent or not), uneven widths, and CUDA-graph replay."""
 from __future__ import annotations
 
 import pytest
@@ -47,6 +48,10 @@ def test_large_prefill(kernels, d, T, split):
           expand="tr_e_m64n128_r128_c1024_w4s2")
     check(kernels, T, d, d, torch.float16, "one_long", seed=T, shrink=("tr_s_m64k64_r128_w4s5", split),
           expand="tr_e_m64n128_r128_c1024_w8s2")
+    check(kernels, T, d, d, torch.bfloat16, "3x3", seed=T + 1, shrink=("tr_s_m64k128_r128_w4s4", split),
+          expand="tr_c_m64n256_r128_w8s3_g1")
+    check(kernels, T, d, d, torch.float16, "no_adapter", seed=T + 2, shrink=("tr_s_m64k64_r128_w4s5", split),
+          expand="tr_c_m64n128_r128_w8s4_g1")
 
 
 @pytest.mark.parametrize("pdl", [True, False])
@@ -55,7 +60,11 @@ def test_large_prefill(kernels, d, T, split):
                                   ("tr_s_m32k128_r128_w4s4", "fx_m64n128"),              # the fused expand reads v
                                   ("t64x64_k64_s5", "tr_e_m64n128_r128_c1024_w4s2"),     # CUTLASS partials summed
                                   ("xs_m64_r128_w2x2", "tr_e_m64n128_r128_c1024_w4s2"),  # stream v
-                                  ("gemv_shrink", "tr_e_m64n128_r64_c1024_w4s3")])
+                                  ("gemv_shrink", "tr_e_m64n128_r64_c1024_w4s3"),
+                                  ("tr_s_m64k128_r128_w4s4", "tr_c_m64n128_r128_w8s4_g1"),  # Triton pair (PDL)
+                                  ("t64x64_k64_s5", "tr_c_m64n128_r128_w4s3_g1"),         # column-stationary: partials
+                                  ("xs_m64_r128_w2x2", "tr_c_m32n128_r128_w4s3_g2"),      # stream v
+                                  ("gemv_shrink", "tr_c_m64n256_r64_w8s3_g1")])
 @pytest.mark.parametrize("split", [1, 4])
 def test_mixed_pairs(kernels, pdl, pair, split):
     cfgs = {c["name"]: c for c in ext.configs()}
@@ -78,7 +87,9 @@ def test_uneven_widths_and_deep_split(kernels):
 def test_many_segments(kernels):
     """More segments than one step of the row-tile scan (256): every program still finds its tile."""
     for shrink, expand in ((("tr_s_m32k128_r128_w4s4", 1), "tr_e_m64n128_r128_c1024_w4s2"),
-                           (("tr_s_m64k64_r128_w4s5", 3), "tr_e_m64n128_r128_c1024_w4s2")):
+                           (("tr_s_m64k64_r128_w4s5", 3), "tr_e_m64n128_r128_c1024_w4s2"),
+                           (("tr_s_m32k128_r128_w4s4", 1), "tr_c_m64n128_r128_w4s2_g2"),
+                           (("tr_s_m64k64_r128_w4s5", 3), "tr_c_m32n128_r128_w4s3_g2")):
         check(kernels, 1400, 4096, 4096, torch.bfloat16, "many_tiny", seed=9, shrink=shrink, expand=expand,
               ranks=(8, 16, 32, 64, 128, 24, 0))
 
@@ -91,6 +102,7 @@ def test_rank_limit_is_refused_with_the_config_named(kernels):
 
 
 @pytest.mark.parametrize("pair", [("tr_s_m64k128_r128_w4s4", "tr_e_m64n128_r128_c1024_w4s2"),
+                                  ("tr_s_m64k128_r128_w4s4", "tr_c_m64n128_r128_w8s4_g1"),
                                   ("tr_s_m64k128_r128_w4s4", "ye_m64n128_r128_w1x8")])
 def test_graph_replay(kernels, pair):
     """Loaded modules and the slot-scale kernel survive capture: replays stay exact."""
