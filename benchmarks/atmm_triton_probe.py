@@ -2,8 +2,10 @@
 
 Times a copy, an in-place `y += 1`, and sweeps of plain Triton shrink (x @ A^T), expand (y += s * v @ B^T) and
 one-row-tile-does-both kernels (constexpr strides, no masks), with the same graph-replay harness as the benchmark.
-It is what showed (csrc/atmm/NOTES.md, 2026-11-25) that an in-place update of y reaches copy speed and that
-Triton's wgmma code beat the CUTLASS/mma.sync kernels; the general kernels are csrc/atmm/triton_lora.py.
+It is what showed (csrc/atmm/NOTES.md, 2026-11-25) that an in-place update of y reaches copy speed, that
+Triton's wgmma code beat the CUTLASS/mma.sync kernels, and that a column-stationary expand whose row loop carries
+tl.range(num_stages=...) (y of the next tiles in flight) beats the row-tile ones; the general kernels are
+csrc/atmm/triton_lora.py.
 On the GPU machine, from the repository root: python3 benchmarks/atmm_triton_probe.py [T]   (about a minute)
 """
 import sys, itertools, time
@@ -53,6 +55,21 @@ def expand_k(v, b, y, s, N: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN:
     rr = tl.arange(0, R)
     vt = tl.load(v + rm[:, None] * R + rr[None, :])
     _update(vt, b, y, s, rm, tl.program_id(1) * NCH, tl.program_id(1) * NCH + NCH, N, R, BN)
+
+
+@triton.jit
+def expand_cols_k(v, b, y, s, T, N: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr):
+    """Column-stationary: one lora_B tile per program, its run of row tiles pipelined (y included) by tl.range."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rr = tl.arange(0, R)
+    bt = tl.load(b + rn[None, :] * R + rr[:, None])
+    per = (T // BM + tl.num_programs(1) - 1) // tl.num_programs(1)
+    lo = tl.program_id(1) * per
+    for t in tl.range(lo, tl.minimum(lo + per, T // BM), num_stages=NS):
+        rm = t * BM + tl.arange(0, BM)
+        vt = tl.load(v + rm[:, None].to(tl.int64) * R + rr[None, :])
+        yp = y + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(yp, (tl.load(yp).to(tl.float32) + tl.dot(vt, bt) * s).to(tl.bfloat16))
 
 
 @triton.jit
@@ -125,6 +142,17 @@ def main():
         res.append((t, f"expand BM={BM} BN={BN} st={st} w={w} split={nsplit}"))
     res.sort()
     for t, name in res[:6]:
+        print(f"{name}: {t:.1f} us = {2 * yb / t / 1e3:.0f} GB/s of y", flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    res = []
+    for BM, BN, ns, w, waves in ((64, 128, 4, 4, 1), (64, 128, 4, 8, 1), (128, 128, 3, 8, 1), (64, 256, 3, 8, 1),
+                                 (64, 128, 3, 4, 2), (64, 128, 2, 4, 2)):
+        G = max(1, round(waves * sms / (D // BN)))
+        t = graph_time_us([lambda i=i: expand_cols_k[(D // BN, G)](vs[i], B, ys[i], s, T, N=D, R=R, BM=BM, BN=BN, NS=ns,
+                                                                 num_warps=w) for i in range(n)])
+        res.append((t, f"expand, column-stationary BM={BM} BN={BN} NS={ns} w={w} runs={G}"))
+    res.sort()
+    for t, name in res[:4]:
         print(f"{name}: {t:.1f} us = {2 * yb / t / 1e3:.0f} GB/s of y", flush=True)
     res = []
     for BM, BK, BN, st, w in itertools.product((16, 32, 64), (64, 128), (64, 128), (3, 4), (4, 8)):

@@ -142,7 +142,7 @@ def lora_expand_cols(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, s
     tiles are consecutive: the slot's lora_b tile is loaded once, and the loop over them is pipelined with
     tl.range(num_stages=NS), which (unlike the kernel's num_stages) also keeps y of the next tiles in flight.
 
-    Why (csrc/atmm/NOTES.md, 2026-11-26): Triton pipelines only the loads that feed a dot unless the loop
+    Why (csrc/atmm/NOTES.md, 2026-11-25, column-stationary expand): Triton pipelines only the loads that feed a dot unless the loop
     carries its own num_stages, so the row-tile expand never had y loads in flight ahead of use.
     Launched as the shrink's programmatic dependent (PDL), it finds its rows and loads its first lora_b tile
     before waiting for the shrink. Each segment costs a few scalar loads: this kernel is for few, long
