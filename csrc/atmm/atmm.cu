@@ -223,33 +223,6 @@ int device_cc_major() { return cached_attribute<cudaDevAttrComputeCapabilityMajo
 int device_cc() { return cached_per_device<read_cc>(); }
 int sm_count() { return cached_attribute<cudaDevAttrMultiProcessorCount>(); }
 
-int* row_tile_counters(cudaError_t& err) {
-  static std::mutex mu;
-  static int* states[64] = {};
-  int dev = 0;
-  err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return nullptr;
-  std::lock_guard<std::mutex> lock(mu);
-  if (states[dev & 63]) return states[dev & 63];
-  const size_t bytes = size_t(2) * kCounterRowTiles * sizeof(int);
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  int* p = nullptr;
-  cudaStream_t s = nullptr;
-  err = cudaMalloc(&p, bytes);
-  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  if (err == cudaSuccess) err = cudaMemsetAsync(p, 0, bytes, s);
-  if (err == cudaSuccess) err = cudaStreamSynchronize(s);
-  if (s) cudaStreamDestroy(s);
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  if (err != cudaSuccess) {
-    if (p) cudaFree(p);
-    return nullptr;
-  }
-  states[dev & 63] = p;
-  return p;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Workspace
 // ---------------------------------------------------------------------------------------------
@@ -529,9 +502,8 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   // The CUTLASS kernels, 2.x and 3.x, read the prep kernel's problem arrays.
   const bool cutlass_shrink = cs.kind == Kind::kCutlass || cs.kind == Kind::kSm90;
   const bool cutlass_expand = ce.kind == Kind::kCutlass || ce.kind == Kind::kSm90;
-  // The stream shrink writes v itself when d_in is not split, the Triton shrink always (split, the last chunk
-  // of a row tile sums the partials); every other shrink writes partials.
-  const bool v_ready = (cs.kind == Kind::kStreamShrink && splits_used == 1) || cs.kind == Kind::kTritonShrink;
+  // The stream and Triton shrinks write v themselves when d_in is not split; every other shrink writes partials.
+  const bool v_ready = (cs.kind == Kind::kStreamShrink || cs.kind == Kind::kTritonShrink) && splits_used == 1;
   char* ws = static_cast<char*>(a.workspace);
 
   FusedArgs fa{};

@@ -113,12 +113,4 @@ int device_cc_major();
 // Compute capability of the current device as major * 10 + minor (90: H100/H200), cached per device.
 int device_cc();
 
-// Per-row-tile int counters of the current device: kCounterRowTiles of them, twice, allocated and zeroed on
-// first use (also inside a graph capture: that runs outside it, in relaxed capture mode). Kernels leave them
-// at zero when they finish. Not in the caller's workspace (the tests poison it, and a graph replay must start
-// from zero without a memset node), so ATMM calls on one device must come from one stream at a time, which
-// the workspace already asks. Used by the flag calls (stream_flag.cu) and the split Triton shrink (triton.cu).
-constexpr int kCounterRowTiles = 1 << 20;
-int* row_tile_counters(cudaError_t& err);
-
 }  // namespace atmm

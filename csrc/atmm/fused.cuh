@@ -23,7 +23,7 @@ struct FusedArgs {
   void* v;         // [T, r_max] in the activation dtype
   float* slot_scale;  // workspace the Triton expand fills: kMaxSlots scales (0: rank 0), then kMaxSlots padded ranks
   int slot_scale_ready;  // slot_scale was written before the shrink (launch_slot_scale in the prep phase)
-  int v_ready;     // the shrink wrote v (stream shrink with d_in not split, any Triton shrink): expands read v, not partials
+  int v_ready;     // the shrink wrote v itself (stream shrink, d_in not split): expands read v, not partials
   int pdl;         // launch the expand as a programmatic dependent of the shrink (sm_90)
   int splits;      // chunks of d_in actually used
   int k_chunk;     // elements of d_in per chunk

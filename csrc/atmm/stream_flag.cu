@@ -16,15 +16,17 @@
 // No deadlock: every block is resident at once, and a block meets its first expand item only after
 // all of its shrink items, so a shrink item is never queued behind a waiting one. The last expand
 // item of a row tile to have read v (a second counter) resets both counters, so the next call (or
-// graph replay) starts from zero with no memset node and no grid-wide step. The counters are the
-// extension's per-device row_tile_counters() (atmm.h), not in the caller's workspace: calls on one
+// graph replay) starts from zero with no memset node and no grid-wide step. The counters live in a
+// small per-device buffer of the extension (zeroed once), not in the caller's workspace: calls on one
 // device must not run concurrently from two streams (the workspace already asks the same).
+#include <mutex>
+
 #include "atmm/stream.cuh"
 
 namespace atmm {
 namespace detail {
 
-constexpr int kFlagMaxRowTiles = kCounterRowTiles;  // row tiles one call may have: two int counters each (8 MB per device)
+constexpr int kFlagMaxRowTiles = 1 << 20;  // row tiles one call may have: two int counters each (8 MB per device)
 
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   int v;
@@ -105,6 +107,35 @@ __global__ void __launch_bounds__(32 * SWM * SWN) flag_call_kernel(FusedArgs a, 
   }
 }
 
+// The device's counter buffer, allocated and zeroed on first use (also inside a graph capture: the
+// allocation and the zeroing run outside it, on a stream of their own, in relaxed capture mode).
+inline int* flag_state(cudaError_t& err) {
+  static std::mutex mu;
+  static int* states[64] = {};
+  int dev = 0;
+  err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (states[dev & 63]) return states[dev & 63];
+  const size_t bytes = size_t(2) * kFlagMaxRowTiles * sizeof(int);
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  int* p = nullptr;
+  cudaStream_t s = nullptr;
+  err = cudaMalloc(&p, bytes);
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (err == cudaSuccess) err = cudaMemsetAsync(p, 0, bytes, s);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(s);
+  if (s) cudaStreamDestroy(s);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  if (err != cudaSuccess) {
+    if (p) cudaFree(p);
+    return nullptr;
+  }
+  states[dev & 63] = p;
+  return p;
+}
+
 template <typename T, int BM, int KMAX, int SWM, int SWN, int SS, int BN, int EWM, int EWN, int ES>
 cudaError_t flag_call(FusedArgs const& a, cudaStream_t stream) {
   using Cfg = FlagCfg<T, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES>;
@@ -114,7 +145,7 @@ cudaError_t flag_call(FusedArgs const& a, cudaStream_t stream) {
   if (row_tiles > kFlagMaxRowTiles) return cudaErrorInvalidConfiguration;
   cudaError_t e = ensure_smem<kernel>(Cfg::kSmem);
   if (e != cudaSuccess) return e;
-  int* state = row_tile_counters(e);
+  int* state = flag_state(e);
   if (!state) return e;
   const int resident = sm_count() * blocks_per_sm<kernel>(Cfg::kThreads, Cfg::kSmem);
   const int cs = column_splits(row_tiles, a.d_out, BN, resident);

@@ -142,18 +142,10 @@ cudaError_t triton_shrink(TritonFn& fn, const char* config, DType dtype, int bm,
   const int32_t* slot = a.seg_slot;
   int32_t num_segments = a.num_segments, num_tokens = int32_t(a.num_tokens), d_in = a.d_in, r_max = a.r_max,
           k_chunk = a.k_chunk, splits = a.splits;
-  // Split, the last d_in chunk of each row tile sums the partials into v: counted on the device's row-tile counters.
-  int* counters = nullptr;
-  if (a.splits > 1) {
-    if (row_tiles(a, bm) > unsigned(kCounterRowTiles)) return cudaErrorInvalidConfiguration;
-    cudaError_t e = cudaSuccess;
-    counters = row_tile_counters(e);
-    if (!counters) return e;
-  }
   void* scratch = nullptr;
   void* profile = nullptr;
-  void* params[] = {&x, &lora_a, &v, &partial, &counters, &indptr, &slot, &num_segments, &num_tokens, &d_in, &r_max, &k_chunk,
-                    &splits, &scratch, &profile};
+  void* params[] = {&x, &lora_a, &v, &partial, &indptr, &slot, &num_segments, &num_tokens, &d_in, &r_max, &k_chunk, &splits,
+                    &scratch, &profile};
   return launch(fn, config, dtype, row_tiles(a, bm), unsigned(a.splits), params, s);
 }
 

@@ -28,7 +28,7 @@ EXPAND_ARGS = [("y", "*D"), ("v", "*D"), ("partial", "*fp32"), ("lora_b", "*D"),
 #          fields after warps and stages that only the C++ launcher reads)
 KERNELS = {
     "SHRINK": ("lora_shrink",
-               [("x", "*D"), ("lora_a", "*D"), ("v", "*D"), ("partial", "*fp32"), ("counters", "*i32"), ("seg_indptr", "*i32"),
+               [("x", "*D"), ("lora_a", "*D"), ("v", "*D"), ("partial", "*fp32"), ("seg_indptr", "*i32"),
                 ("seg_slot", "*i32"), ("num_segments", "i32"), ("num_tokens", "i32"), ("d_in", "i32"),
                 ("r_max", "i32"), ("k_chunk", "i32"), ("splits", "i32")],
                ["BM", "BK", "R"], []),

@@ -44,14 +44,11 @@ def _row_tile(pid, seg_indptr, seg_slot, num_segments, BM: tl.constexpr, SEGS: t
 
 
 @triton.jit
-def lora_shrink(x, lora_a, v, partial, counters, seg_indptr, seg_slot, num_segments, num_tokens, d_in, r_max, k_chunk,
-                splits, BM: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, SEGS: tl.constexpr):
-    """v[rows] = x[rows] @ lora_a[slot, :R].T over d_in chunk program_id(1). Split (splits > 1), each chunk
-    writes its fp32 partial and counts itself on its row tile's counter; the last to arrive sums the partials
-    (in chunk order, as the reduce does) into v and resets the counter. So v is always written, and an
-    expand reads v, not partials (csrc/atmm/NOTES.md, 2026-11-25, split shrink writes v).
-    An expand launched as its programmatic dependent may start at once: it prefetches what the shrink does
-    not write and waits (griddepcontrol.wait: this whole grid done) before reading v."""
+def lora_shrink(x, lora_a, v, partial, seg_indptr, seg_slot, num_segments, num_tokens, d_in, r_max, k_chunk, splits,
+                BM: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, SEGS: tl.constexpr):
+    """v[rows] = x[rows] @ lora_a[slot, :R].T over d_in chunk program_id(1) (fp32 partials when split).
+    An expand launched as its programmatic dependent (the stream expands) may start at once: it prefetches
+    what the shrink does not write and waits (griddepcontrol.wait: this whole grid done) before reading v."""
     gdc_launch_dependents()
     seg, before = _row_tile(tl.program_id(0), seg_indptr, seg_slot, num_segments, BM, SEGS)
     if seg < num_segments:
@@ -79,15 +76,6 @@ def lora_shrink(x, lora_a, v, partial, counters, seg_indptr, seg_slot, num_segme
             tl.store(v + out, acc.to(v.dtype.element_ty), mask=om)
         else:
             tl.store(partial + ks.to(tl.int64) * num_tokens * r_max + out, acc, mask=om)
-            tl.debug_barrier()  # every thread's partial is stored before the release below
-            arrived = tl.atomic_add(counters + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-            if arrived == splits - 1:  # the last chunk of this row tile: the others' partials are visible
-                s = tl.zeros((BM, R), tl.float32)
-                for k in range(0, splits):  # through L2 (.cg): other SMs wrote them
-                    s += tl.load(partial + k.to(tl.int64) * num_tokens * r_max + out, mask=om, other=0.0,
-                                 cache_modifier=".cg")
-                tl.store(v + out, s.to(v.dtype.element_ty), mask=om)
-                tl.atomic_xchg(counters + tl.program_id(0), 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

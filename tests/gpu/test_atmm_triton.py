@@ -1,8 +1,8 @@
 """The Triton ATMM kernels (csrc/atmm/triton_lora.py, compiled ahead of time and launched by triton.cu)
 against the fp32 reference, on fresh random data with the workspace poisoned before every call: each
 Triton shrink and expand (row-tile tr_e_* and column-stationary tr_c_*), every way v is handed over (v
-written directly, or by the last d_in chunk of a split Triton shrink, split-K partials of a CUTLASS, stream or
-gemv shrink, the expand as the shrink's programmatic dependent or not), uneven widths, and CUDA-graph replay."""
+written directly, split-K partials, a CUTLASS, stream or gemv kernel on the other side, the expand as the
+shrink's programmatic dependent or not), uneven widths, and CUDA-graph replay."""
 from __future__ import annotations
 
 import pytest
@@ -104,8 +104,6 @@ def test_rank_limit_is_refused_with_the_config_named(kernels):
 @pytest.mark.parametrize("pair", [("tr_s_m64k128_r128_w4s4", "tr_e_m64n128_r128_c1024_w4s2"),
                                   ("tr_s_m64k128_r128_w4s4", "tr_c_m64n128_r128_w8s4_g1"),
                                   ("tr_s_m64k128_r128_w4s4", "ye_m64n128_r128_w1x8")])
-@pytest.mark.parametrize("split", [1, 3])
-def test_graph_replay(kernels, pair, split):
-    """Loaded modules, the slot-scale kernel and (split) the row-tile counters that let the last d_in chunk
-    write v survive capture: replays stay exact, so every call leaves the counters at zero."""
-    check_graph_replay(kernels, shrink=(pair[0], split), expand=pair[1])
+def test_graph_replay(kernels, pair):
+    """Loaded modules and the slot-scale kernel survive capture: replays stay exact."""
+    check_graph_replay(kernels, shrink=(pair[0], 1), expand=pair[1])
