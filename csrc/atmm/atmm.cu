@@ -293,6 +293,7 @@ struct PrepParams {
   int64_t ld_x, ld_y, num_tokens;
   const char* x; const char* lora_a; const char* lora_b; char* y;
   char* ws;
+  float* slot_scale;  // non-null: also write the Triton expand's slot scales and padded ranks (as slot_scale_kernel)
   WorkspaceLayout w;
 };
 
@@ -316,6 +317,11 @@ __global__ void prep_kernel(PrepParams p, SlotTable slots) {
   auto* partial = reinterpret_cast<char*>(p.ws + p.w.partial);
   auto* v = reinterpret_cast<char*>(p.ws + p.w.v);
   const int64_t eb_ = p.elem_bytes;
+  if (p.slot_scale != nullptr && blockIdx.x == 0)
+    for (int s = threadIdx.x; s < kMaxSlots; s += blockDim.x) {
+      p.slot_scale[s] = slots.rank_padded[s] > 0 ? slots.scale[s] : 0.0f;
+      reinterpret_cast<int*>(p.slot_scale + kMaxSlots)[s] = slots.rank_padded[s];
+    }
 
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.num_segments; i += gridDim.x * blockDim.x) {
     int lo = p.seg_indptr[i], hi = p.seg_indptr[i + 1];
@@ -352,8 +358,10 @@ __global__ void prep_kernel(PrepParams p, SlotTable slots) {
 // [K=d_in, N=r] with leading dimension d_in; A (x) has leading dimension ld_x. sld_ab carries d_in
 // for B, so x must have ld_x == d_in for the shared stride array; forward() checks it.
 
-cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, int k_chunk, int splits_used, cudaStream_t stream) {
+cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, int k_chunk, int splits_used, float* slot_scale,
+                        cudaStream_t stream) {
   PrepParams p{};
+  p.slot_scale = slot_scale;
   p.seg_indptr = a.seg_indptr;
   p.seg_slot = a.seg_slot;
   p.num_segments = a.num_segments;
@@ -539,15 +547,25 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
     return "";
   }
   // prep: the problem arrays of whichever direction runs on CUTLASS (and the reduce's ranks).
-  if ((phases & kPhasePrep) && (cutlass_shrink || cutlass_expand)) e = launch_prep(a, w, k_chunk, splits_used, stream);
+  const bool prep_launched = (phases & kPhasePrep) && (cutlass_shrink || cutlass_expand);
+  // A Triton expand's slot scales come from the same kernel when it runs.
+  float* prep_slot_scale = ce.kind == Kind::kTritonExpand ? fa.slot_scale : nullptr;
+  if (prep_launched) e = launch_prep(a, w, k_chunk, splits_used, prep_slot_scale, stream);
   if (e != cudaSuccess) return std::string("atmm: prep kernel: ") + cudaGetErrorString(e) + ": " + shape_of(a);
 #if ATMM_HAVE_TRITON
   // The Triton expands read slot scales and ranks from the workspace. Written here, before the shrink, an
-  // expand launched as the shrink's programmatic dependent may read them before it waits.
+  // expand launched as the shrink's programmatic dependent may read them before it waits. A Triton shrink
+  // right after this kernel starts as its programmatic dependent: it finds its row tile meanwhile and
+  // waits for this kernel before it lets the expand start (triton_lora.py), which hides most of this launch.
   if ((phases & kPhasePrep) && ce.kind == Kind::kTritonExpand) {
-    e = launch_slot_scale(fa, stream);
-    if (e != cudaSuccess) return std::string("atmm: slot-scale kernel: ") + cudaGetErrorString(e) + ": " + shape_of(a);
-    fa.slot_scale_ready = 1;
+    if (prep_launched) {
+      fa.slot_scale_ready = 1;  // written by the prep kernel itself
+    } else {
+      e = launch_slot_scale(fa, stream);
+      if (e != cudaSuccess) return std::string("atmm: slot-scale kernel: ") + cudaGetErrorString(e) + ": " + shape_of(a);
+      fa.slot_scale_ready = 1;
+      fa.shrink_pdl = (fa.pdl && cs.kind == Kind::kTritonShrink) ? 1 : 0;
+    }
   }
 #endif
 

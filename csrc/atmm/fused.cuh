@@ -25,6 +25,7 @@ struct FusedArgs {
   int slot_scale_ready;  // slot_scale was written before the shrink (launch_slot_scale in the prep phase)
   int v_ready;     // the shrink wrote v itself (stream shrink, d_in not split): expands read v, not partials
   int pdl;         // launch the expand as a programmatic dependent of the shrink (sm_90)
+  int shrink_pdl;  // launch the (Triton) shrink as a programmatic dependent of the slot-scale kernel just before it
   int splits;      // chunks of d_in actually used
   int k_chunk;     // elements of d_in per chunk
   int64_t num_tokens;
@@ -34,6 +35,7 @@ struct FusedArgs {
 
 #if ATMM_HAVE_TRITON
 // Writes slot scales (0 for rank 0) and padded ranks into a.slot_scale for the Triton expands (triton.cu).
+// The kernel lets its programmatic dependent start at once (griddepcontrol.launch_dependents).
 cudaError_t launch_slot_scale(FusedArgs const& a, cudaStream_t stream);
 #endif
 

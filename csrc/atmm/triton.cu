@@ -2,7 +2,8 @@
 // here with the driver API (one module per device, on first use) and launched on the caller's stream
 // with the FusedArgs contract of the hand-written kinds. Triton is not needed at run time. The expands
 // run as the shrink's programmatic dependents when the call asks for PDL and its prep phase wrote the
-// slot scales.
+// slot scales; a Triton shrink then runs as the slot-scale kernel's dependent too (it finds its row tile,
+// then waits for that grid before it lets the expand start, so the expand reads the scales complete).
 // Built only when CMake found the triton package (ATMM_HAVE_TRITON); otherwise this file is empty and
 // the tr_* lines of tile_configs.def name nothing.
 #include "atmm/atmm.h"
@@ -124,6 +125,9 @@ cudaError_t launch(TritonFn& fn, const char* config, DType dtype, unsigned gx, u
 // The expands read each slot's scale (0 for a slot of rank 0: its rows stay as they are) and padded rank
 // from the workspace: kMaxSlots floats, then kMaxSlots ints.
 __global__ void slot_scale_kernel(SlotTable t, float* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // a shrink launched as our dependent may start
+#endif
   const int s = threadIdx.x;
   out[s] = t.rank_padded[s] > 0 ? t.scale[s] : 0.0f;
   reinterpret_cast<int*>(out + kMaxSlots)[s] = t.rank_padded[s];
@@ -146,7 +150,7 @@ cudaError_t triton_shrink(TritonFn& fn, const char* config, DType dtype, int bm,
   void* profile = nullptr;
   void* params[] = {&x, &lora_a, &v, &partial, &indptr, &slot, &num_segments, &num_tokens, &d_in, &r_max, &k_chunk, &splits,
                     &scratch, &profile};
-  return launch(fn, config, dtype, row_tiles(a, bm), unsigned(a.splits), params, s);
+  return launch(fn, config, dtype, row_tiles(a, bm), unsigned(a.splits), params, s, a.shrink_pdl != 0);
 }
 
 // Both expands: the slot scales first unless the prep phase wrote them before the shrink; only then may the

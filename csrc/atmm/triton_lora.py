@@ -44,13 +44,37 @@ def _row_tile(pid, seg_indptr, seg_slot, num_segments, BM: tl.constexpr, SEGS: t
 
 
 @triton.jit
+def _update_y(y, rows, rm, rn, nm, ld_y, vt, bt, scale):
+    """y[rows, rn] += scale * vt @ bt, in place (rows past the segment and columns past d_out masked)."""
+    yp = y + rows.to(tl.int64)[:, None] * ld_y + rn[None, :]
+    ym = rm[:, None] & nm[None, :]
+    yt = tl.load(yp, mask=ym, other=0.0)
+    o = tl.dot(vt, bt)
+    tl.store(yp, (yt.to(tl.float32) + o * scale).to(y.dtype.element_ty), mask=ym)
+
+
+@triton.jit
+def _partials_sum(partial, vo, vm, live, splits, num_tokens, r_max, BM: tl.constexpr, R: tl.constexpr):
+    """v of the rows at offsets vo: the sum of `splits` fp32 partials, columns past the slot's rank zeroed."""
+    acc = tl.zeros((BM, R), tl.float32)
+    for k in range(0, splits):
+        acc += tl.where(live, tl.load(partial + k.to(tl.int64) * num_tokens * r_max + vo, mask=vm, other=0.0), 0.0)
+    return acc
+
+
+@triton.jit
 def lora_shrink(x, lora_a, v, partial, seg_indptr, seg_slot, num_segments, num_tokens, d_in, r_max, k_chunk, splits,
                 BM: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, SEGS: tl.constexpr):
     """v[rows] = x[rows] @ lora_a[slot, :R].T over d_in chunk program_id(1) (fp32 partials when split).
-    An expand launched as its programmatic dependent (the stream expands) may start at once: it prefetches
-    what the shrink does not write and waits (griddepcontrol.wait: this whole grid done) before reading v."""
-    gdc_launch_dependents()
+    An expand launched as its programmatic dependent may start at once: it prefetches what the shrink does
+    not write and waits (griddepcontrol.wait: this whole grid done) before reading v. The shrink itself may
+    run as the dependent of the slot-scale kernel (triton.cu): it finds its tile while that kernel runs."""
     seg, before = _row_tile(tl.program_id(0), seg_indptr, seg_slot, num_segments, BM, SEGS)
+    # Launched as the slot-scale kernel's programmatic dependent, wait for that grid (a no-op otherwise),
+    # then let the expand start: it reads the slot scales before its own wait, which covers this grid only.
+    # A program with no tile lets it start by exiting; the expand has nothing to do for those rows.
+    gdc_wait()
+    gdc_launch_dependents()
     if seg < num_segments:
         ks = tl.program_id(1)
         slot = tl.load(seg_slot + seg)
@@ -104,21 +128,14 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
             if splits == 0:  # the shrink wrote v itself
                 vt = tl.where(live, tl.load(v + vo, mask=vm, other=0.0), 0.0)
             else:
-                s = tl.zeros((BM, R), tl.float32)
-                for k in range(0, splits):
-                    s += tl.where(live, tl.load(partial + k.to(tl.int64) * num_tokens * r_max + vo, mask=vm, other=0.0), 0.0)
-                vt = s.to(y.dtype.element_ty)
+                vt = _partials_sum(partial, vo, vm, live, splits, num_tokens, r_max, BM, R).to(y.dtype.element_ty)
             n_lo = tl.program_id(1) * CH
             b_base = lora_b + slot.to(tl.int64) * d_out * r_max + rr[:, None]
-            y_rows = y + rows.to(tl.int64)[:, None] * ld_y
             for i in range(CH // BN):  # a fixed trip count pipelines better than a bound read at run time
                 rn = n_lo + i * BN + tl.arange(0, BN)
                 nm = rn < d_out
                 bt = tl.load(b_base + rn[None, :] * r_max, mask=cm[:, None] & nm[None, :], other=0.0)
-                ym = rm[:, None] & nm[None, :]
-                yt = tl.load(y_rows + rn[None, :], mask=ym, other=0.0)
-                o = tl.dot(vt, bt)
-                tl.store(y_rows + rn[None, :], (yt.to(tl.float32) + o * scale).to(y.dtype.element_ty), mask=ym)
+                _update_y(y, rows, rm, rn, nm, ld_y, vt, bt, scale)
 
 
 @triton.jit
@@ -173,24 +190,14 @@ def lora_expand_cols(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, s
                     rm = rows < hi
                     vt = tl.load(v + rows.to(tl.int64)[:, None] * r_max + rr[None, :], mask=rm[:, None] & cm[None, :],
                                  other=0.0)
-                    yp = y + rows.to(tl.int64)[:, None] * ld_y + rn[None, :]
-                    ym = rm[:, None] & nm[None, :]
-                    yt = tl.load(yp, mask=ym, other=0.0)
-                    o = tl.dot(tl.where(live, vt, 0.0), bt)
-                    tl.store(yp, (yt.to(tl.float32) + o * scale).to(y.dtype.element_ty), mask=ym)
+                    _update_y(y, rows, rm, rn, nm, ld_y, tl.where(live, vt, 0.0), bt, scale)
             else:  # v is the sum of `splits` fp32 partials, rounded to the dtype as the reference rounds it
                 for t in range(t0, t1):
                     rows = lo + t * BM + tl.arange(0, BM)
                     rm = rows < hi
                     vo = rows.to(tl.int64)[:, None] * r_max + rr[None, :]
                     vm = rm[:, None] & cm[None, :]
-                    acc = tl.zeros((BM, R), tl.float32)
-                    for k in range(0, splits):
-                        acc += tl.where(live, tl.load(partial + k.to(tl.int64) * num_tokens * r_max + vo, mask=vm, other=0.0), 0.0)
-                    yp = y + rows.to(tl.int64)[:, None] * ld_y + rn[None, :]
-                    ym = rm[:, None] & nm[None, :]
-                    yt = tl.load(yp, mask=ym, other=0.0)
-                    o = tl.dot(acc.to(y.dtype.element_ty), bt)
-                    tl.store(yp, (yt.to(tl.float32) + o * scale).to(y.dtype.element_ty), mask=ym)
+                    acc = _partials_sum(partial, vo, vm, live, splits, num_tokens, r_max, BM, R)
+                    _update_y(y, rows, rm, rn, nm, ld_y, acc.to(y.dtype.element_ty), bt, scale)
         seg += 1
         lo = hi

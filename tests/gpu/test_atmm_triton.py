@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, make, ranks_for  # noqa: F401  (same oracle and tolerances)
+from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
 from vlora.atmm import AtmmKernels
 
 pytestmark = pytest.mark.gpu
@@ -107,3 +107,28 @@ def test_rank_limit_is_refused_with_the_config_named(kernels):
 def test_graph_replay(kernels, pair):
     """Loaded modules and the slot-scale kernel survive capture: replays stay exact."""
     check_graph_replay(kernels, shrink=(pair[0], 1), expand=pair[1])
+
+
+@pytest.mark.parametrize("pair", [(("tr_s_m64k128_r128_w4s4", 1), "tr_c_m64n128_r128_w8s4_g1"),  # slot scales: own kernel,
+                                  (("tr_s_m64k64_r128_w4s5", 3), "tr_e_m64n128_r128_c1024_w4s2"),  # the shrink its dependent
+                                  (("t64x64_k64_s5", 2), "tr_c_m64n128_r128_w4s3_g1")])  # scales written by the prep kernel
+def test_back_to_back_calls_read_their_own_scales(kernels, pair):
+    """Calls queued without a sync, each with other scales, on one workspace: every expand must read the slot
+    scales of its own call. The slot-scale kernel, the shrink (its programmatic dependent) and the expand (the
+    shrink's) overlap; an expand that read the scales early would apply the call before's."""
+    shrink, expand = pair
+    T, d = 700, 4096
+    x, y0, a, b, mapping = make(T, d, d, torch.bfloat16, "3x3", seed=11)
+    need = kernels.ext.workspace_size(mapping.num_segments, shrink[1], T, a.shape[1], "bf16")
+    ws = torch.full((need,), 0xFF, dtype=torch.uint8, device="cuda")
+    outs = []
+    for i in range(12):
+        scales = tuple(float(1 + ((i + j) % 5)) * (-1) ** i for j in range(len(RANKS)))
+        y = y0.clone()
+        kernels.run(y, x, a, b, RANKS, scales, mapping, shrink=shrink, expand=expand, workspace=ws, pdl=True)
+        outs.append((y, scales))
+    torch.cuda.synchronize()
+    for i, (y, scales) in enumerate(outs):
+        delta_ref = ref_fp32(y0, x, a, b, RANKS, scales, mapping) - y0.float()
+        err = ((y.float() - y0.float() - delta_ref).norm() / delta_ref.norm()).item()
+        assert err <= 2e-2, f"call {i}: relative error of the LoRA delta {err:.2e} (scales of another call?)"
