@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
+from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, family_grid, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
 from vlora.atmm import AtmmKernels
 from vlora.atmm.dispatch import PHASE_PREP, PHASE_SHRINK
 
@@ -24,19 +24,12 @@ CALLS = [c for c in ext.configs() if c["kind"] == "call" and c["name"].startswit
 CLUSTERS = (1, 2, 4, 8)
 
 
-@pytest.fixture(scope="module")
-def kernels() -> AtmmKernels:
-    return AtmmKernels(load_table=False)
-
-
 def test_there_are_fused_calls():
     assert len(CALLS) >= 4
     assert all(c["shrink"] and c["expand"] and c["max_rank"] in (64, 128) for c in CALLS)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])
-@pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])
+@family_grid
 def test_every_fused_call(kernels, dtype, pattern, T):
     for c in CALLS:
         for cl in CLUSTERS:

@@ -24,9 +24,11 @@ RANKS = tuple(RANK_CYCLE) + (0,)
 SCALES = (2.0, 0.5, 1.0, 0.25, 1.5, 3.0)
 
 
-@pytest.fixture(scope="module")
-def kernels() -> AtmmKernels:
-    return AtmmKernels(load_table=False)
+def family_grid(test):
+    """The grid of every kernel family's test_every_*: both dtypes x five segment patterns x T 1..2048."""
+    test = pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])(test)
+    test = pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])(test)
+    return pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])(test)
 
 
 def make(T, d_in, d_out, dtype, pattern, seed, ranks=RANKS):

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, make, ref_fp32  # noqa: F401  (same oracle and tolerances)
-from vlora.atmm import AtmmKernels
+from test_atmm_gpu import RANKS, SCALES, check, check_graph_replay, family_grid, make, ref_fp32  # noqa: F401  (same oracle and tolerances)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,19 +24,12 @@ if not SM90:
     pytest.skip("extension built without sm_90a (ATMM_CUDA_ARCHS)", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def kernels() -> AtmmKernels:
-    return AtmmKernels(load_table=False)
-
-
 def test_sm90_configs_serve_one_direction():
     assert len(SM90) >= 4 and len(SM90_SHRINK) >= 3
     assert not any(c["shrink"] for c in SM90) and not any(c["expand"] for c in SM90_SHRINK)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])
-@pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])
+@family_grid
 def test_every_sm90_shrink(kernels, dtype, pattern, T):
     for c in SM90_SHRINK:
         for split in (1, 3, 16):
@@ -46,9 +38,7 @@ def test_every_sm90_shrink(kernels, dtype, pattern, T):
         check(kernels, T, 5120, 4096, dtype, pattern, seed=T + 2, shrink=(c["name"], 2), expand=SM90[0]["name"])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])
-@pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])
+@family_grid
 def test_every_sm90_expand(kernels, dtype, pattern, T):
     for c in SM90:
         check(kernels, T, 4096, 5120, dtype, pattern, seed=T, shrink=("xs_m16_r128_w1x4", 1), expand=c["name"],

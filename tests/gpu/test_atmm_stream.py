@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
-from vlora.atmm import AtmmKernels
+from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, family_grid, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
 
 pytestmark = pytest.mark.gpu
 
@@ -20,18 +19,11 @@ STREAM_SHRINK = [c for c in ext.configs() if c["kind"] == "stream" and c["shrink
 STREAM_EXPAND = [c for c in ext.configs() if c["kind"] == "stream" and c["expand"]]
 
 
-@pytest.fixture(scope="module")
-def kernels() -> AtmmKernels:
-    return AtmmKernels(load_table=False)
-
-
 def test_there_are_stream_configs():
     assert len(STREAM_SHRINK) >= 4 and len(STREAM_EXPAND) >= 4
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])
-@pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])
+@family_grid
 def test_every_stream_config(kernels, dtype, pattern, T):
     check_family(kernels, STREAM_SHRINK, STREAM_EXPAND, T, dtype, pattern)
 

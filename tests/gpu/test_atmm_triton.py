@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
-from vlora.atmm import AtmmKernels
+from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, family_grid, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
 
 pytestmark = pytest.mark.gpu
 
@@ -23,19 +22,12 @@ if not TR_SHRINK:
     pytest.skip("the extension was built without the Triton kernels (no triton at build time)", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def kernels() -> AtmmKernels:
-    return AtmmKernels(load_table=False)
-
-
 def test_there_are_triton_configs():
     assert len(TR_SHRINK) >= 2 and len(TR_EXPAND) >= 2
     assert all(c["smem_bytes"] > 0 for c in TR_SHRINK + TR_EXPAND)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])
-@pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])
+@family_grid
 def test_every_triton_config(kernels, dtype, pattern, T):
     check_family(kernels, TR_SHRINK, TR_EXPAND, T, dtype, pattern)
 
