@@ -318,10 +318,7 @@ __global__ void prep_kernel(PrepParams p, SlotTable slots) {
   auto* v = reinterpret_cast<char*>(p.ws + p.w.v);
   const int64_t eb_ = p.elem_bytes;
   if (p.slot_scale != nullptr && blockIdx.x == 0)
-    for (int s = threadIdx.x; s < kMaxSlots; s += blockDim.x) {
-      p.slot_scale[s] = slots.rank_padded[s] > 0 ? slots.scale[s] : 0.0f;
-      reinterpret_cast<int*>(p.slot_scale + kMaxSlots)[s] = slots.rank_padded[s];
-    }
+    for (int s = threadIdx.x; s < kMaxSlots; s += blockDim.x) write_slot_scale(slots, p.slot_scale, s);
 
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.num_segments; i += gridDim.x * blockDim.x) {
     int lo = p.seg_indptr[i], hi = p.seg_indptr[i + 1];

@@ -33,6 +33,13 @@ struct FusedArgs {
   int64_t ld_x, ld_y;
 };
 
+// Slot s of the workspace the Triton expands read (FusedArgs::slot_scale): its scale (0 for a slot of rank 0: its
+// rows stay as they are), and kMaxSlots further on its padded rank. Written by the slot-scale kernel or by prep.
+__device__ inline void write_slot_scale(SlotTable const& t, float* out, int s) {
+  out[s] = t.rank_padded[s] > 0 ? t.scale[s] : 0.0f;
+  reinterpret_cast<int*>(out + kMaxSlots)[s] = t.rank_padded[s];
+}
+
 #if ATMM_HAVE_TRITON
 // Writes slot scales (0 for rank 0) and padded ranks into a.slot_scale for the Triton expands (triton.cu).
 // The kernel lets its programmatic dependent start at once (griddepcontrol.launch_dependents).

@@ -122,15 +122,12 @@ cudaError_t launch(TritonFn& fn, const char* config, DType dtype, unsigned gx, u
   return from_driver(cuLaunchKernelEx(&cfg, f, params, nullptr));
 }
 
-// The expands read each slot's scale (0 for a slot of rank 0: its rows stay as they are) and padded rank
-// from the workspace: kMaxSlots floats, then kMaxSlots ints.
+// The expands read each slot's scale and padded rank from the workspace (write_slot_scale, fused.cuh).
 __global__ void slot_scale_kernel(SlotTable t, float* out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // a shrink launched as our dependent may start
 #endif
-  const int s = threadIdx.x;
-  out[s] = t.rank_padded[s] > 0 ? t.scale[s] : 0.0f;
-  reinterpret_cast<int*>(out + kMaxSlots)[s] = t.rank_padded[s];
+  write_slot_scale(t, out, threadIdx.x);
 }
 
 unsigned row_tiles(FusedArgs const& a, int bm) {
