@@ -4,6 +4,8 @@
 // run as the shrink's programmatic dependents when the call asks for PDL and its prep phase wrote the
 // slot scales; a Triton shrink then runs as the slot-scale kernel's dependent too (it finds its row tile,
 // then waits for that grid before it lets the expand start, so the expand reads the scales complete).
+// Every config has two cubins: EVEN (no column masks) is launched when the call's widths are whole tiles
+// of the config and its r_max is the config's rank, the other for every other shape.
 // Built only when CMake found the triton package (ATMM_HAVE_TRITON); otherwise this file is empty and
 // the tr_* lines of tile_configs.def name nothing.
 #include "atmm/atmm.h"
@@ -24,6 +26,7 @@ struct TritonCubin {
   const char* config;
   DType dtype;
   int cc;  // compute capability the cubin was built for (90: sm_90a)
+  int even;  // 1: the variant without column masks (whole tiles, r_max == the config's rank)
   const char* entry;
   int shared;  // dynamic shared memory of one block, bytes
   int warps;
@@ -33,7 +36,8 @@ struct TritonCubin {
 
 constexpr int kMaxDevices = 64;
 
-// One config's loaded function per device; filled on first use, read without a lock afterwards.
+// One cubin's loaded function per device (a config has one per dtype and EVEN); filled on first use, read
+// without a lock afterwards.
 struct TritonFn {
   std::atomic<CUfunction> f[kMaxDevices];
   std::atomic<int> cubin[kMaxDevices];
@@ -52,7 +56,7 @@ cudaError_t from_driver(CUresult r) {
 }
 
 // The config's function on the current device, loading its module the first time.
-cudaError_t function_for(TritonFn& fn, const char* config, DType dtype, CUfunction* out, int* cubin_index) {
+cudaError_t function_for(TritonFn& fn, const char* config, DType dtype, int even, CUfunction* out, int* cubin_index) {
   int dev = 0;
   cudaGetDevice(&dev);
   dev &= kMaxDevices - 1;
@@ -69,7 +73,8 @@ cudaError_t function_for(TritonFn& fn, const char* config, DType dtype, CUfuncti
     const int cc = device_cc();
     int idx = -1;
     for (size_t i = 0; i < sizeof(kTritonCubins) / sizeof(kTritonCubins[0]); ++i)
-      if (kTritonCubins[i].dtype == dtype && kTritonCubins[i].cc == cc && std::strcmp(kTritonCubins[i].config, config) == 0)
+      if (kTritonCubins[i].dtype == dtype && kTritonCubins[i].cc == cc && kTritonCubins[i].even == even &&
+          std::strcmp(kTritonCubins[i].config, config) == 0)
         idx = int(i);
     if (idx < 0) return cudaErrorNoKernelImageForDevice;  // not built for this GPU's architecture
     // Loading a module is no stream operation; allow it while a graph is being captured (relaxed mode),
@@ -97,13 +102,13 @@ cudaError_t function_for(TritonFn& fn, const char* config, DType dtype, CUfuncti
   return cudaSuccess;
 }
 
-// pdl: launch as a programmatic dependent of the kernel before it on the stream (the kernel waits with
-// griddepcontrol.wait before it reads what that kernel writes).
-cudaError_t launch(TritonFn& fn, const char* config, DType dtype, unsigned gx, unsigned gy, void** params, cudaStream_t s,
-                   bool pdl = false) {
+// fns: the config's loaded functions of one dtype, [even]. pdl: launch as a programmatic dependent of the
+// kernel before it on the stream (the kernel waits with griddepcontrol.wait before it reads what that kernel writes).
+cudaError_t launch(TritonFn* fns, const char* config, DType dtype, bool even, unsigned gx, unsigned gy, void** params,
+                   cudaStream_t s, bool pdl = false) {
   CUfunction f = nullptr;
   int idx = 0;
-  cudaError_t e = function_for(fn, config, dtype, &f, &idx);
+  cudaError_t e = function_for(fns[even], config, dtype, int(even), &f, &idx);
   if (e != cudaSuccess) return e;
   if (gx == 0 || gy == 0) return cudaSuccess;
   const TritonCubin& c = kTritonCubins[idx];
@@ -134,7 +139,9 @@ unsigned row_tiles(FusedArgs const& a, int bm) {
   return unsigned(std::min<int64_t>((a.num_tokens + bm - 1) / bm + a.num_segments, int64_t(1) << 30));
 }
 
-cudaError_t triton_shrink(TritonFn& fn, const char* config, DType dtype, int bm, FusedArgs const& a, cudaStream_t s) {
+cudaError_t triton_shrink(TritonFn* fns, const char* config, DType dtype, int bm, int bk, int r, FusedArgs const& a,
+                          cudaStream_t s) {
+  const bool even = a.d_in % bk == 0 && a.k_chunk % bk == 0 && a.r_max == r;
   const void* x = a.x;
   const void* lora_a = a.lora_a;
   void* v = a.v;
@@ -147,13 +154,14 @@ cudaError_t triton_shrink(TritonFn& fn, const char* config, DType dtype, int bm,
   void* profile = nullptr;
   void* params[] = {&x, &lora_a, &v, &partial, &indptr, &slot, &num_segments, &num_tokens, &d_in, &r_max, &k_chunk, &splits,
                     &scratch, &profile};
-  return launch(fn, config, dtype, row_tiles(a, bm), unsigned(a.splits), params, s, a.shrink_pdl != 0);
+  return launch(fns, config, dtype, even, row_tiles(a, bm), unsigned(a.splits), params, s, a.shrink_pdl != 0);
 }
 
 // Both expands: the slot scales first unless the prep phase wrote them before the shrink; only then may the
-// expand start as the shrink's programmatic dependent (it reads the scales before it waits).
-cudaError_t triton_expand_launch(TritonFn& fn, const char* config, DType dtype, unsigned gx, unsigned gy, FusedArgs const& a,
-                                 cudaStream_t s) {
+// expand start as the shrink's programmatic dependent (it reads the scales before it waits). even: d_out
+// is whole column blocks of the config (checked by the caller) and r_max its rank.
+cudaError_t triton_expand_launch(TritonFn* fns, const char* config, DType dtype, bool even, unsigned gx, unsigned gy,
+                                 FusedArgs const& a, cudaStream_t s) {
   if (!a.slot_scale_ready) {
     cudaError_t e = launch_slot_scale(a, s);
     if (e != cudaSuccess) return e;
@@ -173,22 +181,24 @@ cudaError_t triton_expand_launch(TritonFn& fn, const char* config, DType dtype, 
   void* profile = nullptr;
   void* params[] = {&y, &v, &partial, &lora_b, &scale, &rank, &indptr, &slot, &num_segments, &num_tokens, &d_out, &r_max, &ld_y,
                     &splits, &scratch, &profile};
-  return launch(fn, config, dtype, gx, gy, params, s, a.pdl && a.slot_scale_ready);
+  return launch(fns, config, dtype, even, gx, gy, params, s, a.pdl && a.slot_scale_ready);
 }
 
 // lora_expand: (row tiles) x (column chunks of ch).
-cudaError_t triton_expand(TritonFn& fn, const char* config, DType dtype, int bm, int ch, FusedArgs const& a, cudaStream_t s) {
-  return triton_expand_launch(fn, config, dtype, row_tiles(a, bm), unsigned((a.d_out + ch - 1) / ch), a, s);
+cudaError_t triton_expand(TritonFn* fns, const char* config, DType dtype, int bm, int ch, int r, FusedArgs const& a,
+                          cudaStream_t s) {
+  const bool even = a.d_out % ch == 0 && a.r_max == r;
+  return triton_expand_launch(fns, config, dtype, even, row_tiles(a, bm), unsigned((a.d_out + ch - 1) / ch), a, s);
 }
 
 // lora_expand_cols: (column tiles of bn) x (runs of rows), about `waves` blocks per SM in all, and no more
 // runs than row tiles.
-cudaError_t triton_expand_cols(TritonFn& fn, const char* config, DType dtype, int bm, int bn, int waves, FusedArgs const& a,
-                               cudaStream_t s) {
+cudaError_t triton_expand_cols(TritonFn* fns, const char* config, DType dtype, int bm, int bn, int r, int waves,
+                               FusedArgs const& a, cudaStream_t s) {
   const int64_t cols = (a.d_out + bn - 1) / bn;
   const int64_t tiles = (a.num_tokens + bm - 1) / bm;
   const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(tiles, (int64_t(waves) * sm_count() + cols / 2) / cols));
-  return triton_expand_launch(fn, config, dtype, unsigned(cols), unsigned(runs), a, s);
+  return triton_expand_launch(fns, config, dtype, a.d_out % bn == 0 && a.r_max == r, unsigned(cols), unsigned(runs), a, s);
 }
 
 size_t triton_smem(const char* config) {
@@ -205,32 +215,32 @@ cudaError_t launch_slot_scale(FusedArgs const& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// One loaded-function cache per (config, dtype); the entry points atmm.cu's registry names.
+// One loaded-function cache per (config, dtype, EVEN); the entry points atmm.cu's registry names.
 #define ATMM_TRITON_SHRINK(NAME, BM, BK, R, W, S)                                                              \
-  static TritonFn triton_fn_##NAME[2];                                                                          \
+  static TritonFn triton_fn_##NAME[2][2];                                                                       \
   cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                                    \
-    return triton_shrink(triton_fn_##NAME[0], #NAME, DType::kF16, BM, a, s);                                    \
+    return triton_shrink(triton_fn_##NAME[0], #NAME, DType::kF16, BM, BK, R, a, s);                             \
   }                                                                                                             \
   cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                                   \
-    return triton_shrink(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, a, s);                                   \
+    return triton_shrink(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, BK, R, a, s);                            \
   }                                                                                                             \
   size_t atmm_fused_##NAME##_smem() { return triton_smem(#NAME); }
 #define ATMM_TRITON_EXPAND(NAME, BM, BN, R, CH, W, S)                                                          \
-  static TritonFn triton_fn_##NAME[2];                                                                          \
+  static TritonFn triton_fn_##NAME[2][2];                                                                       \
   cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                                    \
-    return triton_expand(triton_fn_##NAME[0], #NAME, DType::kF16, BM, CH, a, s);                                \
+    return triton_expand(triton_fn_##NAME[0], #NAME, DType::kF16, BM, CH, R, a, s);                             \
   }                                                                                                             \
   cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                                   \
-    return triton_expand(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, CH, a, s);                               \
+    return triton_expand(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, CH, R, a, s);                            \
   }                                                                                                             \
   size_t atmm_fused_##NAME##_smem() { return triton_smem(#NAME); }
 #define ATMM_TRITON_EXPAND_COLS(NAME, BM, BN, R, W, S, WAVES)                                                  \
-  static TritonFn triton_fn_##NAME[2];                                                                          \
+  static TritonFn triton_fn_##NAME[2][2];                                                                       \
   cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                                    \
-    return triton_expand_cols(triton_fn_##NAME[0], #NAME, DType::kF16, BM, BN, WAVES, a, s);                    \
+    return triton_expand_cols(triton_fn_##NAME[0], #NAME, DType::kF16, BM, BN, R, WAVES, a, s);                 \
   }                                                                                                             \
   cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                                   \
-    return triton_expand_cols(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, BN, WAVES, a, s);                   \
+    return triton_expand_cols(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, BN, R, WAVES, a, s);                \
   }                                                                                                             \
   size_t atmm_fused_##NAME##_smem() { return triton_smem(#NAME); }
 #include "atmm/tile_configs.def"

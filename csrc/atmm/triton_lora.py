@@ -64,7 +64,7 @@ def _partials_sum(partial, vo, vm, live, splits, num_tokens, r_max, BM: tl.const
 
 @triton.jit
 def lora_shrink(x, lora_a, v, partial, seg_indptr, seg_slot, num_segments, num_tokens, d_in, r_max, k_chunk, splits,
-                BM: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, SEGS: tl.constexpr):
+                BM: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, SEGS: tl.constexpr, EVEN: tl.constexpr = False):
     """v[rows] = x[rows] @ lora_a[slot, :R].T over d_in chunk program_id(1) (fp32 partials when split).
     An expand launched as its programmatic dependent may start at once: it prefetches what the shrink does
     not write and waits (griddepcontrol.wait: this whole grid done) before reading v. The shrink itself may
@@ -82,7 +82,7 @@ def lora_shrink(x, lora_a, v, partial, seg_indptr, seg_slot, num_segments, num_t
         rows = tl.load(seg_indptr + seg) + (tl.program_id(0) - before) * BM + tl.arange(0, BM)
         rm = rows < hi
         rr = tl.arange(0, R)
-        cm = rr < r_max
+        cm = tl.full((R,), 1, tl.int1) if EVEN else rr < r_max  # EVEN: chunks of whole BK tiles and r_max == R
         kbeg = ks * k_chunk
         kend = tl.minimum(d_in, kbeg + k_chunk)
         x_rows = x + rows.to(tl.int64)[:, None] * d_in
@@ -90,7 +90,7 @@ def lora_shrink(x, lora_a, v, partial, seg_indptr, seg_slot, num_segments, num_t
         acc = tl.zeros((BM, R), tl.float32)
         for k in range(kbeg, kend, BK):
             kk = k + tl.arange(0, BK)
-            km = kk < kend
+            km = tl.full((BK,), 1, tl.int1) if EVEN else kk < kend
             xt = tl.load(x_rows + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             at = tl.load(a_base + kk[:, None], mask=km[:, None] & cm[None, :], other=0.0)
             acc = tl.dot(xt, at, acc)
@@ -104,7 +104,8 @@ def lora_shrink(x, lora_a, v, partial, seg_indptr, seg_slot, num_segments, num_t
 
 @triton.jit
 def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_slot, num_segments, num_tokens, d_out, r_max, ld_y,
-                splits, BM: tl.constexpr, BN: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, SEGS: tl.constexpr):
+                splits, BM: tl.constexpr, BN: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, SEGS: tl.constexpr,
+                EVEN: tl.constexpr = False):
     """y[rows, chunk] += scale * v[rows] @ lora_b[slot, chunk, :R].T for the CH columns of program_id(1);
     splits == 0: v was written by the shrink; else v is the sum of `splits` fp32 partials (rounded to the
     dtype, as the reference rounds it), as every shrink but the stream and Triton ones leaves it.
@@ -120,7 +121,7 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
             rows = tl.load(seg_indptr + seg) + (tl.program_id(0) - before) * BM + tl.arange(0, BM)
             rm = rows < hi
             rr = tl.arange(0, R)
-            cm = rr < r_max
+            cm = tl.full((R,), 1, tl.int1) if EVEN else rr < r_max
             live = (rr < tl.load(slot_rank + slot))[None, :]
             vo = rows.to(tl.int64)[:, None] * r_max + rr[None, :]
             vm = rm[:, None] & cm[None, :]
@@ -133,7 +134,7 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
             b_base = lora_b + slot.to(tl.int64) * d_out * r_max + rr[:, None]
             for i in range(CH // BN):  # a fixed trip count pipelines better than a bound read at run time
                 rn = n_lo + i * BN + tl.arange(0, BN)
-                nm = rn < d_out
+                nm = tl.full((BN,), 1, tl.int1) if EVEN else rn < d_out
                 bt = tl.load(b_base + rn[None, :] * r_max, mask=cm[:, None] & nm[None, :], other=0.0)
                 _update_y(y, rows, rm, rn, nm, ld_y, vt, bt, scale)
 
@@ -152,7 +153,7 @@ def _first_segment_past(row, seg_indptr, num_segments, SEGS: tl.constexpr):
 @triton.jit
 def lora_expand_cols(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_slot, num_segments, num_tokens, d_out,
                      r_max, ld_y, splits, BM: tl.constexpr, BN: tl.constexpr, R: tl.constexpr, NS: tl.constexpr,
-                     SEGS: tl.constexpr):
+                     SEGS: tl.constexpr, EVEN: tl.constexpr = False):
     """The expand of lora_expand, column-stationary: program (j, g) owns columns [j*BN, (j+1)*BN) and, of the row
     tiles (BM rows from a segment's start, as lora_expand cuts them), those that start in the g-th of G equal runs
     of rows (G = programs along axis 1, set by the launcher to fill the GPU about once). Within one segment its
@@ -165,9 +166,9 @@ def lora_expand_cols(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, s
     before waiting for the shrink. Each segment costs a few scalar loads: this kernel is for few, long
     segments (prefill); the row-tile expand is the one for many short ones (decode)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    nm = rn < d_out
     rr = tl.arange(0, R)
-    cm = rr < r_max
+    nm = tl.full((BN,), 1, tl.int1) if EVEN else rn < d_out  # EVEN: whole tiles of BN and r_max == R
+    cm = tl.full((R,), 1, tl.int1) if EVEN else rr < r_max
     rows_per = (num_tokens + tl.num_programs(1) * BM - 1) // (tl.num_programs(1) * BM) * BM
     ra = tl.program_id(1) * rows_per  # this program owns the tiles that start in rows [ra, rb)
     rb = ra + rows_per

@@ -76,6 +76,21 @@ def test_uneven_widths_and_deep_split(kernels):
           expand="tr_e_m64n128_r64_c1024_w4s3", ranks=(8, 16, 32, 64, 24, 0))
 
 
+@pytest.mark.parametrize("cfg", [c["name"] for c in TR_SHRINK + TR_EXPAND])
+def test_even_and_masked_cubins(kernels, cfg):
+    """Each config's two cubins (triton.cu): EVEN, without column masks, where the widths are whole tiles and r_max
+    is the config's rank; the masked one where a width is not (4104) or r_max is smaller than the config's rank."""
+    cfgs = {c["name"]: c for c in ext.configs()}
+    c = cfgs[cfg]
+    partner = next(o for o in (TR_EXPAND if c["shrink"] else TR_SHRINK) if o["max_rank"] >= c["max_rank"])
+    shrink, expand = ((cfg, partner["name"]) if c["shrink"] else (partner["name"], cfg))
+    full = ranks_for(c)  # r_max == the config's rank
+    for d_in, d_out, ranks in ((4096, 5120, full), (4104, 4104, full), (4096, 4096, (8, 16, 24, 0))):
+        for split in (1, 3):
+            check(kernels, 300, d_in, d_out, torch.bfloat16, "3x3", seed=split + d_in, shrink=(shrink, split),
+                  expand=expand, ranks=ranks)
+
+
 def test_many_segments(kernels):
     """More segments than one step of the row-tile scan (256): every program still finds its tile."""
     for shrink, expand in ((("tr_s_m32k128_r128_w4s4", 1), "tr_e_m64n128_r128_c1024_w4s2"),
