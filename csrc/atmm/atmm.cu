@@ -509,6 +509,9 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   const bool cutlass_expand = ce.kind == Kind::kCutlass || ce.kind == Kind::kSm90;
   // The stream and Triton shrinks write v themselves when d_in is not split; every other shrink writes partials.
   const bool v_ready = (cs.kind == Kind::kStreamShrink || cs.kind == Kind::kTritonShrink) && splits_used == 1;
+  // A Triton shrink that splits d_in adds its chunks into one fp32 partial (zeroed first in the shrink phase):
+  // the expand then reads one partial, not splits_used of them (csrc/atmm/NOTES.md, split shrink adding in place).
+  const bool sum_in_place = cs.kind == Kind::kTritonShrink && splits_used > 1;
   char* ws = static_cast<char*>(a.workspace);
 
   FusedArgs fa{};
@@ -557,6 +560,8 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   if ((phases & kPhasePrep) && ce.kind == Kind::kTritonExpand) {
     if (prep_launched) {
       fa.slot_scale_ready = 1;  // written by the prep kernel itself
+    } else if (sum_in_place && (phases & kPhaseShrink)) {
+      // written by the kernel that zeroes the partial, just before the shrink (below)
     } else {
       e = launch_slot_scale(fa, stream);
       if (e != cudaSuccess) return std::string("atmm: slot-scale kernel: ") + cudaGetErrorString(e) + ": " + shape_of(a);
@@ -571,6 +576,15 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
     return int(std::min<int64_t>(t, 1 << 30));
   };
   if (phases & kPhaseShrink) {
+#if ATMM_HAVE_TRITON
+    if (sum_in_place) {  // zero the partial the shrink adds into; the shrink starts as this kernel's dependent
+      const bool scales = (phases & kPhasePrep) && ce.kind == Kind::kTritonExpand && !prep_launched;
+      e = launch_zero_partial(fa, scales, stream);
+      if (e != cudaSuccess) return std::string("atmm: zeroing the partial: ") + cudaGetErrorString(e) + ": " + shape_of(a);
+      if (scales) fa.slot_scale_ready = 1;
+      fa.shrink_pdl = fa.pdl;
+    }
+#endif
     if (cutlass_shrink) {
       GroupedLaunch ls{ws + w.shrink_problems, a.num_segments * splits_used, tiles(cs.tb_m, cs.tb_n, r_pad_max, splits_used),
                        reinterpret_cast<void**>(ws + w.shrink_ptr_a), reinterpret_cast<void**>(ws + w.shrink_ptr_b),
@@ -584,8 +598,9 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
     if (e != cudaSuccess) return std::string("atmm: shrink ") + cs.name + ": " + cudaGetErrorString(e) + ": " + shape_of(a);
   }
   if (phases & kPhaseExpand) {
+    if (sum_in_place) fa.splits = 1;  // the expand reads the one partial the shrink added into
     if (cutlass_expand) {
-      if (!v_ready) e = launch_reduce(a, w, splits_used, stream);
+      if (!v_ready) e = launch_reduce(a, w, fa.splits, stream);
       if (e != cudaSuccess) return std::string("atmm: reduce: ") + cudaGetErrorString(e) + ": " + shape_of(a);
       GroupedLaunch le{ws + w.expand_problems, a.num_segments, tiles(ce.tb_m, ce.tb_n, a.d_out, 1),
                        reinterpret_cast<void**>(ws + w.expand_ptr_a), reinterpret_cast<void**>(ws + w.expand_ptr_b),

@@ -26,7 +26,8 @@ struct FusedArgs {
   int v_ready;     // the shrink wrote v itself (stream shrink, d_in not split): expands read v, not partials
   int pdl;         // launch the expand as a programmatic dependent of the shrink (sm_90)
   int shrink_pdl;  // launch the (Triton) shrink as a programmatic dependent of the slot-scale kernel just before it
-  int splits;      // chunks of d_in actually used
+  int splits;      // chunks of d_in: the shrink's, and the fp32 partials the expand sums. forward() sets it to 1
+                   // for the expand after a Triton shrink split d_in: that one adds its chunks into partial[0].
   int k_chunk;     // elements of d_in per chunk
   int64_t num_tokens;
   int d_in, d_out, r_max;
@@ -44,6 +45,9 @@ __device__ inline void write_slot_scale(SlotTable const& t, float* out, int s) {
 // Writes slot scales (0 for rank 0) and padded ranks into a.slot_scale for the Triton expands (triton.cu).
 // The kernel lets its programmatic dependent start at once (griddepcontrol.launch_dependents).
 cudaError_t launch_slot_scale(FusedArgs const& a, cudaStream_t stream);
+// Zeroes partial[0] ([T, r_max] fp32), which a split Triton shrink adds its d_in chunks into; with
+// `scales`, also writes the slot scales as launch_slot_scale does. Lets its dependent start at once too.
+cudaError_t launch_zero_partial(FusedArgs const& a, bool scales, cudaStream_t stream);
 #endif
 
 template <typename T>

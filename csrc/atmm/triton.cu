@@ -135,6 +135,17 @@ __global__ void slot_scale_kernel(SlotTable t, float* out) {
   write_slot_scale(t, out, threadIdx.x);
 }
 
+// Zeroes n4 float4 of partial[0] (grid-stride); block 0 also writes the slot scales when `out` is set.
+__global__ void zero_partial_kernel(SlotTable t, float* out, float4* partial, int64_t n4) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the shrink waits for this grid before it adds
+#endif
+  if (out != nullptr && blockIdx.x == 0)
+    for (int s = threadIdx.x; s < kMaxSlots; s += blockDim.x) write_slot_scale(t, out, s);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x)
+    partial[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
 unsigned row_tiles(FusedArgs const& a, int bm) {
   return unsigned(std::min<int64_t>((a.num_tokens + bm - 1) / bm + a.num_segments, int64_t(1) << 30));
 }
@@ -212,6 +223,15 @@ size_t triton_smem(const char* config) {
 
 cudaError_t launch_slot_scale(FusedArgs const& a, cudaStream_t stream) {
   slot_scale_kernel<<<1, kMaxSlots, 0, stream>>>(a.slots, a.slot_scale);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_zero_partial(FusedArgs const& a, bool scales, cudaStream_t stream) {
+  const int64_t n4 = a.num_tokens * a.r_max / 4;  // r_max is a multiple of 8
+  const int threads = 256;
+  const int blocks = int(std::max<int64_t>(1, std::min<int64_t>((n4 + 4 * threads - 1) / (4 * threads), 2 * sm_count())));
+  zero_partial_kernel<<<blocks, threads, 0, stream>>>(a.slots, scales ? a.slot_scale : nullptr,
+                                                       reinterpret_cast<float4*>(a.partial), n4);
   return cudaGetLastError();
 }
 

@@ -2,8 +2,9 @@
 
 `triton_aot.py` compiles every ATMM_TRITON_SHRINK / _EXPAND / _EXPAND_COLS line of tile_configs.def into a
 cubin at build time; `triton.cu` loads the cubins and launches them like the hand-written kinds (same
-FusedArgs contract: v in the activation dtype when d_in is not split, fp32 partials otherwise). Nothing
-here runs through Triton's Python launcher, and serving needs no Triton at run time.
+FusedArgs contract: v in the activation dtype when d_in is not split, fp32 partials otherwise; the Triton
+shrink leaves one fp32 partial when split: its d_in chunks add into it with atomics, and the expands read it
+as `splits` == 1). Nothing here runs through Triton's Python launcher, and serving needs no Triton at run time.
 
 Why these exist (csrc/atmm/NOTES.md, 2026-11-25): on the H100, Triton's wgmma code for a plain
 row-tile shrink and a column-chunk expand moved x and y ~15-20% faster at T >= 4096 than any CUTLASS or
@@ -65,7 +66,10 @@ def _partials_sum(partial, vo, vm, live, splits, num_tokens, r_max, BM: tl.const
 @triton.jit
 def lora_shrink(x, lora_a, v, partial, seg_indptr, seg_slot, num_segments, num_tokens, d_in, r_max, k_chunk, splits,
                 BM: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, SEGS: tl.constexpr, EVEN: tl.constexpr = False):
-    """v[rows] = x[rows] @ lora_a[slot, :R].T over d_in chunk program_id(1) (fp32 partials when split).
+    """v[rows] = x[rows] @ lora_a[slot, :R].T over d_in chunk program_id(1). Split (splits > 1), every chunk adds
+    its product into partial[0] (fp32, zeroed by the kernel this one runs after: atmm.cu), so no program sums
+    the others' (2d9be1d's serial tail) and the expand reads one partial. With 3 or more chunks the order of
+    the adds varies between runs: v may differ in the last fp32 bit before it is rounded to the dtype.
     An expand launched as its programmatic dependent may start at once: it prefetches what the shrink does
     not write and waits (griddepcontrol.wait: this whole grid done) before reading v. The shrink itself may
     run as the dependent of the slot-scale kernel (triton.cu): it finds its tile while that kernel runs."""
@@ -99,7 +103,7 @@ def lora_shrink(x, lora_a, v, partial, seg_indptr, seg_slot, num_segments, num_t
         if splits == 1:
             tl.store(v + out, acc.to(v.dtype.element_ty), mask=om)
         else:
-            tl.store(partial + ks.to(tl.int64) * num_tokens * r_max + out, acc, mask=om)
+            tl.atomic_add(partial + out, acc, mask=om, sem="relaxed")
 
 
 @triton.jit
@@ -137,6 +141,18 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
                 nm = tl.full((BN,), 1, tl.int1) if EVEN else rn < d_out
                 bt = tl.load(b_base + rn[None, :] * r_max, mask=cm[:, None] & nm[None, :], other=0.0)
                 _update_y(y, rows, rm, rn, nm, ld_y, vt, bt, scale)
+
+
+@triton.jit
+def _cols_tiles(src, y, lo, hi, t0, t1, rr, cm, live, rn, nm, r_max, ld_y, bt, scale, BM: tl.constexpr,
+                NS: tl.constexpr):
+    """y of the segment's row tiles t0..t1 (rows from lo, up to hi) += scale * v @ bt, v read from src (v itself,
+    or one fp32 partial rounded to the dtype), pipelined with tl.range(num_stages=NS): y of the next tiles in flight."""
+    for t in tl.range(t0, t1, num_stages=NS):
+        rows = lo + t * BM + tl.arange(0, BM)
+        rm = rows < hi
+        vt = tl.load(src + rows.to(tl.int64)[:, None] * r_max + rr[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+        _update_y(y, rows, rm, rn, nm, ld_y, tl.where(live, vt, 0.0).to(y.dtype.element_ty), bt, scale)
 
 
 @triton.jit
@@ -186,12 +202,9 @@ def lora_expand_cols(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, s
                          mask=cm[:, None] & nm[None, :], other=0.0)
             gdc_wait()  # launched as the shrink's programmatic dependent: v is complete from here on
             if splits == 0:  # v written by the shrink: the pipelined loop
-                for t in tl.range(t0, t1, num_stages=NS):
-                    rows = lo + t * BM + tl.arange(0, BM)
-                    rm = rows < hi
-                    vt = tl.load(v + rows.to(tl.int64)[:, None] * r_max + rr[None, :], mask=rm[:, None] & cm[None, :],
-                                 other=0.0)
-                    _update_y(y, rows, rm, rn, nm, ld_y, tl.where(live, vt, 0.0), bt, scale)
+                _cols_tiles(v, y, lo, hi, t0, t1, rr, cm, live, rn, nm, r_max, ld_y, bt, scale, BM, NS)
+            elif splits == 1:  # one fp32 partial (a split Triton shrink adds into it): the same loop, rounding v
+                _cols_tiles(partial, y, lo, hi, t0, t1, rr, cm, live, rn, nm, r_max, ld_y, bt, scale, BM, NS)
             else:  # v is the sum of `splits` fp32 partials, rounded to the dtype as the reference rounds it
                 for t in range(t0, t1):
                     rows = lo + t * BM + tl.arange(0, BM)

@@ -2,13 +2,15 @@
 against the fp32 reference, on fresh random data with the workspace poisoned before every call: each
 Triton shrink and expand (row-tile tr_e_* and column-stationary tr_c_*), every way v is handed over (v
 written directly, split-K partials, a CUTLASS, stream or gemv kernel on the other side, the expand as the
-shrink's programmatic dependent or not), uneven widths, and CUDA-graph replay."""
+shrink's programmatic dependent or not; a split Triton shrink adds its chunks into one zeroed fp32 partial),
+uneven widths, the phases run one by one, and CUDA-graph replay."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, family_grid, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
+from vlora.atmm.dispatch import PHASE_EXPAND, PHASE_PREP, PHASE_SHRINK
 
 pytestmark = pytest.mark.gpu
 
@@ -116,8 +118,29 @@ def test_graph_replay(kernels, pair):
     check_graph_replay(kernels, shrink=(pair[0], 1), expand=pair[1])
 
 
+@pytest.mark.parametrize("expand", ["tr_c_m64n128_r128_w8s4_g1", "tr_e_m64n128_r128_c1024_w4s2", "ye_m64n128_r128_w1x8",
+                                    "t128x128_k32_s4", "fx_m64n128"])
+def test_split_shrink_phases_one_by_one(kernels, expand):
+    """A split Triton shrink zeroes its one partial in its own phase and adds into it: run as prep, shrink and
+    expand calls of their own (as the tuner times them), twice on one workspace, the result stays exact."""
+    T, d = 300, 4096
+    x, y0, a, b, mapping = make(T, d, d, torch.bfloat16, "3x3", seed=13)
+    ref = ref_fp32(y0, x, a, b, RANKS, SCALES, mapping)
+    need = kernels.ext.workspace_size(mapping.num_segments, 4, T, a.shape[1], "bf16")
+    ws = torch.full((need,), 0xFF, dtype=torch.uint8, device="cuda")
+    for _ in range(2):
+        y = y0.clone()
+        for ph in (PHASE_PREP, PHASE_SHRINK, PHASE_EXPAND):
+            kernels.run(y, x, a, b, RANKS, SCALES, mapping, shrink=("tr_s_m64k128_r128_w4s4", 4), expand=expand,
+                        phases=ph, workspace=ws)
+        torch.cuda.synchronize()
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        assert err <= 1e-2, f"relative error {err:.2e} ({expand})"
+
+
 @pytest.mark.parametrize("pair", [(("tr_s_m64k128_r128_w4s4", 1), "tr_c_m64n128_r128_w8s4_g1"),  # slot scales: own kernel,
                                   (("tr_s_m64k64_r128_w4s5", 3), "tr_e_m64n128_r128_c1024_w4s2"),  # the shrink its dependent
+                                  (("tr_s_m64k128_r128_w8s4", 4), "tr_c_m64n256_r128_w8s3_g1"),  # zeroing kernel + scales
                                   (("t64x64_k64_s5", 2), "tr_c_m64n128_r128_w4s3_g1")])  # scales written by the prep kernel
 def test_back_to_back_calls_read_their_own_scales(kernels, pair):
     """Calls queued without a sync, each with other scales, on one workspace: every expand must read the slot
