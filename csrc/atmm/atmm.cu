@@ -355,8 +355,8 @@ __global__ void prep_kernel(PrepParams p, SlotTable slots) {
 // [K=d_in, N=r] with leading dimension d_in; A (x) has leading dimension ld_x. sld_ab carries d_in
 // for B, so x must have ld_x == d_in for the shared stride array; forward() checks it.
 
-cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, int k_chunk, int splits_used, float* slot_scale,
-                        cudaStream_t stream) {
+cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, SlotTable const& slots, int k_chunk, int splits_used,
+                        float* slot_scale, cudaStream_t stream) {
   PrepParams p{};
   p.slot_scale = slot_scale;
   p.seg_indptr = a.seg_indptr;
@@ -378,15 +378,9 @@ cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, int k_ch
   p.y = static_cast<char*>(a.y);
   p.ws = static_cast<char*>(a.workspace);
   p.w = w;
-  SlotTable t{};
-  for (size_t s = 0; s < a.ranks.size(); ++s) {
-    int r = a.ranks[s];
-    t.rank_padded[s] = (r + kAlignment - 1) / kAlignment * kAlignment;
-    t.scale[s] = a.scales[s];
-  }
   int threads = 128;
   int blocks = std::max(1, std::min(64, (a.num_segments + threads - 1) / threads));
-  prep_kernel<<<blocks, threads, 0, stream>>>(p, t);
+  prep_kernel<<<blocks, threads, 0, stream>>>(p, slots);
   return cudaGetLastError();
 }
 
@@ -550,7 +544,7 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   const bool prep_launched = (phases & kPhasePrep) && (cutlass_shrink || cutlass_expand);
   // A Triton expand's slot scales come from the same kernel when it runs.
   float* prep_slot_scale = ce.kind == Kind::kTritonExpand ? fa.slot_scale : nullptr;
-  if (prep_launched) e = launch_prep(a, w, k_chunk, splits_used, prep_slot_scale, stream);
+  if (prep_launched) e = launch_prep(a, w, fa.slots, k_chunk, splits_used, prep_slot_scale, stream);
   if (e != cudaSuccess) return std::string("atmm: prep kernel: ") + cudaGetErrorString(e) + ": " + shape_of(a);
 #if ATMM_HAVE_TRITON
   // The Triton expands read slot scales and ranks from the workspace. Written here, before the shrink, an

@@ -103,9 +103,10 @@ struct ForwardArgs {
 // Launches prep, shrink, split-K reduction and expand on `stream`. Returns "" or an error message.
 std::string forward(ForwardArgs const& a, cudaStream_t stream);
 
-// Launch helpers defined in atmm.cu. slot_scale non-null: prep also writes the Triton expand's slot scales there.
-cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, int k_chunk, int splits_used, float* slot_scale,
-                        cudaStream_t stream);
+// Launch helpers defined in atmm.cu. slots: the call's padded ranks and scales (forward builds them once);
+// slot_scale non-null: prep also writes the Triton expand's slot scales there.
+cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, SlotTable const& slots, int k_chunk, int splits_used,
+                        float* slot_scale, cudaStream_t stream);
 cudaError_t launch_reduce(ForwardArgs const& a, WorkspaceLayout const& w, int splits_used, cudaStream_t stream);
 
 int sm_count();
