@@ -21,7 +21,9 @@ import triton.language as tl
 
 sys.path.insert(0, "backend")
 sys.path.insert(0, "csrc/atmm")
+sys.path.insert(0, "benchmarks")
 import triton_lora  # noqa: E402
+from atmm_triton_probe import expand_cols_k  # noqa: E402  (the plain column-stationary expand; v bf16 or fp32)
 from vlora.atmm.timing import copy_bandwidth_gbs, graph_time_us, sets_needed  # noqa: E402
 
 D, R = 4096, 128
@@ -46,21 +48,6 @@ def shrink_k(x, a, v, K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BK: tl
         tl.atomic_add(vp, acc, sem="relaxed")
     else:
         tl.store(vp, acc.to(v.dtype.element_ty))
-
-
-@triton.jit
-def expand_cols_k(v, b, y, s, T, N: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr):
-    """Column-stationary expand (as the probe's): v may be bf16 or fp32 (rounded to bf16 before the dot)."""
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rr = tl.arange(0, R)
-    bt = tl.load(b + rn[None, :] * R + rr[:, None])
-    per = (T // BM + tl.num_programs(1) - 1) // tl.num_programs(1)
-    lo = tl.program_id(1) * per
-    for t in tl.range(lo, tl.minimum(lo + per, T // BM), num_stages=NS):
-        rm = t * BM + tl.arange(0, BM)
-        vt = tl.load(v + rm[:, None].to(tl.int64) * R + rr[None, :]).to(tl.bfloat16)
-        yp = y + rm[:, None].to(tl.int64) * N + rn[None, :]
-        tl.store(yp, (tl.load(yp).to(tl.float32) + tl.dot(vt, bt) * s).to(tl.bfloat16))
 
 
 def run(T, bw, sms):

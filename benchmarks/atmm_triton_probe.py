@@ -67,7 +67,7 @@ def expand_cols_k(v, b, y, s, T, N: tl.constexpr, R: tl.constexpr, BM: tl.conste
     lo = tl.program_id(1) * per
     for t in tl.range(lo, tl.minimum(lo + per, T // BM), num_stages=NS):
         rm = t * BM + tl.arange(0, BM)
-        vt = tl.load(v + rm[:, None].to(tl.int64) * R + rr[None, :])
+        vt = tl.load(v + rm[:, None].to(tl.int64) * R + rr[None, :]).to(tl.bfloat16)  # v may be fp32 (split probe)
         yp = y + rm[:, None].to(tl.int64) * N + rn[None, :]
         tl.store(yp, (tl.load(yp).to(tl.float32) + tl.dot(vt, bt) * s).to(tl.bfloat16))
 
