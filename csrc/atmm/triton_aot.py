@@ -4,7 +4,7 @@ Reads the ATMM_TRITON_SHRINK / _EXPAND / _EXPAND_COLS lines of tile_configs.def,
 dtype, arch, EVEN) to a cubin with Triton (no GPU needed: Triton's own ptxas does the assembly), and writes one
 C++ include file: the cubins as byte arrays and, per config, the launch facts (entry name, shared memory,
 warps). EVEN = 1 is the variant without column masks, which triton.cu launches when the widths are whole
-tiles and r_max is the config's rank (0.3-1.5 us per kernel at T 4096-8192 on the H100, csrc/atmm/NOTES.md).
+tiles and r_max is the config's rank (up to 1.5 us per kernel at T 4096-8192 on the H100, csrc/atmm/NOTES.md).
 CMake runs it when the triton package is importable (ATMM_TRITON=auto|on); triton.cu includes the file.
 
     python3 triton_aot.py --def tile_configs.def --archs "90a" --out gen/atmm_triton_cubins.inc [--jobs N]
