@@ -112,7 +112,7 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
                 EVEN: tl.constexpr = False):
     """y[rows, chunk] += scale * v[rows] @ lora_b[slot, chunk, :R].T for the CH columns of program_id(1);
     splits == 0: v was written by the shrink; else v is the sum of `splits` fp32 partials (rounded to the
-    dtype, as the reference rounds it), as every shrink but the stream and Triton ones leaves it.
+    dtype, as the reference rounds it), as a split shrink leaves it (one, already summed, from a Triton shrink).
     Columns of v past the slot's padded rank may hold anything (a CUTLASS shrink writes only up to it):
     they are zeroed after the load, which keeps the loads 16-byte vectors (lora_b is zero there).
     Launched as the shrink's programmatic dependent (PDL), it finds its tile before waiting for the shrink."""
