@@ -293,7 +293,7 @@ struct PrepParams {
   int64_t ld_x, ld_y, num_tokens;
   const char* x; const char* lora_a; const char* lora_b; char* y;
   char* ws;
-  float* slot_scale;  // non-null: also write the Triton expand's slot scales and padded ranks (as slot_scale_kernel)
+  float* slot_scale;  // non-null: also write the Triton expand's slot scales and padded ranks (as launch_slot_scale)
   WorkspaceLayout w;
 };
 

@@ -127,18 +127,12 @@ cudaError_t launch(TritonFn* fns, const char* config, DType dtype, bool even, un
   return from_driver(cuLaunchKernelEx(&cfg, f, params, nullptr));
 }
 
-// The expands read each slot's scale and padded rank from the workspace (write_slot_scale, fused.cuh).
-__global__ void slot_scale_kernel(SlotTable t, float* out) {
+// The one kernel before a Triton shrink: with `out` set, the slot scales and padded ranks the expands read from
+// the workspace (write_slot_scale, fused.cuh); it also zeroes n4 float4 of partial[0] (grid-stride), which a
+// split Triton shrink adds into. A shrink launched as its programmatic dependent may start at once.
+__global__ void triton_prep_kernel(SlotTable t, float* out, float4* partial, int64_t n4) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // a shrink launched as our dependent may start
-#endif
-  write_slot_scale(t, out, threadIdx.x);
-}
-
-// Zeroes n4 float4 of partial[0] (grid-stride); block 0 also writes the slot scales when `out` is set.
-__global__ void zero_partial_kernel(SlotTable t, float* out, float4* partial, int64_t n4) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the shrink waits for this grid before it adds
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the shrink waits for this grid before it needs it
 #endif
   if (out != nullptr && blockIdx.x == 0)
     for (int s = threadIdx.x; s < kMaxSlots; s += blockDim.x) write_slot_scale(t, out, s);
@@ -222,7 +216,7 @@ size_t triton_smem(const char* config) {
 }  // namespace
 
 cudaError_t launch_slot_scale(FusedArgs const& a, cudaStream_t stream) {
-  slot_scale_kernel<<<1, kMaxSlots, 0, stream>>>(a.slots, a.slot_scale);
+  triton_prep_kernel<<<1, kMaxSlots, 0, stream>>>(a.slots, a.slot_scale, nullptr, 0);
   return cudaGetLastError();
 }
 
@@ -230,8 +224,8 @@ cudaError_t launch_zero_partial(FusedArgs const& a, bool scales, cudaStream_t st
   const int64_t n4 = a.num_tokens * a.r_max / 4;  // r_max is a multiple of 8
   const int threads = 256;
   const int blocks = int(std::max<int64_t>(1, std::min<int64_t>((n4 + 4 * threads - 1) / (4 * threads), 2 * sm_count())));
-  zero_partial_kernel<<<blocks, threads, 0, stream>>>(a.slots, scales ? a.slot_scale : nullptr,
-                                                       reinterpret_cast<float4*>(a.partial), n4);
+  triton_prep_kernel<<<blocks, threads, 0, stream>>>(a.slots, scales ? a.slot_scale : nullptr,
+                                                      reinterpret_cast<float4*>(a.partial), n4);
   return cudaGetLastError();
 }
 
