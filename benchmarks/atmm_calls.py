@@ -4,8 +4,6 @@ on an H100 instead of five). Same timing method: CUDA-graph replay over > 256 MB
 A developer's diagnostic: it prints (and writes --json), it records nothing in benchmarks/RESULTS.md.
 
     python benchmarks/atmm_calls.py [--only REGEX] [--prefix fl_] [--json OUT]
-    python benchmarks/atmm_calls.py --prefetch [--only REGEX]   (stream-shrink pairs with and without the L2
-                                                                prefetch of lora_B, and the table's choice)
 """
 from __future__ import annotations
 
@@ -45,44 +43,6 @@ def bandwidth_at_call_sizes() -> dict:
     return res
 
 
-def prefetch_ab(table: AtmmKernels, only: str) -> dict:
-    """Each case's table choice and the stream pairs the tuner picks from (xs_* shrinks split 2-16 with ye_* expands,
-    16-row tiles for decode, 64-row ones for prefills), with the shrink's L2 prefetch of lora_B (prefetch_b) on and
-    off: same inputs, same run."""
-    cfgs = table.ext.configs()
-    shrinks = [c for c in cfgs if c["name"].startswith("xs_")]
-    expands = [c for c in cfgs if c["name"].startswith("ye_")]
-    out = {}
-    for c in cases(False):
-        if not re.search(only, c.name):
-            continue
-        p = make_problem(table, c.tokens, D, D, c.seg_ranks, DTYPE)
-        rank = -(-max(c.seg_ranks) // 8) * 8
-        run = lambda s, **kw: (lambda: table.run(s[0], s[1], s[2], s[3], p.ranks, p.scales, p.mapping, workspace=s[4], **kw))  # noqa: E731
-        row = {f"table/{pf}": graph_time_us([run(s, prefetch_b=pf) for s in p.sets]) for pf in (False, True)}
-        tile = "m16" if c.tokens <= 64 else "m64"  # the tiles the tuner picks for decode / for prefills
-        pairs = [((sc["name"], k), ec["name"]) for sc in shrinks for k in (2, 4, 8, 16) for ec in expands
-                 if sc["name"].startswith(f"xs_{tile}_") and ec["name"].startswith(("ye_m16", "ye_m32") if tile == "m16"
-                                                                                 else ("ye_m64",))
-                 and serves_rank(sc, rank) and serves_rank(ec, rank)]
-        for sh, ex in pairs:
-            for pf in (False, True):
-                try:
-                    row[f"{sh[0]}/{sh[1]}+{ex}/{pf}"] = graph_time_us([run(s, shrink=sh, expand=ex, prefetch_b=pf)
-                                                                      for s in p.sets])
-                except RuntimeError:
-                    pass
-        best = {pf: min(((k, v) for k, v in row.items() if k.endswith(f"/{pf}") and not k.startswith("table")),
-                        key=lambda kv: kv[1]) for pf in (False, True)}
-        print(f"{c.name:24s} table {row['table/False']:6.1f} -> {row['table/True']:6.1f} us (prefetch);  best stream "
-              f"pair {best[False][0].rsplit('/', 1)[0]} {best[False][1]:6.1f} us, with prefetch "
-              f"{best[True][0].rsplit('/', 1)[0]} {best[True][1]:6.1f} us", flush=True)
-        out[c.name] = {k: round(v, 2) for k, v in row.items()}
-        del p
-        torch.cuda.empty_cache()
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=".", help="regex on the case names")
@@ -90,16 +50,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--bandwidth", action="store_true",
                     help="also time plain copies and reads of the sizes a T=4096/8192 call moves, the same way")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="stream-shrink pairs and the table's choice with and without the L2 prefetch of lora_B")
     args = ap.parse_args()
     table = AtmmKernels()  # the committed table for this GPU
     assert table.available, table.unavailable_reason
-    if args.prefetch:
-        out = prefetch_ab(table, args.only)
-        if args.json:
-            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "prefetch": out}, indent=1))
-        return 0
     calls = [c for c in table.ext.configs() if c["kind"] == "call" and c["name"].startswith(args.prefix)]
     out = {}
     for c in cases(False):

@@ -524,15 +524,6 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   // The expand may start while the shrink of this same call runs (it waits before reading v):
   // programmatic dependent launch, Hopper and later.
   fa.pdl = (a.pdl && (phases & kPhaseShrink) && device_cc_major() >= 9) ? 1 : 0;
-  // A stream shrink asks L2 for the segments' lora_B while it runs where lora_B is a large part of the call (at least
-  // a quarter of y's bytes: decode, short prefills), the expand runs in the same call, and no slot can repeat
-  // (no more segments than live slots), so nothing is asked for twice (csrc/atmm/NOTES.md, lora_B prefetched by
-  // the shrink).
-  int live_slots = 0;
-  for (int r : a.ranks) live_slots += r > 0 ? 1 : 0;
-  fa.prefetch_b = (a.prefetch_b && (phases & kPhaseShrink) && (phases & kPhaseExpand) && cs.kind == Kind::kStreamShrink &&
-                   a.num_segments <= live_slots && 4 * int64_t(a.num_segments) * a.r_max >= a.num_tokens &&
-                   device_cc_major() >= 9) ? 1 : 0;
   fa.splits = splits_used; fa.k_chunk = k_chunk;
   fa.num_tokens = a.num_tokens; fa.d_in = a.d_in; fa.d_out = a.d_out; fa.r_max = a.r_max;
   fa.ld_x = a.ld_x; fa.ld_y = a.ld_y;

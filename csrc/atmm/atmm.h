@@ -98,7 +98,6 @@ struct ForwardArgs {
   DType dtype;
   int shrink_config; int split_k; int expand_config;
   bool pdl;  // may launch the expand as a programmatic dependent of the shrink (sm_90)
-  bool prefetch_b;  // a stream shrink may ask L2 for lora_B while it runs (sm_90; forward_phases decides per shape)
 };
 
 // Launches prep, shrink, split-K reduction and expand on `stream`. Returns "" or an error message.

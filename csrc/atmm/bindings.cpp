@@ -90,14 +90,13 @@ PYBIND11_MODULE(vlora_atmm_ext, m) {
            uintptr_t workspace, size_t workspace_bytes, int64_t num_tokens, int d_in, int d_out, int r_max,
            int64_t ld_x, int64_t ld_y, int num_segments, std::vector<int> ranks, std::vector<float> scales,
            std::string const& dtype, int shrink_config, int split_k, int expand_config, uintptr_t stream, int phases,
-           bool pdl, bool prefetch_b) {
+           bool pdl) {
           for (uintptr_t p : {y, x, lora_a, lora_b, workspace})
             if (p % 16) throw std::invalid_argument("atmm: operand pointers must be 16-byte aligned");
           ForwardArgs a{ptr<void>(y), ptr<const void>(x), ptr<const void>(lora_a), ptr<const void>(lora_b),
                         ptr<const int32_t>(seg_indptr), ptr<const int32_t>(seg_slot), ptr<void>(workspace),
                         workspace_bytes, num_tokens, d_in, d_out, r_max, ld_x, ld_y, num_segments,
-                        std::move(ranks), std::move(scales), parse_dtype(dtype), shrink_config, split_k, expand_config, pdl,
-                        prefetch_b};
+                        std::move(ranks), std::move(scales), parse_dtype(dtype), shrink_config, split_k, expand_config, pdl};
           if (phases < 1 || phases > kPhaseAll) throw std::invalid_argument("atmm: phases must be a mask of 1 (prep), 2 (shrink), 4 (expand)");
           std::string err = forward_phases(a, phases, reinterpret_cast<cudaStream_t>(stream));
           if (!err.empty()) throw std::runtime_error(err);
@@ -106,10 +105,9 @@ PYBIND11_MODULE(vlora_atmm_ext, m) {
         py::arg("workspace"), py::arg("workspace_bytes"), py::arg("num_tokens"), py::arg("d_in"), py::arg("d_out"),
         py::arg("r_max"), py::arg("ld_x"), py::arg("ld_y"), py::arg("num_segments"), py::arg("ranks"), py::arg("scales"),
         py::arg("dtype"), py::arg("shrink_config"), py::arg("split_k"), py::arg("expand_config"), py::arg("stream"), py::arg("phases") = int(kPhaseAll),
-        py::arg("pdl") = true, py::arg("prefetch_b") = true,
+        py::arg("pdl") = true,
         "y += segment-wise x @ A^T @ B^T * scale: prep, shrink (split-K), reduce and expand on `stream`.\n"
-        "pdl: the expand may be launched as a programmatic dependent of the shrink (Hopper).\n"
-        "prefetch_b: a stream shrink may ask L2 for lora_B while it runs, where lora_B weighs in the call (Hopper).");
+        "pdl: the expand may be launched as a programmatic dependent of the shrink (Hopper).");
 
   m.def("merge_configs", &merge_config_names, "Compiled merge configurations, by index.");
   m.def("merge_config_max_ranks", &merge_config_max_ranks, "Largest rank each merge configuration serves (0: any).");

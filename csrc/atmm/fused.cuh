@@ -26,7 +26,6 @@ struct FusedArgs {
   int v_ready;     // the shrink wrote v itself (stream shrink, d_in not split): expands read v, not partials
   int pdl;         // launch the expand as a programmatic dependent of the shrink (sm_90)
   int shrink_pdl;  // launch the (Triton) shrink as a programmatic dependent of the slot-scale kernel just before it
-  int prefetch_b;  // the stream shrink asks L2 for each segment's lora_B (stream.cuh, prefetch_lora_b)
   int splits;      // chunks of d_in: the shrink's, and the fp32 partials the expand sums. forward() sets it to 1
                    // for the expand after a Triton shrink split d_in: that one adds its chunks into partial[0].
   int k_chunk;     // elements of d_in per chunk

@@ -283,26 +283,6 @@ __device__ __forceinline__ void shrink_unit(FusedArgs const& a, T* smem, int seg
   });
 }
 
-// FusedArgs::prefetch_b: the block of a segment's first row tile and d_in chunk c asks L2 for the c-th of `parts`
-// pieces of the slot's lora_B (d_out x r_max, contiguous), one bulk prefetch per 16 KB, issued by one thread and not
-// waited for. The expand then finds lora_B in L2 instead of reading it from HBM after the shrink: in decode lora_B is
-// half of all the bytes a call moves, and this way the two weight streams overlap (csrc/atmm/NOTES.md, lora_B
-// prefetched by the shrink). Hopper and later (cp.async.bulk.prefetch); elsewhere nothing.
-template <typename T>
-__device__ __forceinline__ void prefetch_lora_b(FusedArgs const& a, int seg, int c, int parts) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x != 0) return;
-  const int64_t bytes = int64_t(a.d_out) * a.r_max * int64_t(sizeof(T));  // r_max % 8 == 0: a multiple of 16
-  const char* base = static_cast<const char*>(a.lora_b) + int64_t(a.seg_slot[seg]) * bytes;
-  const int64_t per = ((bytes + parts - 1) / parts + 15) / 16 * 16;
-  const int64_t hi = min(bytes, per * (c + 1));
-  for (int64_t o = per * c; o < hi; o += 16384) {
-    const uint32_t n = uint32_t(min(int64_t(16384), hi - o));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + o), "r"(n) : "memory");
-  }
-#endif
-}
-
 template <typename T, int BM, int BK, int WM, int WN, int KMAX, int STAGES>
 __global__ void __launch_bounds__(32 * WM * WN) stream_shrink_kernel(FusedArgs a) {
   using Tile = ShrinkTile<T, BM, BK, WM, WN, KMAX, STAGES>;
@@ -310,9 +290,7 @@ __global__ void __launch_bounds__(32 * WM * WN) stream_shrink_kernel(FusedArgs a
   extern __shared__ __align__(16) unsigned char smem_raw[];
   int seg, tile;
   find_tile<BM, Tile::C::kThreads>(a, blockIdx.x, seg, tile);
-  if (seg < 0) return;
-  if (a.prefetch_b && tile == 0) prefetch_lora_b<T>(a, seg, int(blockIdx.y), int(gridDim.y));
-  shrink_unit<Tile>(a, reinterpret_cast<T*>(smem_raw), seg, tile, int(blockIdx.y));
+  if (seg >= 0) shrink_unit<Tile>(a, reinterpret_cast<T*>(smem_raw), seg, tile, int(blockIdx.y));
 }
 
 // ---- stream update (expand and merge) ------------------------------------------------------------

@@ -185,13 +185,11 @@ class AtmmKernels:
     def run(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
             ranks: tuple[int, ...], scales: tuple[float, ...], mapping: LoraBatchMapping, *,
             shrink: tuple[str, int] | None = None, expand: str | None = None, phases: int = PHASE_ALL,
-            workspace: torch.Tensor | None = None, pdl: bool = True, prefetch_b: bool = True) -> torch.Tensor:
+            workspace: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
         """Run the kernels (checked by :meth:`unsupported` first). ``shrink=(config, split_k)`` and
         ``expand=config`` force configurations (tuner, benchmarks); otherwise the table decides.
         ``pdl``: on Hopper, the expand may start while the shrink runs (it prefetches y and lora_B,
-        then waits for v): a programmatic dependent launch. ``prefetch_b``: on Hopper, a stream shrink may ask L2
-        for lora_B while it runs, where lora_B is a large part of the call's bytes (decode); the extension decides
-        per shape, and False turns it off (benchmarks measure both)."""
+        then waits for v): a programmatic dependent launch."""
         dtype = _DTYPES[y.dtype]
         n_slots, r_max, d_in = lora_a.shape
         d_out = y.shape[1]
@@ -217,14 +215,14 @@ class AtmmKernels:
         if y.device.index is not None and y.device.index != torch.cuda.current_device():
             with torch.cuda.device(y.device):  # the extension launches on the current device
                 return self.run(y, x, lora_a, lora_b, ranks, scales, mapping, shrink=shrink, expand=expand,
-                                phases=phases, workspace=workspace, pdl=pdl, prefetch_b=prefetch_b)
+                                phases=phases, workspace=workspace, pdl=pdl)
         stream = torch.cuda.current_stream(y.device).cuda_stream if y.is_cuda else 0
         try:
             self.ext.forward(
                 y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
                 mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), workspace.data_ptr(), workspace.numel(),
                 T, d_in, d_out, r_max, x.stride(0), y.stride(0), S, ranks_list, _float_list(scales), dtype,
-                shrink_idx, split_k, expand_idx, stream, phases, pdl, prefetch_b)
+                shrink_idx, split_k, expand_idx, stream, phases, pdl)
         except RuntimeError as e:
             if shrink is not None or expand is not None or phases != PHASE_ALL:
                 raise  # forced configurations (the tuner, benchmarks) must see the refusal
