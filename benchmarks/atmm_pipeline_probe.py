@@ -12,15 +12,14 @@ On the GPU machine, from the repository root: python3 benchmarks/atmm_pipeline_p
 """
 import itertools
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, "backend")
 sys.path.insert(0, "benchmarks")
-from atmm_split_probe import shrink_k  # noqa: E402  (plain row-tile shrink; atomic adds into fp32 v when split)
+from atmm_split_probe import buffers, probe_main, shrink_k  # noqa: E402  (plain row-tile shrink: atomic adds into fp32 v when split)
 from atmm_triton_probe import expand_cols_k  # noqa: E402  (plain column-stationary expand; v bf16 or fp32)
-from vlora.atmm.timing import copy_bandwidth_gbs, graph_time_us, sets_needed  # noqa: E402
+from vlora.atmm.timing import graph_time_us  # noqa: E402
 
 D, R = 4096, 128
 dt = torch.bfloat16
@@ -55,14 +54,7 @@ def pipeline(x, v, y, A, B, k, S, G, side, events):
 
 
 def run(T, bw, sms):
-    xb = T * D * 2
-    n = sets_needed(3 * xb)
-    xs = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
-    ys = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
-    vb = [torch.empty(T, R, device="cuda", dtype=dt) for _ in range(n)]
-    vf = [torch.zeros(T, R, device="cuda", dtype=torch.float32) for _ in range(n)]
-    A = torch.randn(R, D, device="cuda", dtype=dt) / 64
-    B = torch.randn(D, R, device="cuda", dtype=dt) / 16
+    xb, n, xs, ys, vb, vf, A, B = buffers(T)
     side = torch.cuda.Stream()
     events = [[torch.cuda.Event() for _ in range(17)] for _ in range(n)]
     floor = 3 * xb / bw / 1e3
@@ -104,20 +96,7 @@ def run(T, bw, sms):
         print(f"  {res[-1][1]}: {t:.1f} us = {t / floor:.2f}x floor", flush=True)
     res.sort()
     print(f"  best: {res[0][1]} {res[0][0]:.1f} us = {res[0][0] / floor:.2f}x floor", flush=True)
-    del xs, ys, vb, vf
-    torch.cuda.empty_cache()
-
-
-def main():
-    torch.manual_seed(0)
-    bw = copy_bandwidth_gbs()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"copy 2GB: {bw:.0f} GB/s, {sms} SMs", flush=True)
-    for T in [int(a) for a in sys.argv[1:]] or [4096, 1024, 8192]:
-        run(T, bw, sms)
 
 
 if __name__ == "__main__":
-    t0 = time.time()
-    main()
-    print(f"total {time.time() - t0:.0f} s")
+    probe_main(run, [4096, 1024, 8192])

@@ -15,7 +15,6 @@ On the GPU machine, from the repository root: python3 benchmarks/atmm_read_probe
 """
 import itertools
 import sys
-import time
 
 import torch
 import triton
@@ -23,9 +22,9 @@ import triton.language as tl
 
 sys.path.insert(0, "backend")
 sys.path.insert(0, "benchmarks")
-from atmm_split_probe import shrink_k  # noqa: E402
+from atmm_split_probe import probe_main, shrink_k  # noqa: E402
 from atmm_triton_probe import expand_cols_k  # noqa: E402
-from vlora.atmm.timing import copy_bandwidth_gbs, graph_time_us, sets_needed  # noqa: E402
+from vlora.atmm.timing import graph_time_us, sets_needed  # noqa: E402
 
 D = 4096
 dt = torch.bfloat16
@@ -147,20 +146,7 @@ def run(T, bw, sms):
         for t, name in res:
             print(f"  {name}: {t:.1f} us = {xb / t / 1e3:.0f} GB/s of x", flush=True)
     expand_part(T, xs, sms)
-    del xs
-    torch.cuda.empty_cache()
-
-
-def main():
-    torch.manual_seed(0)
-    bw = copy_bandwidth_gbs()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"copy 2GB: {bw:.0f} GB/s, {sms} SMs, triton {triton.__version__}", flush=True)
-    for T in [int(a) for a in sys.argv[1:]] or [4096, 8192]:
-        run(T, bw, sms)
 
 
 if __name__ == "__main__":
-    t0 = time.time()
-    main()
-    print(f"total {time.time() - t0:.0f} s")
+    probe_main(run, [4096, 8192])

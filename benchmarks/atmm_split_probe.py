@@ -50,7 +50,9 @@ def shrink_k(x, a, v, K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BK: tl
         tl.store(vp, acc.to(v.dtype.element_ty))
 
 
-def run(T, bw, sms):
+def buffers(T):
+    """The probes' inputs at T tokens: bytes of x, the number of rotated sets (> 256 MB per replay with y read and
+    written), per set x, y, v (bf16) and v (fp32, zeroed), and one adapter's A (R x D) and B (D x R)."""
     xb = T * D * 2
     n = sets_needed(3 * xb)
     xs = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
@@ -59,6 +61,24 @@ def run(T, bw, sms):
     vf = [torch.zeros(T, R, device="cuda", dtype=torch.float32) for _ in range(n)]
     A = torch.randn(R, D, device="cuda", dtype=dt) / 64
     B = torch.randn(D, R, device="cuda", dtype=dt) / 16
+    return xb, n, xs, ys, vb, vf, A, B
+
+
+def probe_main(run, default_ts):
+    """The probes' main: seed, measure the copy rate, then run(T, copy GB/s, SMs) for each T of argv (or the defaults)."""
+    t0 = time.time()
+    torch.manual_seed(0)
+    bw = copy_bandwidth_gbs()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"copy 2GB: {bw:.0f} GB/s, {sms} SMs, triton {triton.__version__}", flush=True)
+    for T in [int(a) for a in sys.argv[1:]] or default_ts:
+        run(T, bw, sms)
+        torch.cuda.empty_cache()
+    print(f"total {time.time() - t0:.0f} s")
+
+
+def run(T, bw, sms):
+    xb, n, xs, ys, vb, vf, A, B = buffers(T)
     s = 0.5
     print(f"T={T}: x read {xb / bw / 1e3:.1f} us, y r/w {2 * xb / bw / 1e3:.1f} us, sets {n}", flush=True)
 
@@ -132,8 +152,6 @@ def run(T, bw, sms):
     if best_atomic:
         ta = pair(best_atomic[1], ef, True)
         print(f"  pair atomic (zero + {best_atomic[1]} + {ef[2]}): {ta:.1f} us = {ta / floor:.2f}x floor", flush=True)
-    del xs, ys, vb, vf
-    torch.cuda.empty_cache()
 
 
 def real(T, bw, sms, nseg):
@@ -184,24 +202,13 @@ def real(T, bw, sms, nseg):
         t = graph_time_us([lambda i=i: expand(i, BM, BN, w, st, g, even) for i in range(n)])
         print(f"  lora_expand_cols BM={BM} BN={BN} w={w} st={st} g={g} EVEN={even}: {t:.1f} us = "
               f"{2 * xb / t / 1e3:.0f} GB/s of y", flush=True)
-    del xs, ys, vb
-    torch.cuda.empty_cache()
 
 
-def main():
-    torch.manual_seed(0)
-    bw = copy_bandwidth_gbs()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"copy 2GB: {bw:.0f} GB/s, {sms} SMs", flush=True)
-    Ts = [int(a) for a in sys.argv[1:]] or [4096, 8192, 1024]
-    for T in Ts:
-        for nseg in (2, 4):
-            real(T, bw, sms, nseg)
-    for T in Ts:
-        run(T, bw, sms)
+def run_all(T, bw, sms):
+    for nseg in (2, 4):
+        real(T, bw, sms, nseg)
+    run(T, bw, sms)
 
 
 if __name__ == "__main__":
-    t0 = time.time()
-    main()
-    print(f"total {time.time() - t0:.0f} s")
+    probe_main(run_all, [4096, 8192, 1024])

@@ -11,14 +11,15 @@ On the GPU machine, from the repository root: python3 benchmarks/atmm_stagger_pr
 """
 import itertools
 import sys
-import time
 
 import torch
 import triton
 import triton.language as tl
 
 sys.path.insert(0, "backend")
-from vlora.atmm.timing import copy_bandwidth_gbs, graph_time_us, sets_needed  # noqa: E402
+sys.path.insert(0, "benchmarks")
+from atmm_split_probe import buffers, probe_main  # noqa: E402
+from vlora.atmm.timing import graph_time_us  # noqa: E402
 
 D, R = 4096, 128
 dt = torch.bfloat16
@@ -68,14 +69,7 @@ def expand_rot_k(v, b, y, s, T, N: tl.constexpr, R: tl.constexpr, BM: tl.constex
 
 
 def run(T, bw, sms):
-    xb = T * D * 2
-    n = sets_needed(3 * xb)
-    xs = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
-    ys = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
-    vb = [torch.empty(T, R, device="cuda", dtype=dt) for _ in range(n)]
-    vf = [torch.zeros(T, R, device="cuda", dtype=torch.float32) for _ in range(n)]
-    A = torch.randn(R, D, device="cuda", dtype=dt) / 64
-    B = torch.randn(D, R, device="cuda", dtype=dt) / 16
+    xb, n, xs, ys, vb, vf, A, B = buffers(T)
     floor = 3 * xb / bw / 1e3
     print(f"T={T}: floor {floor:.1f} us (x {xb / bw / 1e3:.1f}, y r/w {2 * xb / bw / 1e3:.1f}), sets {n}", flush=True)
 
@@ -110,20 +104,7 @@ def run(T, bw, sms):
                                                                  ROT=rot, num_warps=w) for i in range(n)])
         print(f"  expand BM={BM} BN={BN} NS={ns} w={w} runs={G} rot={rot}: {t:.1f} us = {2 * xb / t / 1e3:.0f} GB/s of y",
               flush=True)
-    del xs, ys, vb, vf
-    torch.cuda.empty_cache()
-
-
-def main():
-    torch.manual_seed(0)
-    bw = copy_bandwidth_gbs()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"copy 2GB: {bw:.0f} GB/s, {sms} SMs, triton {triton.__version__}", flush=True)
-    for T in [int(a) for a in sys.argv[1:]] or [4096, 8192]:
-        run(T, bw, sms)
 
 
 if __name__ == "__main__":
-    t0 = time.time()
-    main()
-    print(f"total {time.time() - t0:.0f} s")
+    probe_main(run, [4096, 8192])

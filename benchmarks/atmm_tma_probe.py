@@ -11,7 +11,6 @@ On the GPU machine, from the repository root: python3 benchmarks/atmm_tma_probe.
 """
 import itertools
 import sys
-import time
 
 import torch
 import triton
@@ -20,9 +19,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, "backend")
 sys.path.insert(0, "benchmarks")
-from atmm_split_probe import shrink_k  # noqa: E402
+from atmm_split_probe import buffers, probe_main, shrink_k  # noqa: E402
 from atmm_triton_probe import expand_cols_k  # noqa: E402
-from vlora.atmm.timing import copy_bandwidth_gbs, graph_time_us, sets_needed  # noqa: E402
+from vlora.atmm.timing import graph_time_us  # noqa: E402
 
 D, R = 4096, 128
 dt = torch.bfloat16
@@ -58,14 +57,7 @@ def expand_tma_k(v_desc, b_desc, y_desc, s, T, BM: tl.constexpr, BN: tl.constexp
 
 
 def run(T, bw, sms):
-    xb = T * D * 2
-    n = sets_needed(3 * xb)
-    xs = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
-    ys = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
-    vb = [torch.empty(T, R, device="cuda", dtype=dt) for _ in range(n)]
-    vf = [torch.zeros(T, R, device="cuda", dtype=torch.float32) for _ in range(n)]
-    A = torch.randn(R, D, device="cuda", dtype=dt) / 64
-    B = torch.randn(D, R, device="cuda", dtype=dt) / 16
+    xb, n, xs, ys, vb, vf, A, B = buffers(T)
     floor = 3 * xb / bw / 1e3
     print(f"T={T}: floor {floor:.1f} us (x {xb / bw / 1e3:.1f}, y r/w {2 * xb / bw / 1e3:.1f}), sets {n}", flush=True)
 
@@ -87,10 +79,16 @@ def run(T, bw, sms):
     print(f"  TMA expand rel err of y {((ys[0].float() - refy).norm() / refy.norm()).item():.2e}", flush=True)
 
     res = []
-    for BM, BK, w, st in ((64, 128, 4, 4), (64, 64, 4, 8)):
-        t = graph_time_us([lambda i=i: shrink_k[(T // BM, 1)](xs[i], A, vb[i], K=D, R=R, BM=BM, BK=BK, KC=D,
-                                                               ATOMIC=False, num_warps=w, num_stages=st) for i in range(n)])
-        res.append((t, "ptr", BM, BK, w, st, 1))
+    for (BM, BK, w, st), S in itertools.product(((64, 128, 4, 4), (64, 64, 4, 8)), (1, 2, 4)):
+        if T // BM * S > 2 * sms:
+            continue
+
+        def ptr_call(i, BM=BM, BK=BK, w=w, st=st, S=S):
+            if S > 1:
+                vf[i].zero_()
+            shrink_k[(T // BM, S)](xs[i], A, vf[i] if S > 1 else vb[i], K=D, R=R, BM=BM, BK=BK, KC=D // S, ATOMIC=S > 1,
+                                   num_warps=w, num_stages=st)
+        res.append((graph_time_us([lambda i=i: ptr_call(i) for i in range(n)]), "ptr", BM, BK, w, st, S))
     for (BM, BK, w, st), S in itertools.product(((64, 128, 4, 4), (64, 64, 4, 6), (64, 128, 4, 3), (128, 64, 8, 4),
                                                   (128, 128, 8, 3), (64, 256, 4, 2), (128, 64, 4, 4)), (1, 2, 4)):
         if T // BM * S > 2 * sms:
@@ -114,7 +112,6 @@ def run(T, bw, sms):
         print(f"  shrink {kind} BM={BM} BK={BK} w={w} st={st} S={S}: {t:.1f} us = {xb / t / 1e3:.0f} GB/s of x", flush=True)
 
     eres = []
-    G0 = max(1, round(sms / (D // 128)))
     for BM, BN, ns, w in ((64, 128, 4, 8), (64, 256, 3, 8), (64, 128, 3, 4)):
         G = max(1, round(sms / (D // BN)))
         t = graph_time_us([lambda i=i: expand_cols_k[(D // BN, G)](vb[i], B, ys[i], 0.5, T, N=D, R=R, BM=BM, BN=BN, NS=ns,
@@ -144,20 +141,7 @@ def run(T, bw, sms):
         best_tma = tma_s[0][0] + tma_e[0][0]
         print(f"  sum of bests: pointer {best_ptr:.1f} us ({best_ptr / floor:.2f}x floor), TMA {best_tma:.1f} us "
               f"({best_tma / floor:.2f}x floor)", flush=True)
-    del xs, ys, vb, vf
-    torch.cuda.empty_cache()
-
-
-def main():
-    torch.manual_seed(0)
-    bw = copy_bandwidth_gbs()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"copy 2GB: {bw:.0f} GB/s, {sms} SMs, triton {triton.__version__}", flush=True)
-    for T in [int(a) for a in sys.argv[1:]] or [4096, 8192, 1024]:
-        run(T, bw, sms)
 
 
 if __name__ == "__main__":
-    t0 = time.time()
-    main()
-    print(f"total {time.time() - t0:.0f} s")
+    probe_main(run, [4096, 8192, 1024])
