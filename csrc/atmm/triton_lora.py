@@ -55,11 +55,20 @@ def _update_y(y, rows, rm, rn, nm, ld_y, vt, bt, scale):
 
 
 @triton.jit
-def _partials_sum(partial, vo, vm, live, splits, num_tokens, r_max, BM: tl.constexpr, R: tl.constexpr):
-    """v of the rows at offsets vo: the sum of `splits` fp32 partials, columns past the slot's rank zeroed."""
+def _live_columns(rr, slot_rank, slot):
+    """The columns of v within the slot's padded rank. That rank is a multiple of 8 (the extension pads ranks to 8),
+    which the compiler is told: a load masked with this stays 16-byte vectors, so v's columns past the rank are
+    zeroed by the load's mask itself (a tl.where after an unmasked load cost the column-stationary expand 1-2 us at
+    T = 1024-8192: csrc/atmm/NOTES.md, bisecting the extension's kernels)."""
+    return rr < tl.multiple_of(tl.load(slot_rank + slot), 8)
+
+
+@triton.jit
+def _partials_sum(partial, vo, vm, splits, num_tokens, r_max, BM: tl.constexpr, R: tl.constexpr):
+    """v of the rows at offsets vo: the sum of `splits` fp32 partials, masked (vm) to the rows and live columns."""
     acc = tl.zeros((BM, R), tl.float32)
     for k in range(0, splits):
-        acc += tl.where(live, tl.load(partial + k.to(tl.int64) * num_tokens * r_max + vo, mask=vm, other=0.0), 0.0)
+        acc += tl.load(partial + k.to(tl.int64) * num_tokens * r_max + vo, mask=vm, other=0.0)
     return acc
 
 
@@ -113,8 +122,8 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
     """y[rows, chunk] += scale * v[rows] @ lora_b[slot, chunk, :R].T for the CH columns of program_id(1);
     splits == 0: v was written by the shrink; else v is the sum of `splits` fp32 partials (rounded to the
     dtype, as the reference rounds it), as a split shrink leaves it (one, already summed, from a Triton shrink).
-    Columns of v past the slot's padded rank may hold anything (a CUTLASS shrink writes only up to it):
-    they are zeroed after the load, which keeps the loads 16-byte vectors (lora_b is zero there).
+    Columns of v past the slot's padded rank may hold anything (a CUTLASS or stream shrink writes only up to it):
+    the loads of v mask them out (_live_columns).
     Launched as the shrink's programmatic dependent (PDL), it finds its tile before waiting for the shrink."""
     seg, before = _row_tile(tl.program_id(0), seg_indptr, seg_slot, num_segments, BM, SEGS)
     if seg < num_segments:
@@ -126,14 +135,13 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
             rm = rows < hi
             rr = tl.arange(0, R)
             cm = tl.full((R,), 1, tl.int1) if EVEN else rr < r_max
-            live = (rr < tl.load(slot_rank + slot))[None, :]
             vo = rows.to(tl.int64)[:, None] * r_max + rr[None, :]
-            vm = rm[:, None] & cm[None, :]
+            vm = rm[:, None] & (cm & _live_columns(rr, slot_rank, slot))[None, :]
             gdc_wait()  # launched as the shrink's programmatic dependent: v is complete from here on
             if splits == 0:  # the shrink wrote v itself
-                vt = tl.where(live, tl.load(v + vo, mask=vm, other=0.0), 0.0)
+                vt = tl.load(v + vo, mask=vm, other=0.0)
             else:
-                vt = _partials_sum(partial, vo, vm, live, splits, num_tokens, r_max, BM, R).to(y.dtype.element_ty)
+                vt = _partials_sum(partial, vo, vm, splits, num_tokens, r_max, BM, R).to(y.dtype.element_ty)
             n_lo = tl.program_id(1) * CH
             b_base = lora_b + slot.to(tl.int64) * d_out * r_max + rr[:, None]
             for i in range(CH // BN):  # a fixed trip count pipelines better than a bound read at run time
@@ -144,15 +152,15 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
 
 
 @triton.jit
-def _cols_tiles(src, y, lo, hi, t0, t1, rr, cm, live, rn, nm, r_max, ld_y, bt, scale, BM: tl.constexpr,
-                NS: tl.constexpr):
+def _cols_tiles(src, y, lo, hi, t0, t1, rr, vcm, rn, nm, r_max, ld_y, bt, scale, BM: tl.constexpr, NS: tl.constexpr):
     """y of the segment's row tiles t0..t1 (rows from lo, up to hi) += scale * v @ bt, v read from src (v itself,
-    or one fp32 partial rounded to the dtype), pipelined with tl.range(num_stages=NS): y of the next tiles in flight."""
+    or one fp32 partial rounded to the dtype) in its columns vcm, pipelined with tl.range(num_stages=NS): y of the
+    next tiles in flight."""
     for t in tl.range(t0, t1, num_stages=NS):
         rows = lo + t * BM + tl.arange(0, BM)
         rm = rows < hi
-        vt = tl.load(src + rows.to(tl.int64)[:, None] * r_max + rr[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-        _update_y(y, rows, rm, rn, nm, ld_y, tl.where(live, vt, 0.0).to(y.dtype.element_ty), bt, scale)
+        vt = tl.load(src + rows.to(tl.int64)[:, None] * r_max + rr[None, :], mask=rm[:, None] & vcm[None, :], other=0.0)
+        _update_y(y, rows, rm, rn, nm, ld_y, vt.to(y.dtype.element_ty), bt, scale)
 
 
 @triton.jit
@@ -197,21 +205,21 @@ def lora_expand_cols(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, s
         t0 = (tl.maximum(ra, lo) - lo + BM - 1) // BM  # the segment's tiles k start at lo + k * BM
         t1 = (tl.minimum(rb, hi) - lo + BM - 1) // BM
         if (slot >= 0) & (t0 < t1) & (scale != 0.0):  # scale 0: a slot of rank 0, its rows stay as they are
-            live = (rr < tl.load(slot_rank + slot))[None, :]
+            vcm = cm & _live_columns(rr, slot_rank, slot)  # v's columns within r_max and the slot's rank
             bt = tl.load(lora_b + slot.to(tl.int64) * d_out * r_max + rr[:, None] + rn[None, :] * r_max,
                          mask=cm[:, None] & nm[None, :], other=0.0)
             gdc_wait()  # launched as the shrink's programmatic dependent: v is complete from here on
             if splits == 0:  # v written by the shrink: the pipelined loop
-                _cols_tiles(v, y, lo, hi, t0, t1, rr, cm, live, rn, nm, r_max, ld_y, bt, scale, BM, NS)
+                _cols_tiles(v, y, lo, hi, t0, t1, rr, vcm, rn, nm, r_max, ld_y, bt, scale, BM, NS)
             elif splits == 1:  # one fp32 partial (a split Triton shrink adds into it): the same loop, rounding v
-                _cols_tiles(partial, y, lo, hi, t0, t1, rr, cm, live, rn, nm, r_max, ld_y, bt, scale, BM, NS)
+                _cols_tiles(partial, y, lo, hi, t0, t1, rr, vcm, rn, nm, r_max, ld_y, bt, scale, BM, NS)
             else:  # v is the sum of `splits` fp32 partials, rounded to the dtype as the reference rounds it
                 for t in range(t0, t1):
                     rows = lo + t * BM + tl.arange(0, BM)
                     rm = rows < hi
                     vo = rows.to(tl.int64)[:, None] * r_max + rr[None, :]
-                    vm = rm[:, None] & cm[None, :]
-                    acc = _partials_sum(partial, vo, vm, live, splits, num_tokens, r_max, BM, R)
+                    vm = rm[:, None] & vcm[None, :]
+                    acc = _partials_sum(partial, vo, vm, splits, num_tokens, r_max, BM, R)
                     _update_y(y, rows, rm, rn, nm, ld_y, acc.to(y.dtype.element_ty), bt, scale)
         seg += 1
         lo = hi
