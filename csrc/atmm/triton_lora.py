@@ -45,13 +45,21 @@ def _row_tile(pid, seg_indptr, seg_slot, num_segments, BM: tl.constexpr, SEGS: t
 
 
 @triton.jit
-def _update_y(y, rows, rm, rn, nm, ld_y, vt, bt, scale):
-    """y[rows, rn] += scale * vt @ bt, in place (rows past the segment and columns past d_out masked)."""
-    yp = y + rows.to(tl.int64)[:, None] * ld_y + rn[None, :]
-    ym = rm[:, None] & nm[None, :]
-    yt = tl.load(yp, mask=ym, other=0.0)
+def _clamped(rows, hi):
+    """A tile's rows for loading: those past the segment's end (hi) read its last row instead, so the loads need no
+    row mask (only the stores do). The loads of the last, partial tile of a segment stay inside it, and every other
+    load is unmasked (csrc/atmm/NOTES.md, bisecting the extension's kernels: row masks on the loads cost time)."""
+    return tl.minimum(rows, hi - 1)
+
+
+@triton.jit
+def _update_y(y, rows_c, rm, rn, nm, ld_y, vt, bt, scale):
+    """y[rows, rn] += scale * vt @ bt, in place: rows_c are the tile's rows clamped to the segment (_clamped), rm
+    marks the real ones, which alone are stored; columns past d_out masked."""
+    yp = y + rows_c.to(tl.int64)[:, None] * ld_y + rn[None, :]
+    yt = tl.load(yp, mask=nm[None, :], other=0.0)
     o = tl.dot(vt, bt)
-    tl.store(yp, (yt.to(tl.float32) + o * scale).to(y.dtype.element_ty), mask=ym)
+    tl.store(yp, (yt.to(tl.float32) + o * scale).to(y.dtype.element_ty), mask=rm[:, None] & nm[None, :])
 
 
 @triton.jit
@@ -65,7 +73,7 @@ def _live_columns(rr, slot_rank, slot):
 
 @triton.jit
 def _partials_sum(partial, vo, vm, splits, num_tokens, r_max, BM: tl.constexpr, R: tl.constexpr):
-    """v of the rows at offsets vo: the sum of `splits` fp32 partials, masked (vm) to the rows and live columns."""
+    """v of the rows at offsets vo: the sum of `splits` fp32 partials, masked (vm) to the live columns."""
     acc = tl.zeros((BM, R), tl.float32)
     for k in range(0, splits):
         acc += tl.load(partial + k.to(tl.int64) * num_tokens * r_max + vo, mask=vm, other=0.0)
@@ -98,13 +106,13 @@ def lora_shrink(x, lora_a, v, partial, seg_indptr, seg_slot, num_segments, num_t
         cm = tl.full((R,), 1, tl.int1) if EVEN else rr < r_max  # EVEN: chunks of whole BK tiles and r_max == R
         kbeg = ks * k_chunk
         kend = tl.minimum(d_in, kbeg + k_chunk)
-        x_rows = x + rows.to(tl.int64)[:, None] * d_in
+        x_rows = x + _clamped(rows, hi).to(tl.int64)[:, None] * d_in
         a_base = lora_a + slot.to(tl.int64) * r_max * d_in + rr[None, :] * d_in
         acc = tl.zeros((BM, R), tl.float32)
         for k in range(kbeg, kend, BK):
             kk = k + tl.arange(0, BK)
             km = tl.full((BK,), 1, tl.int1) if EVEN else kk < kend
-            xt = tl.load(x_rows + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            xt = tl.load(x_rows + kk[None, :], mask=km[None, :], other=0.0)
             at = tl.load(a_base + kk[:, None], mask=km[:, None] & cm[None, :], other=0.0)
             acc = tl.dot(xt, at, acc)
         out = rows.to(tl.int64)[:, None] * r_max + rr[None, :]
@@ -133,10 +141,11 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
             hi = tl.load(seg_indptr + seg + 1)
             rows = tl.load(seg_indptr + seg) + (tl.program_id(0) - before) * BM + tl.arange(0, BM)
             rm = rows < hi
+            rows_c = _clamped(rows, hi)
             rr = tl.arange(0, R)
             cm = tl.full((R,), 1, tl.int1) if EVEN else rr < r_max
-            vo = rows.to(tl.int64)[:, None] * r_max + rr[None, :]
-            vm = rm[:, None] & (cm & _live_columns(rr, slot_rank, slot))[None, :]
+            vo = rows_c.to(tl.int64)[:, None] * r_max + rr[None, :]
+            vm = (cm & _live_columns(rr, slot_rank, slot))[None, :]
             gdc_wait()  # launched as the shrink's programmatic dependent: v is complete from here on
             if splits == 0:  # the shrink wrote v itself
                 vt = tl.load(v + vo, mask=vm, other=0.0)
@@ -148,7 +157,7 @@ def lora_expand(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_sl
                 rn = n_lo + i * BN + tl.arange(0, BN)
                 nm = tl.full((BN,), 1, tl.int1) if EVEN else rn < d_out
                 bt = tl.load(b_base + rn[None, :] * r_max, mask=cm[:, None] & nm[None, :], other=0.0)
-                _update_y(y, rows, rm, rn, nm, ld_y, vt, bt, scale)
+                _update_y(y, rows_c, rm, rn, nm, ld_y, vt, bt, scale)
 
 
 @triton.jit
@@ -158,9 +167,9 @@ def _cols_tiles(src, y, lo, hi, t0, t1, rr, vcm, rn, nm, r_max, ld_y, bt, scale,
     next tiles in flight."""
     for t in tl.range(t0, t1, num_stages=NS):
         rows = lo + t * BM + tl.arange(0, BM)
-        rm = rows < hi
-        vt = tl.load(src + rows.to(tl.int64)[:, None] * r_max + rr[None, :], mask=rm[:, None] & vcm[None, :], other=0.0)
-        _update_y(y, rows, rm, rn, nm, ld_y, vt.to(y.dtype.element_ty), bt, scale)
+        rows_c = _clamped(rows, hi)
+        vt = tl.load(src + rows_c.to(tl.int64)[:, None] * r_max + rr[None, :], mask=vcm[None, :], other=0.0)
+        _update_y(y, rows_c, rows < hi, rn, nm, ld_y, vt.to(y.dtype.element_ty), bt, scale)
 
 
 @triton.jit
@@ -216,10 +225,9 @@ def lora_expand_cols(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, s
             else:  # v is the sum of `splits` fp32 partials, rounded to the dtype as the reference rounds it
                 for t in range(t0, t1):
                     rows = lo + t * BM + tl.arange(0, BM)
-                    rm = rows < hi
-                    vo = rows.to(tl.int64)[:, None] * r_max + rr[None, :]
-                    vm = rm[:, None] & vcm[None, :]
-                    acc = _partials_sum(partial, vo, vm, splits, num_tokens, r_max, BM, R)
-                    _update_y(y, rows, rm, rn, nm, ld_y, acc.to(y.dtype.element_ty), bt, scale)
+                    rows_c = _clamped(rows, hi)
+                    vo = rows_c.to(tl.int64)[:, None] * r_max + rr[None, :]
+                    acc = _partials_sum(partial, vo, vcm[None, :], splits, num_tokens, r_max, BM, R)
+                    _update_y(y, rows_c, rows < hi, rn, nm, ld_y, acc.to(y.dtype.element_ty), bt, scale)
         seg += 1
         lo = hi
