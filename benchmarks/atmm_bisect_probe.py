@@ -28,8 +28,8 @@ sys.path.insert(0, "backend")
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "csrc/atmm")
 import triton_lora  # noqa: E402
-from atmm_split_probe import probe_main  # noqa: E402
-from vlora.atmm.timing import graph_time_us, sets_needed  # noqa: E402
+from atmm_split_probe import probe_main, segment_buffers  # noqa: E402
+from vlora.atmm.timing import graph_time_us  # noqa: E402
 
 D, R, NSEG = 4096, 128, 4
 dt = torch.bfloat16
@@ -144,18 +144,7 @@ def expand_b_k(v, b, y, scales, ranks, seg_indptr, seg_slot, num_segments, num_t
 
 
 def run(T, bw, sms):
-    xb = T * D * 2
-    n = sets_needed(3 * xb)
-    xs = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
-    ys = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
-    vb = [torch.empty(T, R, device="cuda", dtype=dt) for _ in range(n)]
-    part = torch.empty(1, device="cuda", dtype=torch.float32)
-    A = torch.randn(NSEG, R, D, device="cuda", dtype=dt) / 64
-    B = torch.randn(NSEG, D, R, device="cuda", dtype=dt) / 16
-    scale = torch.full((NSEG,), 0.5, device="cuda")
-    rank = torch.full((NSEG,), R, device="cuda", dtype=torch.int32)
-    indptr = torch.tensor([T * i // NSEG for i in range(NSEG + 1)], device="cuda", dtype=torch.int32)
-    slot = torch.arange(NSEG, device="cuda", dtype=torch.int32)
+    xb, n, xs, ys, vb, part, A, B, scale, rank, indptr, slot = segment_buffers(T, NSEG)
     BM, BK, SW, SST = 64, 64, 4, 8  # the shrink the table picks for prefill-T4096-4ad (tr_s_m64k64_r128_w4s8)
     EBM, EBN, ENS, EW = 64, 128, 4, 8  # tr_c_m64n128_r128_w8s4_g1
     tps = T // NSEG // BM

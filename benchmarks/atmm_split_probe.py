@@ -64,6 +64,25 @@ def buffers(T):
     return xb, n, xs, ys, vb, vf, A, B
 
 
+def segment_buffers(T, nseg):
+    """The inputs of the extension's kernels at T tokens on nseg equal segments, adapter i of rank R in slot i: bytes of
+    x, the number of rotated sets, per set x, y and v (bf16), a one-element partial (the kernels take one, unsplit
+    calls read none), A (nseg x R x D), B (nseg x D x R), slot scales 0.5, slot ranks R, seg_indptr and seg_slot."""
+    xb = T * D * 2
+    n = sets_needed(3 * xb)
+    xs = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
+    ys = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
+    vb = [torch.empty(T, R, device="cuda", dtype=dt) for _ in range(n)]
+    part = torch.empty(1, device="cuda", dtype=torch.float32)
+    A = torch.randn(nseg, R, D, device="cuda", dtype=dt) / 64
+    B = torch.randn(nseg, D, R, device="cuda", dtype=dt) / 16
+    scale = torch.full((nseg,), 0.5, device="cuda")
+    rank = torch.full((nseg,), R, device="cuda", dtype=torch.int32)
+    indptr = torch.tensor([T * i // nseg for i in range(nseg + 1)], device="cuda", dtype=torch.int32)
+    slot = torch.arange(nseg, device="cuda", dtype=torch.int32)
+    return xb, n, xs, ys, vb, part, A, B, scale, rank, indptr, slot
+
+
 def probe_main(run, default_ts):
     """The probes' main: seed, measure the copy rate, then run(T, copy GB/s, SMs) for each T of argv (or the defaults)."""
     t0 = time.time()
@@ -156,18 +175,7 @@ def run(T, bw, sms):
 
 def real(T, bw, sms, nseg):
     """The extension's lora_shrink / lora_expand_cols (launched through Triton here), nseg equal segments."""
-    xb = T * D * 2
-    n = sets_needed(3 * xb)
-    xs = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
-    ys = [torch.randn(T, D, device="cuda", dtype=dt) for _ in range(n)]
-    vb = [torch.empty(T, R, device="cuda", dtype=dt) for _ in range(n)]
-    part = torch.empty(1, device="cuda", dtype=torch.float32)
-    A = torch.randn(nseg, R, D, device="cuda", dtype=dt) / 64
-    B = torch.randn(nseg, D, R, device="cuda", dtype=dt) / 16
-    scale = torch.full((nseg,), 0.5, device="cuda")
-    rank = torch.full((nseg,), R, device="cuda", dtype=torch.int32)
-    indptr = torch.tensor([T * i // nseg for i in range(nseg + 1)], device="cuda", dtype=torch.int32)
-    slot = torch.arange(nseg, device="cuda", dtype=torch.int32)
+    xb, n, xs, ys, vb, part, A, B, scale, rank, indptr, slot = segment_buffers(T, nseg)
     print(f"T={T}, {nseg} segments, the extension's kernels:", flush=True)
 
     def shrink(i, BM, BK, w, st, even):
