@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -20,9 +21,28 @@ class EngineOverloaded(RuntimeError):
     """The engine could not admit the request within the admission timeout."""
 
 
+# Limits on sampling_parameters, checked before a request is queued (see SamplingParams).
+MIN_TEMPERATURE = 1e-2  # keeps logits / T far from float32 overflow; colder is greedy in all but name: send 0
+MAX_TEMPERATURE = 100.0
+MIN_TOP_P = 1e-3
+MAX_TOKENS_LIMIT = 1 << 20  # the engine also stops at the model's context (max_model_len)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_NUMBER_CHARS = 32  # a number sent as a string ("16"); int() of a long digit string is slow or refused
+MAX_SAMPLING_JSON_BYTES = 64 * 1024
+MAX_SAMPLING_JSON_DEPTH = 8  # the object, the stop list, and room to spare
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling options with vLLM's names. ``temperature == 0`` means greedy."""
+    """Sampling options with vLLM's names, each checked against its range:
+
+    - ``max_tokens``: an integer in [1, MAX_TOKENS_LIMIT] (2**20); generation also ends at the context.
+    - ``temperature``: 0 (greedy), or a number in [MIN_TEMPERATURE, MAX_TEMPERATURE] = [0.01, 100].
+    - ``top_p``: a number in [MIN_TOP_P, 1] = [0.001, 1].
+    - ``seed``: an integer in [0, 2**64); without one, a sampled request gets a random seed.
+    - ``stop``: at most 16 non-empty strings of at most 256 characters each.
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -35,18 +55,22 @@ class SamplingParams:
     EXTRA_KEYS = ("lora_name", "task", "apply_chat_template")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not (0.0 <= self.temperature <= 100.0):
-            raise InvalidRequest(f"temperature must be a number in [0, 100], got {self.temperature!r}")
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
-            raise InvalidRequest(f"seed must be a non-negative integer, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not _is_int(self.max_tokens) or not (1 <= self.max_tokens <= MAX_TOKENS_LIMIT):
+            raise InvalidRequest(f"max_tokens must be an integer in [1, {MAX_TOKENS_LIMIT}], got {_shown(self.max_tokens)}")
+        if not _is_number(self.temperature) or not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidRequest(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], "
+                                 f"got {_shown(self.temperature)}")
+        if not _is_number(self.top_p) or not (MIN_TOP_P <= self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be a number in [{MIN_TOP_P}, 1], got {_shown(self.top_p)}")
+        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**64)):
+            raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {_shown(self.seed)}")
+        if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop must be a string or a list of non-empty strings")
-        if len(self.stop) > 16:
-            raise InvalidRequest("stop accepts at most 16 strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidRequest(f"each stop string may have at most {MAX_STOP_CHARS} characters, "
+                                 f"got one of {max(len(s) for s in self.stop)}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
@@ -66,14 +90,19 @@ class SamplingParams:
         # JSON clients often send numbers as strings (Triton parameters are strings); accept clean ones.
         for k, conv in (("max_tokens", int), ("seed", int), ("temperature", float), ("top_p", float)):
             if isinstance(kw.get(k), str):
+                if len(kw[k]) > MAX_NUMBER_CHARS:
+                    raise InvalidRequest(f"{k} must be a number; got a string of {len(kw[k])} characters "
+                                         f"(at most {MAX_NUMBER_CHARS})")
                 try:
                     kw[k] = conv(kw[k])
                 except ValueError:
-                    raise InvalidRequest(f"{k} must be a number, got {kw[k]!r}") from None
-        if isinstance(kw.get("temperature"), int) and not isinstance(kw.get("temperature"), bool):
-            kw["temperature"] = float(kw["temperature"])
-        if isinstance(kw.get("top_p"), int) and not isinstance(kw.get("top_p"), bool):
-            kw["top_p"] = float(kw["top_p"])
+                    raise InvalidRequest(f"{k} must be a number, got {_shown(kw[k])}") from None
+        for k in ("temperature", "top_p"):
+            if _is_int(kw.get(k)):
+                try:
+                    kw[k] = float(kw[k])
+                except OverflowError:
+                    raise InvalidRequest(f"{k} is out of range, got an integer of {kw[k].bit_length()} bits") from None
         if "ignore_eos" in kw and not isinstance(kw["ignore_eos"], bool):
             raise InvalidRequest("ignore_eos must be true or false")
         return cls(**kw)
@@ -84,17 +113,73 @@ def parse_sampling_json(text: str | bytes | None) -> dict[str, Any]:
     :meth:`SamplingParams.from_dict` takes it from there, after ``EXTRA_KEYS`` are split off."""
     if text is None or not text.strip():
         return {}
+    too_long = f"sampling_parameters is longer than {MAX_SAMPLING_JSON_BYTES} bytes"
+    if len(text) > MAX_SAMPLING_JSON_BYTES:
+        raise InvalidRequest(too_long)
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    if len(data) > MAX_SAMPLING_JSON_BYTES:
+        raise InvalidRequest(too_long)
+    depth = _json_depth(data)
+    if depth > MAX_SAMPLING_JSON_DEPTH:
+        raise InvalidRequest(f"sampling_parameters nests {depth} levels deep; the limit is {MAX_SAMPLING_JSON_DEPTH}")
     try:
         d = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, an int over Python's digit limit
+        raise InvalidRequest(f"sampling_parameters is not valid JSON: {_cut(str(e), 200)}") from None
     if not isinstance(d, dict):
         raise InvalidRequest("sampling_parameters must be a JSON object")
     return d
 
 
+_JSON_STRUCTURE = re.compile(rb'[\[\]{}"\\]')
+
+
+def _json_depth(data: bytes) -> int:
+    """How deep the brackets of JSON ``data`` nest, outside strings: a linear scan, so that json.loads
+    never recurses deeply. Malformed data gets some number; json.loads reports its errors."""
+    depth = deepest = 0
+    in_string = False
+    skip = -1  # the position after a backslash inside a string: escaped, not structure
+    for m in _JSON_STRUCTURE.finditer(data):
+        pos, ch = m.start(), data[m.start()]
+        if pos == skip:
+            continue
+        if in_string:
+            if ch == 0x5C:  # backslash
+                skip = pos + 1
+            elif ch == 0x22:  # quote
+                in_string = False
+        elif ch == 0x22:
+            in_string = True
+        elif ch in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    try:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _shown(x: Any) -> str:
+    """``repr(x)`` cut short, for error messages (the repr of an int over Python's digit limit raises)."""
+    try:
+        return _cut(repr(x), 80)
+    except ValueError:
+        return f"<{type(x).__name__}>"
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass

@@ -10,6 +10,7 @@ drives it; tests drive it directly). Each ``step()``:
    segments are contiguous;
 4. samples, applies stop conditions, and reports each request's new text through its callback. A request
    with a ``task`` is answered by its adapter's task head from the prefill's hidden state, and finishes.
+   A request whose logits are not finite fails alone; the others of the step go on.
 
 A waiting request is admitted only once its adapter is in a device slot and the copy into that slot has
 completed (:meth:`LoraManager.try_acquire` answers "not yet" meanwhile, without blocking), so a request
@@ -30,7 +31,7 @@ from vlora.engine.api import GenerationOutput, InvalidRequest, OutputCallback, S
 from vlora.engine.kv_cache import SequenceBlocks
 from vlora.engine.metrics import EngineMetrics, NullMetrics
 from vlora.engine.model_runner import ModelRunner, SeqInput, StepResult
-from vlora.engine.sampler import make_generator, sample
+from vlora.engine.sampler import make_seed, sample
 from vlora.lora.manager import AdapterBusy, LoraManager
 from vlora.orchestrator.orchestrator import Orchestrator
 from vlora.orchestrator.policies import UNMERGE, Candidate, Decision
@@ -64,7 +65,11 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already reported
-    generator: Optional[torch.Generator] = None
+    seed: int = 0  # the sampling seed: the request's own, or drawn at admission
+    # Incremental detokenization: text holds the decode of output_ids[:read_offset]; the next decode
+    # covers output_ids[prefix_offset:], from a character boundary a few tokens back.
+    prefix_offset: int = 0
+    read_offset: int = 0
     prefilled: bool = False
     answer: Optional[dict] = None  # a task head's answer (task, label, labels, scores)
     candidate: Optional[Candidate] = None  # what the scheduling policy sees of this request
@@ -102,7 +107,7 @@ class LLMEngine:
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
         max_len = min(self.max_model_len, len(req.prompt_ids) + (1 if req.task else req.sampling.max_tokens))
-        seq = Sequence(req=req, callback=callback, max_len=max_len, generator=make_generator(req.sampling))
+        seq = Sequence(req=req, callback=callback, max_len=max_len, seed=make_seed(req.sampling))
         seq.candidate = Candidate(req.request_id, req.lora_name, self.orchestrator.clock(),
                                   self.orchestrator.latency_target(req.lora_name, req.latency_target))
         self.waiting.append(seq)
@@ -145,7 +150,8 @@ class LLMEngine:
             # The copies into the slots this step reads were issued on the side stream: order them first.
             self.loras.wait_ready([s.slot for s in batch] + [orch.merged_slot if orch.merged_slot is not None else -1])
             result = self.runner.forward(inputs)
-            tokens = sample(result.logits, [s.req.sampling for s in batch], [s.generator for s in batch])
+            sampled = sample(result.logits, [s.req.sampling for s in batch], [s.seed for s in batch],
+                             [len(s.output_ids) for s in batch])
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("step failed")
             for s in batch:
@@ -166,10 +172,16 @@ class LLMEngine:
             "merged": orch.merged,
             "paused": [s.req.request_id for s in self.running if s not in batch],
         }
-        for i, (s, tok) in enumerate(zip(batch, tokens)):
+        bad = set(sampled.bad_rows)
+        for i, (s, tok) in enumerate(zip(batch, sampled.tokens)):
             s.candidate.last_served = now
             if s.req.task is not None and not s.prefilled:
                 self._answer_with_head(s, result.hidden[i])
+                continue
+            if i in bad:  # this request alone fails; its neighbours in the batch carry on
+                log.warning("non-finite logits for request %s (adapter %s)", s.req.request_id, s.req.lora_name)
+                self._finish(s, "error", error=f"non-finite logits (NaN or inf) for this request "
+                                               f"(adapter {s.req.lora_name!r}); generation stopped")
                 continue
             s.prefilled = True
             s.output_ids.append(tok)
@@ -269,27 +281,48 @@ class LLMEngine:
         reason = None
         if tok in self.eos_ids and not sp.ignore_eos:
             reason = "stop"
-        text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
-        if sp.stop:
-            cut = min((i for i in (text.find(x, max(0, s.sent - len(x))) for x in sp.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, reason = text[:cut], "stop"
         if reason is None and len(s.output_ids) >= sp.max_tokens:
             reason = "length"
         if reason is None and s.num_tokens >= s.max_len:
             reason = "length"
+        old_len = len(s.text)
+        # A finishing request takes its incomplete last character too, as a full decode would show it.
+        text = s.text + self._decode_delta(s, final=reason is not None)
+        if sp.stop:
+            # The text only grows, and an earlier match would have stopped the request already: only
+            # matches that reach into the new text are looked for.
+            found = (text.find(x, max(0, old_len - len(x) + 1)) for x in sp.stop)
+            cut = min((i for i in found if i >= 0), default=-1)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
         s.text = text
         if reason is not None:
             self._finish(s, reason)
         elif s.req.stream:
             hold = max((len(x) for x in sp.stop), default=1) - 1
-            upto = len(text) - hold
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
-                upto = min(upto, len(text) - 1)
+            upto = len(text) - hold  # text never ends in an incomplete character: _decode_delta waits
             if upto > s.sent:
                 self._emit(s, GenerationOutput(s.req.request_id, text[s.sent:upto], text[:upto], False,
                                                num_input_tokens=len(s.req.prompt_ids), num_output_tokens=len(s.output_ids)))
                 s.sent = upto
+
+    def _decode_delta(self, s: Sequence, final: bool = False) -> str:
+        """The text that ``s.output_ids`` add to ``s.text``, decoding only the last few tokens.
+
+        As vLLM's incremental detokenizer: decode ids[prefix:] and ids[prefix:read] and return the
+        difference. Both decodes start on the same character boundary, so the difference is what a full
+        decode adds. While the new text ends in an incomplete UTF-8 sequence ("\ufffd") or adds
+        nothing (a skipped special token), nothing is returned and the offsets stay, so the window
+        grows until the character completes; ``final`` returns the pending text as it stands.
+        """
+        ids = s.output_ids
+        decode = self.tokenizer.decode
+        before = decode(ids[s.prefix_offset:s.read_offset], skip_special_tokens=True) if s.read_offset > s.prefix_offset else ""
+        after = decode(ids[s.prefix_offset:], skip_special_tokens=True)
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return after[len(before):] if final else ""
+        s.prefix_offset, s.read_offset = s.read_offset, len(ids)
+        return after[len(before):]
 
     def _answer_with_head(self, s: Sequence, hidden: torch.Tensor) -> None:
         """A head request ends with its prefill: its text is the label, and it counts as one output token

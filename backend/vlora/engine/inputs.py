@@ -6,6 +6,7 @@ import hashlib
 from vlora.config import InputLimits
 from vlora.engine.api import GenerationRequest, InvalidRequest
 from vlora.engine.core import PreparedRequest
+from vlora.lora.adapter import validate_adapter_name
 from vlora.lora.manager import LoraManager
 from vlora.models.images import decode_base64_image, pixel_values
 from vlora.models.loader import LoadedModel, build_prompt_ids
@@ -33,6 +34,8 @@ class InputProcessor:
         if req.lora_name is not None:
             if not isinstance(req.lora_name, str) or not req.lora_name:
                 raise InvalidRequest("lora_name must be a non-empty string")
+            # The name rule first: a name with a NUL or a path separator never reaches a lookup or the disk.
+            validate_adapter_name(req.lora_name)
             adapter = self.loras.validate(req.lora_name)
         if req.task is not None:  # a task head answers from the prefill; it lives in the adapter
             if adapter is None:

@@ -1,48 +1,115 @@
-"""Token sampling: greedy, temperature and nucleus (top-p), seeded per request.
+"""Token sampling: greedy, temperature and nucleus (top-p), seeded per request, for a whole batch at once.
 
-Sampling runs on the host in float32 with one ``torch.Generator`` per request, so a seeded request
-draws the same tokens on any device and in any batch.
+Semantics: for row i with temperature T_i > 0,
+    token_i = argmax_v( logits[i, v] / T_i + g(seed_i, step_i, v) )  over v in the top-p set of row i
+where g is Gumbel noise, so token_i is a draw from softmax(logits[i] / T_i) restricted to (and
+renormalised over) the smallest set of most likely tokens whose probability reaches top_p_i
+(Gumbel-max). Rows with T_i == 0 take argmax(logits[i]).
+
+Shape:  logits [B, V] (any float dtype, on the model's device)  seeds, steps [B] host ints.
+
+The noise is a counter-based hash of (seed, step, vocab index) computed with integer tensor ops, not a
+stateful generator: a seeded request draws the same tokens whatever batch it is in and on whatever
+device (the integer hash is exact everywhere; its map to Gumbel noise is float32 ``log``). ``step`` is
+the number of tokens the request has generated so far. Requests without a seed get one drawn at
+admission (:func:`make_seed`).
+
+Everything runs on the logits' device in float32, as one pass over the batch; only the chosen ids
+(and which rows were bad) come back to the host, in one transfer. Guards: temperature is divided in
+float32 with a floor of ``MIN_TEMPERATURE``; the top-p mask always keeps the most likely token; a row
+whose logits are not all finite (NaN, +-inf; an all -inf row included) is reported in ``bad_rows``
+and sampled no token, and the other rows are unaffected.
 """
 from __future__ import annotations
 
-from typing import Optional
+import secrets
+from dataclasses import dataclass
 
 import torch
 
-from vlora.engine.api import SamplingParams
+from vlora.engine.api import MIN_TEMPERATURE, SamplingParams
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+_KEY2 = 0x85EBCA6B
 
 
-def make_generator(params: SamplingParams) -> Optional[torch.Generator]:
-    if params.temperature == 0.0:
-        return None
-    g = torch.Generator(device="cpu")
-    if params.seed is not None:
-        g.manual_seed(params.seed)
-    else:
-        g.seed()
-    return g
+@dataclass(frozen=True)
+class SampleResult:
+    """``tokens[i]`` is row i's token, or -1 for a row listed in ``bad_rows`` (non-finite logits)."""
+
+    tokens: list[int]
+    bad_rows: list[int]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[Optional[torch.Generator]]) -> list[int]:
-    """One token for each row of ``logits`` [B, V]."""
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1).tolist()
-    if all(p.temperature == 0.0 for p in params):
-        return greedy
-    host = logits.cpu()
-    out = []
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if p.temperature == 0.0:
-            out.append(greedy[i])
-            continue
-        probs = torch.softmax(host[i] / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            cum = sorted_p.cumsum(0)
-            keep = cum - sorted_p < p.top_p  # always keeps the most likely token
-            sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-            choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=g)
-            out.append(int(idx[choice]))
-        else:
-            out.append(int(torch.multinomial(probs, 1, generator=g)))
-    return out
+def make_seed(params: SamplingParams) -> int:
+    """The request's seed, or a random 64-bit one for a request that gave none (drawn once, at admission)."""
+    return params.seed if params.seed is not None else secrets.randbits(64)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> SampleResult:
+    """One token for each row of ``logits`` [B, V]; see the module docstring for the semantics."""
+    x = logits.float()
+    dev = x.device
+    finite = torch.isfinite(x).all(dim=-1)
+    out = x.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
+    if rows:
+        # The per-row settings, in two host -> device copies: [row, seed_lo, seed_hi, step] and [T, top_p].
+        ints = torch.tensor([[i, seeds[i] & _M32, (seeds[i] >> 32) & _M32, steps[i] & _M32] for i in rows],
+                            dtype=torch.int64).to(dev)
+        floats = torch.tensor([[max(params[i].temperature, MIN_TEMPERATURE), params[i].top_p] for i in rows],
+                              dtype=torch.float32).to(dev)
+        idx = ints[:, 0]
+        scaled = x.index_select(0, idx) / floats[:, 0:1]
+        ok = torch.isfinite(scaled).all(dim=-1)
+        scaled = torch.where(ok.unsqueeze(1), scaled, torch.zeros_like(scaled))  # a bad row stays harmless
+        if any(params[i].top_p < 1.0 for i in rows):
+            scaled = scaled.masked_fill(~_top_p_mask(scaled, floats[:, 1]), float("-inf"))
+        noise = gumbel_noise(ints[:, 1:], x.shape[-1])
+        out = out.index_copy(0, idx, (scaled + noise).argmax(dim=-1))
+        finite = finite.index_copy(0, idx, finite.index_select(0, idx) & ok)
+    chosen = torch.where(finite, out, torch.full_like(out, -1)).tolist()  # the one device -> host transfer
+    return SampleResult(tokens=chosen, bad_rows=[i for i, t in enumerate(chosen) if t < 0])
+
+
+def _top_p_mask(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """True for the tokens of each row's nucleus: the most likely tokens, in order, until their
+    probability reaches top_p. The most likely token is always kept, and top_p >= 1 keeps every token
+    (the float32 cumulative sum may fall short of 1)."""
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    keep = (before < top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1.0)
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [R, vocab] float32, a pure function of each row's (seed_lo, seed_hi, step).
+
+    Shape: keys [R, 3] int64, each value in [0, 2**32). The uniform behind each draw is
+    (2m + 1) / 2**24 with m the top 23 bits of a 32-bit hash, so it lies strictly inside (0, 1)
+    and is exact in float32: the noise is finite.
+    """
+    k1 = mix32(keys[:, 0:1] ^ mix32(keys[:, 1:2] ^ mix32(keys[:, 2:3] ^ _GOLDEN)))
+    k2 = mix32(k1 ^ _KEY2)
+    v = mul32(torch.arange(vocab, dtype=torch.int64, device=keys.device), _GOLDEN).unsqueeze(0)
+    h = mix32(mix32(v ^ k1) ^ k2)
+    u = ((h >> 9) * 2 + 1).to(torch.float32) * (2.0 ** -24)
+    return -torch.log(-torch.log(u))
+
+
+def mul32(x, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32) and a constant c < 2**32, without int64 overflow (the
+    product is taken in 16-bit halves of c). Works on Python ints and int64 tensors alike."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x):
+    """A 32-bit bijective integer hash (Wellons' lowbias32) of x in [0, 2**32); ints or int64 tensors."""
+    x = x ^ (x >> 16)
+    x = mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)

@@ -15,6 +15,19 @@ Scale (as PEFT's LoraLayer): ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` wit
 where ``r`` and ``lora_alpha`` come from ``rank_pattern`` / ``alpha_pattern`` when a pattern matches
 the module's name (PEFT's rule: the pattern matches a dotted suffix of the name). Patterns can differ
 by layer, so rank and scale are kept per (layer, module) pair.
+
+Pattern keys are matched safely. A plain key (only ``A-Z a-z 0-9 _ .``), as PEFT configs mostly hold,
+matches literally: the name equals the key or ends with ``"." + key`` (PEFT's regex reads each dot as
+"any character", which only differs on names no model has). Any other key is a regular expression,
+matched as PEFT does (``re.match(rf"(.*\\.)?({key})$", name)``) once it passes checks that keep the
+match fast: at most ``MAX_PATTERN_KEY_CHARS`` characters, no backreferences, no repeat inside a repeat
+(``(x+)+``, ``(.*)*``), no alternation inside a repeat, and at most ``MAX_PATTERN_REPEATS`` repeats.
+A pattern holds at most ``MAX_PATTERN_KEYS`` keys, of which at most ``MAX_PATTERN_REGEX_KEYS`` regexes.
+
+Magnitude. A module's delta is ``scale * B @ A``; its gain (operator norm) is at most
+``|scale| * ||B||_F * ||A||_F``. An adapter is refused at load when a scale is not finite or above
+``MAX_LORA_SCALE``, or when that bound exceeds ``MAX_LORA_GAIN`` (1e4; the demo adapters are below 20):
+such an adapter would drive activations to inf/NaN and fail every batch it joins.
 """
 from __future__ import annotations
 
@@ -29,18 +42,30 @@ import torch
 
 from vlora.engine.api import InvalidRequest
 
+try:  # the parser behind re, used to vet regex keys of rank_pattern / alpha_pattern before running them
+    from re import _constants as _sre_constants, _parser as _sre_parse
+except ImportError:  # Python 3.10
+    import sre_constants as _sre_constants
+    import sre_parse as _sre_parse
+
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 MAX_CONFIG_BYTES = 1 << 20
+MAX_LORA_SCALE = 1e4  # |lora_alpha / r| (or / sqrt(r) with rsLoRA)
+MAX_LORA_GAIN = 1e4  # |scale| * ||B||_F * ||A||_F, an upper bound on how much a module's delta amplifies x
+MAX_PATTERN_KEYS = 1024  # keys of rank_pattern, and of alpha_pattern
+MAX_PATTERN_REGEX_KEYS = 32  # of which regular expressions (the plain keys are matched without one)
+MAX_PATTERN_KEY_CHARS = 256
+MAX_PATTERN_REPEATS = 2  # quantifiers in one regex key: matching costs up to ~name_length ** (repeats + 1)
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 # base_model.model. + one of the two LLaVA decoder prefixes + layers.N.<block>.<proj>.lora_A|B.weight
 _KEY = re.compile(
-    r"^base_model\.model\.(?P<prefix>model\.language_model|language_model\.model)\.layers\.(?P<layer>\d+)\."
+    r"^base_model\.model\.(?P<prefix>model\.language_model|language_model\.model)\.layers\.(?P<layer>\d{1,6})\."
     r"(?P<block>self_attn|mlp)\.(?P<module>[A-Za-z0-9_]+)\.lora_(?P<ab>[AB])\.weight$"
 )
 
@@ -234,10 +259,11 @@ def load_adapter(
             if cfg_r != r:
                 raise AdapterError(f"{where}: {key_a!r} has rank {r}, but adapter_config.json gives r={cfg_r}")
             alpha = _pattern_value(alpha_pattern, module_name, base_alpha)
-            scale = alpha / math.sqrt(r) if use_rslora else alpha / r
+            scale = float(alpha / math.sqrt(r) if use_rslora else alpha / r)
             a = _tensor(f, key_a, where)
             b = _tensor(f, key_b, where)
-            pairs[(layer, module)] = LoraPair(a=a, b=b, scale=float(scale))
+            _check_magnitude(where, module_name, scale, a, b)
+            pairs[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
 
     ranks: dict[str, int] = {}
     for (_, module), pair in pairs.items():
@@ -308,20 +334,105 @@ def _lora_settings(config: Mapping[str, Any], where: str):
         raise AdapterError(f"{where}: use_rslora must be true or false")
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
+    compiled = []
     for pname, pattern, ok in (("rank_pattern", rank_pattern, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
                                ("alpha_pattern", alpha_pattern, _is_number)):
         if not isinstance(pattern, dict) or not all(isinstance(k, str) and ok(v) for k, v in pattern.items()):
             raise AdapterError(f"{where}: {pname} must map module-name patterns to numbers")
-        for k in pattern:
-            try:
-                re.compile(k)
-            except re.error as e:
-                raise AdapterError(f"{where}: {pname} key {k!r} is not a valid pattern ({e})") from None
-    return r, float(alpha), use_rslora, rank_pattern, alpha_pattern
+        compiled.append(_compile_pattern(pattern, f"{where}: {pname}"))
+    return r, float(alpha), use_rslora, compiled[0], compiled[1]
 
 
-def _pattern_value(pattern: Mapping[str, Any], module_name: str, default):
-    """PEFT's get_pattern_key: the first key that matches a dotted suffix of the module's name.
+@dataclass(frozen=True)
+class _PatternKey:
+    """One key of rank_pattern / alpha_pattern: matched literally (``regex`` None) or as a checked regex."""
+
+    key: str
+    regex: Optional[re.Pattern]
+    value: Any
+
+    def matches(self, name: str) -> bool:
+        if self.regex is None:
+            return name == self.key or name.endswith("." + self.key)
+        return self.regex.match(name) is not None
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.]+")
+
+
+def _compile_pattern(pattern: Mapping[str, Any], where: str) -> tuple[_PatternKey, ...]:
+    """The keys of a rank/alpha pattern, in order, ready to match; refuses keys that could match slowly."""
+    if len(pattern) > MAX_PATTERN_KEYS:
+        raise AdapterError(f"{where} has {len(pattern)} keys; at most {MAX_PATTERN_KEYS} are accepted")
+    out = []
+    n_regex = 0
+    for key, value in pattern.items():
+        if not key or len(key) > MAX_PATTERN_KEY_CHARS:
+            raise AdapterError(f"{where} key {key[:40]!r}{'...' if len(key) > 40 else ''} has {len(key)} "
+                               f"characters; 1 to {MAX_PATTERN_KEY_CHARS} are accepted")
+        if _PLAIN_KEY.fullmatch(key):
+            out.append(_PatternKey(key, None, value))
+            continue
+        n_regex += 1
+        if n_regex > MAX_PATTERN_REGEX_KEYS:
+            raise AdapterError(f"{where} has more than {MAX_PATTERN_REGEX_KEYS} regular-expression keys")
+        try:
+            parsed = _sre_parse.parse(key)
+            regex = re.compile(rf"(.*\.)?({key})$")
+        except (re.error, RecursionError, OverflowError) as e:
+            raise AdapterError(f"{where} key {key!r} is not a valid pattern ({e})") from None
+        problem = _slow_regex(parsed)
+        if problem:
+            raise AdapterError(f"{where} key {key!r} is refused: it has {problem}, which can make matching "
+                               f"take very long; write the module names out, or a simpler pattern")
+        out.append(_PatternKey(key, regex, value))
+    return tuple(out)
+
+
+_REPEATS = {_sre_constants.MAX_REPEAT, _sre_constants.MIN_REPEAT} | (
+    {_sre_constants.POSSESSIVE_REPEAT} if hasattr(_sre_constants, "POSSESSIVE_REPEAT") else set())
+
+
+def _slow_regex(parsed) -> Optional[str]:
+    """Why the parsed regex could backtrack catastrophically, or None: a backreference, a repeat inside
+    a repeat, an alternation inside a repeat, or more than MAX_PATTERN_REPEATS repeats in all."""
+    repeats = 0
+
+    def walk(items, in_repeat: bool) -> Optional[str]:
+        nonlocal repeats
+        for op, av in items:
+            if op in (_sre_constants.GROUPREF, _sre_constants.GROUPREF_EXISTS):
+                return "a backreference"
+            if op in _REPEATS:
+                lo, hi, body = av
+                if hi > 1:
+                    if in_repeat:
+                        return "a repeat inside a repeat (such as (x+)+ or (.*)*)"
+                    repeats += 1
+                    if repeats > MAX_PATTERN_REPEATS:
+                        return f"more than {MAX_PATTERN_REPEATS} repeats (*, +, {{m,n}})"
+                found = walk(body, in_repeat or hi > 1)
+            elif op == _sre_constants.BRANCH:
+                if in_repeat:
+                    return "an alternation inside a repeat (such as (a|ab)*)"
+                found = next((w for w in (walk(b, in_repeat) for b in av[1]) if w), None)
+            elif op == _sre_constants.SUBPATTERN:
+                found = walk(av[-1], in_repeat)
+            elif op in (_sre_constants.ASSERT, _sre_constants.ASSERT_NOT):
+                found = walk(av[1], in_repeat)
+            elif op == getattr(_sre_constants, "ATOMIC_GROUP", None):
+                found = walk(av, in_repeat)
+            else:
+                found = None
+            if found:
+                return found
+        return None
+
+    return walk(parsed, False)
+
+
+def _pattern_value(pattern: tuple[_PatternKey, ...], module_name: str, default):
+    """PEFT's get_pattern_key: the value of the first key that matches a dotted suffix of the module's name.
 
     Tried on the name as the adapter spells it and on the transformers-5 spelling, so that a pattern
     written for either naming applies.
@@ -329,9 +440,9 @@ def _pattern_value(pattern: Mapping[str, Any], module_name: str, default):
     if not pattern:
         return default
     names = (module_name, _modern_name(module_name))
-    for key, value in pattern.items():
-        if any(re.match(rf"(.*\.)?({key})$", n) for n in names):
-            return value
+    for key in pattern:
+        if any(key.matches(n) for n in names):
+            return key.value
     return default
 
 
@@ -350,8 +461,22 @@ def _tensor(f, key: str, where: str) -> torch.Tensor:
     return t
 
 
+def _check_magnitude(where: str, module_name: str, scale: float, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Refuse a module whose delta could overflow activations (see the module docstring)."""
+    if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+        raise AdapterError(f"{where}: module {module_name}: scale {scale:g} (lora_alpha over r) is outside "
+                           f"[-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]")
+    gain = abs(scale) * float(torch.linalg.vector_norm(b)) * float(torch.linalg.vector_norm(a))
+    if not gain <= MAX_LORA_GAIN:
+        raise AdapterError(f"{where}: module {module_name}: |scale| * ||B|| * ||A|| = {gain:g} exceeds "
+                           f"{MAX_LORA_GAIN:g}: the adapter's weights or lora_alpha are far too large")
+
+
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    try:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def decoder_module_dims(text_config: Any) -> dict[str, tuple[int, int]]:
