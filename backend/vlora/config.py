@@ -53,9 +53,11 @@ class LoraConfig:
     max_cpu_adapters: int = 64  # host-memory LRU tier
     max_rank: int = 64
     target_modules: tuple[str, ...] = LORA_TARGETS
+    load_timeout_s: float = 30.0  # an adapter read (on the loader threads) that takes longer is refused
 
     def __post_init__(self) -> None:
         _require(self.max_gpu_adapters >= 1, "lora.max_gpu_adapters must be >= 1")
+        _require(self.load_timeout_s > 0, "lora.load_timeout_s must be > 0")
         _require(self.max_cpu_adapters >= self.max_gpu_adapters, "lora.max_cpu_adapters must be >= lora.max_gpu_adapters")
         _require(1 <= self.max_rank <= 256, "lora.max_rank must be in [1, 256]")
         bad = [t for t in self.target_modules if t not in LORA_TARGETS]
@@ -70,9 +72,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # prefill + decode tokens per step
     max_waiting: int = 64  # admitted but not yet running; beyond this execute() waits (back-pressure)
     admission_timeout_s: float = 30.0  # how long execute() waits for room before rejecting
+    # The engine watchdog: a loop iteration (one step or one adapter action) running longer than this
+    # while requests wait or run means the engine is stuck; they are failed and the model goes down.
+    # 0 disables stall detection (a dead engine thread is still detected).
+    stall_timeout_s: float = 60.0
+    fault_injection: bool = False  # tests only: accept the vlora_test_fault request parameter (kill, wedge)
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size >= 1, "scheduler.max_batch_size must be >= 1")
+        _require(self.stall_timeout_s >= 0, "scheduler.stall_timeout_s must be >= 0 (0: no stall detection)")
         _require(self.max_num_batched_tokens >= 16, "scheduler.max_num_batched_tokens must be >= 16")
         _require(self.max_waiting >= 1, "scheduler.max_waiting must be >= 1")
         _require(self.admission_timeout_s > 0, "scheduler.admission_timeout_s must be > 0")

@@ -1,18 +1,25 @@
 """The engine behind the Triton model: input validation on the caller's thread, the iteration loop
 on its own thread, back-pressure on admission, cancellation, a draining shutdown, and the adapter
 administration of clients (list, load, unload) run on the engine thread between steps.
+
+Fail-safe: one request that cannot be admitted fails alone; a step that raises fails its batch. A
+watchdog thread declares the engine dead when its thread has exited, or when one loop iteration (a
+step or an adapter action) has run longer than ``scheduler.stall_timeout_s`` while requests wait or
+run. Then every request in flight is failed with the cause, new ones are refused (EngineDead), and
+``on_dead`` tells the owner (the Triton model takes its stub process down, so the launcher sees it).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable, Optional
 
 from vlora.config import EngineConfig
-from vlora.engine.api import EngineOverloaded, GenerationRequest, OutputCallback
+from vlora.engine.api import EngineOverloaded, GenerationOutput, GenerationRequest, InvalidRequest, OutputCallback
 from vlora.engine.builder import build_engine
 from vlora.engine.core import LLMEngine, PreparedRequest
 from vlora.engine.metrics import EngineMetrics
@@ -22,12 +29,27 @@ log = logging.getLogger(__name__)
 # How long the loop waits when a step ran nothing although requests wait (their adapters are being
 # loaded): new requests and control calls wake it at once.
 IDLE_POLL_S = 0.002
+# Faults a test may inject when scheduler.fault_injection is on: "kill" raises out of the engine loop,
+# "wedge" blocks the engine thread in its next step.
+FAULTS = ("kill", "wedge")
+
+
+class EngineDead(EngineOverloaded):
+    """The engine thread died or stopped making progress: this instance serves nothing more. The
+    message says why. (A kind of EngineOverloaded, so callers answer it as "unavailable".)"""
+
+
+class InjectedFault(RuntimeError):
+    """Raised out of the engine loop by the test-only fault ``kill``."""
 
 
 class AsyncEngine:
     """Thread-safe front of :class:`LLMEngine`. See ``vlora.engine.api`` for the request types."""
 
-    def __init__(self, config: EngineConfig, metrics: Optional[EngineMetrics] = None) -> None:
+    def __init__(self, config: EngineConfig, metrics: Optional[EngineMetrics] = None,
+                 on_dead: Optional[Callable[[str], None]] = None) -> None:
+        """``on_dead(cause)`` is called once, on the watchdog's or the dying engine's thread, after
+        every request in flight has been failed."""
         self.config = config
         self.engine = build_engine(config, metrics)
         self.inputs = self.engine.inputs
@@ -40,8 +62,31 @@ class AsyncEngine:
         self._stopping = False
         self._stopped = False
         self._cancel_all = False
+        # Fail-safe state, guarded by _cond: the loop's last heartbeat, whether it sleeps with nothing
+        # to do, how many requests it holds, and the cause once the engine is dead.
+        self._beat = time.monotonic()
+        self._idle = False
+        self._active = 0
+        self._dead: Optional[str] = None
+        self._exited = False  # the loop returned normally (shutdown)
+        self._wedge_next = False  # the injected fault "wedge" is pending
+        self._unwedge = threading.Event()  # releases an injected wedge at shutdown
+        self._on_dead = on_dead
+        # Every request submitted and not finished: token -> callback (its final event goes out once).
+        self._callbacks_lock = threading.Lock()
+        self._callbacks: dict[int, tuple[str, OutputCallback]] = {}
+        self._tokens = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="vlora-engine", daemon=True)
         self._thread.start()
+        self._watch_stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="vlora-engine-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @property
+    def dead(self) -> Optional[str]:
+        """Why the engine is dead, or None while it serves."""
+        with self._cond:
+            return self._dead
 
     # -- info ------------------------------------------------------------------------------------
     @property
@@ -57,8 +102,11 @@ class AsyncEngine:
         its exception). The engine's state is only touched there."""
         fut: Future = Future()
         with self._cond:
+            self._check_alive()
             if self._stopping:
                 raise EngineOverloaded("server is shutting down")
+            if self._idle:
+                self._beat = time.monotonic()
             self._control.append((fn, fut))
             self._cond.notify_all()
         return fut.result(timeout)
@@ -82,21 +130,37 @@ class AsyncEngine:
         """Validate and preprocess on the caller's thread. Raises InvalidRequest naming the problem."""
         return self.inputs.prepare(req)
 
-    def submit(self, prepared: PreparedRequest, callback: OutputCallback, timeout: Optional[float] = None) -> None:
-        """Queue a prepared request. Blocks while the engine's waiting queue is full (back-pressure)."""
+    def submit(self, prepared: PreparedRequest, callback: OutputCallback, timeout: Optional[float] = None,
+               fault: Optional[str] = None) -> None:
+        """Queue a prepared request. Blocks while the engine's waiting queue is full (back-pressure).
+
+        ``fault`` (tests only, refused unless scheduler.fault_injection is on) is injected into the
+        engine loop when it takes this request: see FAULTS."""
+        if fault is not None:
+            if not self.config.scheduler.fault_injection:
+                raise InvalidRequest("fault injection is off (scheduler.fault_injection)")
+            if fault not in FAULTS:
+                raise InvalidRequest(f"vlora_test_fault must be one of {list(FAULTS)}, got {fault!r}")
         limit = self.config.scheduler.max_waiting
         deadline = time.monotonic() + (self.config.scheduler.admission_timeout_s if timeout is None else timeout)
         with self._cond:
             while self._backlog + len(self._inbox) >= limit:
+                self._check_alive()
                 if self._stopping:
                     raise EngineOverloaded("server is shutting down")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise EngineOverloaded(f"server overloaded: {limit} requests already waiting")
                 self._cond.wait(remaining)
+            self._check_alive()
             if self._stopping:
                 raise EngineOverloaded("server is shutting down")
-            self._inbox.append((prepared, callback))
+            token = next(self._tokens)
+            with self._callbacks_lock:
+                self._callbacks[token] = (prepared.request_id, callback)
+            if self._idle:
+                self._beat = time.monotonic()
+            self._inbox.append((prepared, self._tracked(token, callback), fault))
             self._cond.notify_all()
 
     def cancel(self, request_id: str) -> None:
@@ -110,20 +174,101 @@ class AsyncEngine:
             if self._stopped:
                 return
             self._stopping = True
+            dead = self._dead is not None
             self._cond.notify_all()
+        if dead:  # nothing to drain: the requests were failed; an injected wedge lets go
+            self._unwedge.set()
+            timeout = min(timeout, 1.0)
         self._thread.join(timeout)
         if self._thread.is_alive():
             with self._cond:
                 self._cancel_all = True
                 self._cond.notify_all()
-            self._thread.join(10.0)
+            self._thread.join(1.0 if dead else 10.0)
+        self._watch_stop.set()
+        self._unwedge.set()
+        self._watchdog.join(5.0)
         self._stopped = True
         if self.engine.tuner is not None:
             self.engine.tuner.stop()
         self.loras.close()
 
+    # -- fail-safe -------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        """Under _cond: refuse with the cause once the engine is dead."""
+        if self._dead is not None:
+            raise EngineDead(f"the engine has failed and serves no more requests: {self._dead}")
+
+    def _tracked(self, token: int, callback: OutputCallback) -> OutputCallback:
+        """``callback`` for the engine: events of a request the watchdog already failed are dropped, so
+        each request gets exactly one final event."""
+        def deliver(out: GenerationOutput) -> None:
+            with self._callbacks_lock:
+                if token not in self._callbacks:
+                    return
+                if out.finished:
+                    del self._callbacks[token]
+                callback(out)
+        return deliver
+
+    def _watch(self) -> None:
+        """The watchdog thread: declare the engine dead when its thread is gone or stalls."""
+        stall = self.config.scheduler.stall_timeout_s
+        period = min(0.5, stall / 10) if stall > 0 else 0.5
+        while not self._watch_stop.wait(period):
+            with self._cond:
+                if self._dead is not None or self._exited:
+                    return
+                now = time.monotonic()
+                pending = self._active + len(self._inbox) + len(self._control)
+                stalled = stall > 0 and pending and not self._idle and now - self._beat > stall
+                alive = self._thread.is_alive()
+            if not alive:
+                self._declare_dead("the engine thread exited unexpectedly")
+                return
+            if stalled:
+                self._declare_dead(f"the engine made no progress for {now - self._beat:.1f} s with {pending} "
+                                   f"request(s) or action(s) pending (scheduler.stall_timeout_s={stall:g})")
+                return
+
+    def _declare_dead(self, cause: str) -> None:
+        """Fail every request in flight and every pending action with ``cause``, refuse new ones, and
+        tell the owner. Runs once, on the watchdog's or the dying engine's thread."""
+        with self._cond:
+            if self._dead is not None:
+                return
+            self._dead = cause
+            self._stopping = True
+            self._inbox.clear()
+            control, self._control = self._control, deque()
+            self._cond.notify_all()
+        log.critical("vlora engine failed: %s", cause)
+        error = f"the engine has failed: {cause}"
+        for _, fut in control:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDead(error))
+        with self._callbacks_lock:
+            callbacks, self._callbacks = self._callbacks, {}
+        for request_id, callback in callbacks.values():
+            try:
+                callback(GenerationOutput(request_id, "", "", True, finish_reason="error", error=error))
+            except Exception:
+                log.exception("failing a request of the dead engine")
+        if self._on_dead is not None:
+            self._on_dead(cause)
+
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # the loop itself broke: nothing may wait for it any more
+            log.exception("the engine loop died")
+            self._declare_dead(f"the engine thread died: {type(e).__name__}: {e}")
+            return
+        with self._cond:
+            self._exited = True
+
+    def _run(self) -> None:
         eng = self.engine
         dev = eng.runner.device
         if dev.type == "cuda":
@@ -136,18 +281,29 @@ class AsyncEngine:
             with self._cond:
                 while (not self._inbox and not self._cancels and not self._control and not eng.has_work()
                        and not self._stopping):
+                    self._idle = True
                     self._cond.wait()
+                if self._idle:
+                    self._idle = False
+                    self._beat = time.monotonic()
                 while self._inbox:
-                    eng.add_request(*self._inbox.popleft())
+                    self._admit(*self._inbox.popleft())
                 self._backlog = len(eng.waiting)  # moved from inbox to waiting: still counted against max_waiting
+                self._active = len(eng.waiting) + len(eng.running)
                 for rid in self._cancels:
-                    eng.abort(rid)
+                    try:
+                        eng.abort(rid)
+                    except Exception:
+                        log.exception("cancelling %s failed", rid)
                 self._cancels.clear()
                 control, self._control = self._control, deque()
                 if self._cancel_all:
                     eng.fail_all("cancelled", "server shut down before the request finished")
                 stop = self._stopping and not eng.has_work()
-            self._run_control(control)
+            if control:
+                self._run_control(control)
+                with self._cond:
+                    self._beat = time.monotonic()
             if stop:
                 with self._cond:
                     self._backlog = 0
@@ -156,6 +312,8 @@ class AsyncEngine:
                     self._control.clear()
                     self._cond.notify_all()
                 return
+            if self._wedge_next:  # the injected fault "wedge": hang inside the step until shutdown
+                self._unwedge.wait()
             try:
                 ran = eng.step()
             except Exception as e:  # never let the loop die with requests in flight
@@ -163,18 +321,43 @@ class AsyncEngine:
                 eng.fail_all("error", f"internal error: {e}")
                 ran = None
             with self._cond:
+                self._beat = time.monotonic()
                 self._backlog = len(eng.waiting)
+                self._active = len(eng.waiting) + len(eng.running)
                 self._cond.notify_all()
                 if ran is None and eng.has_work() and not (self._inbox or self._cancels or self._control):
                     self._cond.wait(IDLE_POLL_S)  # the waiting requests' adapters are still loading
+
+    def _admit(self, prepared: PreparedRequest, callback: OutputCallback, fault: Optional[str]) -> None:
+        """Under _cond: hand one request to the engine; a request it cannot take fails alone."""
+        if fault == "kill":
+            raise InjectedFault("vlora_test_fault=kill: the engine loop raised")
+        if fault == "wedge":
+            self._wedge_next = True
+        try:
+            self.engine.add_request(prepared, callback)
+        except Exception as e:
+            log.exception("admitting request %s failed", prepared.request_id)
+            callback(GenerationOutput(prepared.request_id, "", "", True, finish_reason="error",
+                                      error=f"request refused by the engine: {type(e).__name__}: {e}",
+                                      num_input_tokens=len(prepared.prompt_ids)))
 
     def _run_control(self, control: deque) -> None:
         for fn, fut in control:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(fn(self.engine))
+                result = fn(self.engine)
             except BaseException as e:  # the caller gets it; the loop goes on
-                fut.set_exception(e)
+                result, error = None, e
+            else:
+                error = None
+            try:
+                if error is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(error)
+            except InvalidStateError:  # the watchdog failed it meanwhile
+                pass
 
 

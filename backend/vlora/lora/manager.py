@@ -6,7 +6,9 @@ Tiers: disk (PEFT folders under the adapter root, or weights registered in memor
 CUDA) -> device slots (``max_gpu_adapters``; the least recently used unpinned slot is refilled).
 
 Threads. ``validate`` and ``load`` run on request threads: they read and check an adapter into the
-host tier, so a bad adapter is refused with its reason before anything is queued. ``try_acquire``,
+host tier, so a bad adapter is refused with its reason before anything is queued. Every read runs on
+the loader threads (daemon threads: a read stuck on a disk never holds up a request thread, the
+engine, or the process's exit); the caller waits at most ``lora.load_timeout_s`` for it. ``try_acquire``,
 ``acquire``, ``release``, ``wait_ready``, ``unload`` and ``describe`` run on the engine thread, which
 alone touches the slots. The engine loop never waits for the disk or for a copy (it uses
 ``try_acquire``; ``acquire`` is the blocking form for benchmarks and tests):
@@ -30,10 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -134,6 +138,66 @@ class SlotCopies:
                 compute.wait_event(event)
 
 
+class AdapterLoader:
+    """Adapter reads on daemon worker threads, at most ``max_workers`` of them, started as needed.
+
+    A worker that never comes back (a hung disk, a check that runs away) holds only itself: the next
+    read starts another worker while fewer than ``max_workers`` are busy, and no worker keeps the
+    process from exiting (a ThreadPoolExecutor joins its threads at exit).
+    """
+
+    def __init__(self, max_workers: int = 4, name: str = "vlora-adapter-loader") -> None:
+        self.max_workers = max_workers
+        self.name = name
+        self._lock = threading.Lock()
+        self._tasks: "queue.SimpleQueue[Optional[tuple[Future, Callable, tuple]]]" = queue.SimpleQueue()
+        self._workers = 0
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the adapter loader is closed")
+            self._tasks.put((fut, fn, args))
+            if self._idle == 0 and self._workers < self.max_workers:
+                self._workers += 1
+                threading.Thread(target=self._work, name=f"{self.name}-{self._workers}", daemon=True).start()
+            else:
+                self._idle = max(0, self._idle - 1)
+        return fut
+
+    def shutdown(self) -> None:
+        """Drop queued reads (their futures are cancelled); reads in progress finish."""
+        with self._lock:
+            self._closed = True
+            workers = self._workers
+        while True:
+            try:
+                item = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in range(workers):
+            self._tasks.put(None)
+
+    def _work(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:
+                    fut.set_exception(e)
+            with self._lock:
+                self._idle += 1
+
+
 class LoraManager:
     def __init__(self, root: Optional[Path], layers: dict[tuple[int, str], LoraLinear], num_layers: int,
                  module_dims: dict[str, tuple[int, int]], cfg: LoraConfig, metrics: Optional[EngineMetrics] = None,
@@ -155,6 +219,8 @@ class LoraManager:
         self._host: "OrderedDict[str, AdapterWeights]" = OrderedDict()
         self._in_memory: dict[str, AdapterWeights] = {}  # registered without a folder; never evicted
         self._pending: dict[str, Future] = {}  # host reads started by the engine thread
+        self._pending_since: dict[str, float] = {}  # when each of those started (for the load timeout)
+        self._reads: dict[tuple[str, int], Future] = {}  # reads waited for by validate/load, shared per (name, epoch)
         self._unloaded: set[str] = set()  # refused until loaded again
         self._epoch: dict[str, int] = {}  # bumped by unload: a read started before it is discarded
         self._records: dict[str, AdapterRecord] = {}
@@ -168,7 +234,7 @@ class LoraManager:
         self._heads_in: list[dict] = [{} for _ in range(cfg.max_gpu_adapters)]  # slot -> task -> TaskHead on the device
         self.swaps_in = 0
 
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlora-adapter-loader")
+        self._loader = AdapterLoader()
         with self._lock:
             for name in self._on_disk():
                 self._record(name)
@@ -183,7 +249,7 @@ class LoraManager:
 
     def close(self) -> None:
         """Stop the loader thread (reads in progress finish; queued ones are dropped)."""
-        self._loader.shutdown(wait=False, cancel_futures=True)
+        self._loader.shutdown()
 
     # -- registry (any thread) -----------------------------------------------------------------
     def list_adapters(self) -> list[str]:
@@ -210,7 +276,7 @@ class LoraManager:
             epoch = self._epoch.get(name, 0)
         if self.root is None:
             raise InvalidRequest(f"unknown adapter {name!r}: this server has no adapter root configured")
-        w = self._read(name)
+        w = self._read_on_loader(name, epoch)
         with self._lock:
             if not self._insert_host(name, w, epoch):
                 raise AdapterError(self._unloaded_message(name))
@@ -229,7 +295,9 @@ class LoraManager:
                 return False
         if self.root is None:
             raise AdapterError(f"unknown adapter {name!r}: this server has no adapter root configured")
-        w = self._read(name)
+        with self._lock:
+            epoch = self._epoch.get(name, 0)
+        w = self._read_on_loader(name, epoch)
         with self._lock:
             self._unloaded.discard(name)
             self._insert_host(name, w, None)
@@ -378,8 +446,15 @@ class LoraManager:
                 return self._in_memory[name]
             if fut is None:
                 self._pending[name] = self._loader.submit(self._read_into_host, name, self._epoch.get(name, 0))
+                self._pending_since[name] = time.monotonic()
                 return None
-            if not fut.done() or (not take and fut.exception() is None):
+            if not fut.done():
+                timeout = self.cfg.load_timeout_s
+                if time.monotonic() - self._pending_since.get(name, time.monotonic()) <= timeout:
+                    return None
+                del self._pending[name]  # the next request for it starts a new read
+                raise AdapterError(f"adapter {name!r}: loading timed out after {timeout:g} s")
+            if not take and fut.exception() is None:
                 return None
             del self._pending[name]
         return fut.result()  # a failed read: raises its AdapterError
@@ -397,6 +472,28 @@ class LoraManager:
             if not self._insert_host(name, w, epoch):
                 raise AdapterError(self._unloaded_message(name))
         return w
+
+    def _read_on_loader(self, name: str, epoch: int) -> AdapterWeights:
+        """``_read(name)`` on a loader thread, waited for at most ``lora.load_timeout_s``. Callers that
+        ask for the same adapter (and epoch: an unload starts a fresh read) share one read."""
+        key = (name, epoch)
+        with self._lock:
+            fut = self._reads.get(key)
+            started = fut is None
+            if started:
+                fut = self._reads[key] = self._loader.submit(self._read, name)
+        if started:  # outside the lock: a read already done calls back at once
+            fut.add_done_callback(lambda f: self._forget_read(key, f))
+        timeout = self.cfg.load_timeout_s
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            raise AdapterError(f"adapter {name!r}: loading timed out after {timeout:g} s") from None
+
+    def _forget_read(self, key: tuple[str, int], fut: Future) -> None:
+        with self._lock:
+            if self._reads.get(key) is fut:
+                del self._reads[key]
 
     def _read(self, name: str) -> AdapterWeights:
         """Read and check ``name`` (from memory or disk) and stage it for the slots. No lock held."""

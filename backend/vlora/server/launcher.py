@@ -5,6 +5,13 @@ tiny default model and its demo adapters when they are used; copy tritonserver w
 backend stub and a model repository whose config carries the settings into a workspace; start the
 server, wait until it is ready while reporting progress, print where to send requests, and forward
 SIGINT/SIGTERM so that the server drains in-flight requests before it exits.
+
+Fail-safe: the model's engine, when it fails, logs ``vlora: ENGINE FAILED: <cause>`` and ends its stub
+process (Triton neither restarts a dead Python stub nor reports the model unready). The launcher
+watches the stub processes and the log: it prints the cause, stops the server (readiness goes with
+it) and exits with ENGINE_FAILED_EXIT, for a supervisor to restart. Stopping is bounded: SIGTERM, then
+after the exit timeout SIGKILL to the server's whole process group (its stubs included); the server's
+shared-memory regions (named with a prefix unique to this launch) are removed at exit.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
@@ -35,6 +43,15 @@ from vlora.server.repository import (
     source_repository,
 )
 from vlora.server.triton_dist import TritonDistribution, TritonNotFound
+
+
+ENGINE_FAILED_EXIT = 3  # `vlora serve`'s exit code when the model's engine failed while serving
+ENGINE_FAILED_MARK = "vlora: ENGINE FAILED"  # the line model.py logs (its ENGINE_FAILED)
+STUB_NAME = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+POLL_S = 0.25  # how often serve_forever looks at the server, its stubs and its log
+KILL_MARGIN_S = 15.0  # after a SIGTERM, how much longer than --exit-timeout-secs before SIGKILL
+DEAD_STUB_GRACE_S = 5.0  # after a stub died, how long the server may take to stop before SIGKILL
 
 
 class LaunchError(RuntimeError):
@@ -205,6 +222,11 @@ class TritonServer:
         self._temporary_workspace = options.workspace is None
         self._log_path: Optional[Path] = None
         self._stopping = False
+        # Python backend shared-memory regions are named <prefix><uuid>: ours alone start with this.
+        self.shm_prefix = f"vlora_{uuid.uuid4().hex[:12]}_"
+        self._stub_pids: list[int] = []
+        self._log_offset = 0
+        self.engine_failure: Optional[str] = None  # the cause, once the model's engine failed
         self.engine_config = options.engine
         self.model_dir: Optional[str] = options.engine.model.path
         self.adapter_root: Optional[str] = options.engine.lora.adapter_root
@@ -271,6 +293,7 @@ class TritonServer:
             f"--log-verbose={opts.log_verbose}",
             f"--exit-timeout-secs={opts.exit_timeout_s}",
             "--allow-gpu-metrics=false",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         _say(self._out, f"starting tritonserver (workspace {ws}, log {self._log_path})")
         log = open(self._log_path, "wb")
@@ -308,6 +331,7 @@ class TritonServer:
                 last_report = now
                 _say(self._out, f"  waiting for the model to load ({now - t0:.0f}s) {self._progress_line()}")
             time.sleep(0.25)
+        self._stub_pids = self.stub_pids()
         _say(self._out, f"tritonserver is ready ({time.monotonic() - t0:.1f}s)")
 
     def _progress_line(self) -> str:
@@ -386,7 +410,32 @@ class TritonServer:
 
         signal.signal(signal.SIGINT, forward)
         signal.signal(signal.SIGTERM, forward)
-        code = self._proc.wait()
+        if self._log_path is not None and self._log_path.exists():
+            self._log_offset = self._log_path.stat().st_size
+        kill_at: Optional[float] = None
+        while True:
+            try:
+                code = self._proc.wait(timeout=POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            self._watch_engine()
+            if self.engine_failure is not None and not self._stopping:
+                self._stopping = True
+                _say(self._out, f"vlora serve: the engine failed: {self.engine_failure}\n"
+                                "stopping tritonserver (the model cannot serve any more) ...")
+                self._signal(signal.SIGTERM)
+                kill_at = time.monotonic() + DEAD_STUB_GRACE_S
+            if self._stopping and kill_at is None:
+                kill_at = time.monotonic() + self.options.exit_timeout_s + KILL_MARGIN_S
+            if kill_at is not None and time.monotonic() > kill_at:
+                _say(self._out, "tritonserver did not stop in time: killing it and its stub processes")
+                self._kill_group()
+                kill_at = float("inf")
+        if self.engine_failure is not None:
+            self._cleanup(False)
+            _say(self._out, f"tritonserver stopped after the engine failed (log: {self._log_path})")
+            return ENGINE_FAILED_EXIT
         if code != 0 and not self._stopping:
             _say(self._out, f"tritonserver exited with code {code}.\n{self.failure_report()}")
         elif code != 0:
@@ -397,11 +446,62 @@ class TritonServer:
         return 0 if self._stopping and code in (0, -signal.SIGTERM) else code
 
     def _signal(self, sig: int) -> None:
+        if sig == signal.SIGKILL:
+            self._kill_group()
+            return
         if self._proc is not None and self._proc.poll() is None:
             try:
                 self._proc.send_signal(sig)
             except ProcessLookupError:
                 pass
+
+    def _kill_group(self) -> None:
+        """SIGKILL tritonserver and everything it started (its stubs share its process group)."""
+        if self._proc is None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stub_pids(self) -> list[int]:
+        """The Python backend stub processes of this server (its children named like the stub)."""
+        if self._proc is None:
+            return []
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            comm, _, rest = stat.rpartition(")")
+            fields = rest.split()
+            name = comm.partition("(")[2]
+            if name and len(fields) > 1 and int(fields[1]) == self._proc.pid and STUB_NAME.startswith(name):
+                pids.append(int(entry.name))
+        return pids
+
+    def _watch_engine(self) -> None:
+        """Forward the model's ENGINE FAILED lines; notice a stub that died (engine_failure is set)."""
+        for line in self._new_log_lines():
+            if ENGINE_FAILED_MARK in line:
+                cause = line.split(ENGINE_FAILED_MARK, 1)[1].lstrip(": ").rstrip('"')
+                self.engine_failure = cause
+                _say(self._out, f"{ENGINE_FAILED_MARK}: {cause}")
+        if self.engine_failure is None and not self._stopping and self._stub_pids and any(not _alive(p) for p in self._stub_pids):
+            self.engine_failure = (f"the model's stub process exited unexpectedly (see {self._log_path})")
+
+    def _new_log_lines(self) -> list[str]:
+        if self._log_path is None or not self._log_path.exists():
+            return []
+        with open(self._log_path, "rb") as fh:
+            fh.seek(self._log_offset)
+            data = fh.read()
+        end = data.rfind(b"\n") + 1  # a partial last line is read next time
+        self._log_offset += end
+        return data[:end].decode("utf-8", errors="replace").splitlines()
 
     def stop(self, timeout: float = 60.0) -> int:
         """Drain and stop the server (SIGTERM, then SIGKILL after ``timeout``). Returns its exit code."""
@@ -412,12 +512,20 @@ class TritonServer:
         try:
             code = self._proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
+            self._kill_group()
             code = self._proc.wait()
         self._cleanup(code == 0)
         return code
 
     def _cleanup(self, clean: bool) -> None:
+        """After tritonserver exited: kill what it left running (stubs that outlived it) and remove its
+        shared-memory regions; remove a temporary workspace after a clean exit."""
+        self._kill_group()
+        for region in SHM_DIR.glob(f"{self.shm_prefix}*"):
+            try:
+                region.unlink()
+            except OSError:
+                pass
         if clean and self._temporary_workspace and self._workspace is not None:
             shutil.rmtree(self._workspace, ignore_errors=True)
 
@@ -449,6 +557,15 @@ def _check_port_free(host: str, port: int) -> None:
             s.bind((host if host not in ("", "::") else "0.0.0.0", port))
         except OSError as e:
             raise LaunchError(f"port {port} on {host} is not free ({e.strerror}); choose another with the port flags") from None
+
+
+def _alive(pid: int) -> bool:
+    """False once ``pid`` has exited (a zombie that its parent has not reaped counts as exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _die_with_parent() -> None:

@@ -13,10 +13,16 @@ Adapter administration goes through the same model: a request whose parameters (
 sampling_parameters) carry ``adapter_action`` ("list", "load" or "unload", with ``lora_name`` for the
 last two) is answered with one response whose text_output is JSON. It runs on an admin thread (a load
 reads from disk there) and touches the engine's state only on the engine thread.
+
+When the engine fails (its thread died, or the watchdog saw it stall), every request in flight is
+answered with the cause, the cause is logged (``vlora: ENGINE FAILED: ...``), and this stub process
+exits: Triton does not restart a dead Python stub, so ``vlora serve`` sees it go and stops the server,
+which takes readiness down with it.
 """
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -48,6 +54,11 @@ IGNORED_PARAMETERS = ("stream",)
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos") + SamplingParams.EXTRA_KEYS
 ADMIN_KEY = "adapter_action"
 ADMIN_ACTIONS = ("list", "load", "unload")
+# Tests only: a request parameter that injects a fault into the engine (accepted when the engine
+# setting scheduler.fault_injection is on; see vlora.engine.async_engine.FAULTS).
+FAULT_KEY = "vlora_test_fault"
+DEAD_FLUSH_S = 5.0  # how long a dead engine's errors may take to reach the clients before the stub exits
+ENGINE_FAILED = "vlora: ENGINE FAILED"  # the log line `vlora serve` looks for
 
 
 class TritonModelMetrics:
@@ -244,11 +255,11 @@ class TritonPythonModel:
         gpu = args.get("model_instance_kind") == "GPU"
         self._metrics = TritonModelMetrics(args["model_name"], args["model_version"], args.get("model_instance_name", ""),
                                            f"cuda:{int(args['model_instance_device_id'])}" if gpu else "cpu")
-        self._engine = AsyncEngine(config, metrics=self._metrics)
+        self._responses: "queue.Queue[Any]" = queue.Queue()
+        self._engine = AsyncEngine(config, metrics=self._metrics, on_dead=self._engine_failed)
         pb_utils.Logger.log_info(
             f"vlora: model {self._engine.model_info}; adapters {self._engine.list_adapters()}"
         )
-        self._responses: "queue.Queue[Any]" = queue.Queue()
         self._response_thread = threading.Thread(target=self._response_loop, name="vlora-responses", daemon=True)
         self._response_thread.start()
         self._admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlora-admin")
@@ -285,7 +296,7 @@ class TritonPythonModel:
             if admin is not None:
                 self._admin.submit(self._run_admin, sender, *admin)
                 return
-            gen, exclude_input = self._parse(request, request_id)
+            gen, exclude_input, fault = self._parse(request, request_id)
             prepared = self._engine.prepare(gen)
         except InvalidRequest as e:
             self._send_error(sender, str(e))
@@ -305,7 +316,7 @@ class TritonPythonModel:
         self._responses.put(("open", state))
         try:
             # Blocks while the engine is full: that is what pushes back into Triton's queue.
-            self._engine.submit(prepared, self._responses.put)
+            self._engine.submit(prepared, self._responses.put, fault=fault)
         except EngineOverloaded as e:
             self._responses.put(("close", request_id))
             self._send_error(sender, str(e) or "server overloaded", unavailable=True)
@@ -317,7 +328,7 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"vlora: submit failed: {traceback.format_exc()}")
             self._send_error(sender, f"internal error: {type(e).__name__}: {e}")
 
-    def _parse(self, request, request_id: str) -> tuple[GenerationRequest, bool]:
+    def _parse(self, request, request_id: str) -> tuple[GenerationRequest, bool, Optional[str]]:
         """Triton tensors and parameters -> GenerationRequest. Raises InvalidRequest naming the problem."""
         text = _single(request, "text_input")
         if text is None:
@@ -338,6 +349,9 @@ class TritonPythonModel:
         # Request parameters first, then the sampling_parameters input over them.
         options = _request_parameters(request)
         options.update(parse_sampling_json(_single(request, "sampling_parameters")))
+        fault = options.pop(FAULT_KEY, None)
+        if fault is not None and not self._engine.config.scheduler.fault_injection:
+            raise InvalidRequest(f"unknown request parameter(s) {[FAULT_KEY]}; accepted: {sorted(SAMPLING_KEYS + (ADMIN_KEY,))}")
         extras = {k: options.pop(k) for k in SamplingParams.EXTRA_KEYS if k in options}
         sampling = SamplingParams.from_dict(options)
         lora_name = extras.get("lora_name")
@@ -361,6 +375,7 @@ class TritonPythonModel:
                 task=task,
             ),
             exclude_input,
+            fault,
         )
 
     def _run_admin(self, sender, action: str, name: Optional[str]) -> None:
@@ -413,7 +428,9 @@ class TritonPythonModel:
                     if item.finished:
                         del inflight[item.request_id]
             elif isinstance(item, tuple):
-                if item[0] == "open":
+                if item[0] == "flushed":  # everything queued before it has been sent
+                    item[1].set()
+                elif item[0] == "open":
                     inflight[item[1].request_id] = item[1]
                 elif item[0] == "close":
                     inflight.pop(item[1], None)
@@ -423,6 +440,21 @@ class TritonPythonModel:
                 self._poll_cancelled(inflight)
         for state in inflight.values():
             self._send_error(state.sender, "server shutting down", unavailable=True)
+
+    def _engine_failed(self, cause: str) -> None:
+        """The engine is dead and has failed its requests (their errors are queued): log the cause, let
+        the response thread send them, then end this stub process (see the module docstring)."""
+        pb_utils.Logger.log_error(f"{ENGINE_FAILED}: {cause}; in-flight requests were failed; "
+                                  "the model instance stops now")
+
+        def exit_when_sent() -> None:
+            flushed = threading.Event()
+            self._responses.put(("flushed", flushed))
+            flushed.wait(DEAD_FLUSH_S)
+            time.sleep(0.5)  # the last sends and the log line reach the server
+            os._exit(1)
+
+        threading.Thread(target=exit_when_sent, name="vlora-engine-failed", daemon=True).start()
 
     def _poll_cancelled(self, inflight: dict[str, _InFlight]) -> None:
         for state in inflight.values():
@@ -439,7 +471,8 @@ class TritonPythonModel:
     def _send_output(self, state: _InFlight, out: GenerationOutput) -> None:
         try:
             if out.finished and (out.error or out.finish_reason == "error"):
-                self._send_error(state.sender, out.error or "generation failed")
+                # A dead engine's errors are "unavailable": the request was fine, the server is not.
+                self._send_error(state.sender, out.error or "generation failed", unavailable=self._engine.dead is not None)
                 return
             if out.finished and out.finish_reason == "cancelled" and state.cancel_requested:
                 self._send_cancelled(state.sender)
@@ -525,7 +558,7 @@ def _request_parameters(request) -> dict[str, Any]:
     params = json.loads(raw) if raw else {}
     for key in IGNORED_PARAMETERS:
         params.pop(key, None)
-    unknown = sorted(set(params) - set(SAMPLING_KEYS) - {ADMIN_KEY})
+    unknown = sorted(set(params) - set(SAMPLING_KEYS) - {ADMIN_KEY, FAULT_KEY})
     if unknown:
         raise InvalidRequest(
             f"unknown request parameter(s) {unknown}; accepted: {sorted(SAMPLING_KEYS + (ADMIN_KEY,))}"
