@@ -281,12 +281,20 @@ def prompt_text(engine, tokens: int) -> tuple[str, int]:
 # -- policies, probes and timers ------------------------------------------------------------------
 
 class ComputeProbe:
-    """Wraps the step's batched LoRA operator; classifies which path served the first calls of a cell
-    (the check is not free, so only ``checks`` calls are classified; the rest are only counted)."""
+    """Wraps the step's LoRA backend (vlora.lora.backends); classifies which path served the first
+    eager calls of a cell (the check is not free, so only ``checks`` calls are classified; the rest are
+    only counted). Captured decode steps replay without calling it: their calls are not counted."""
 
-    def __init__(self, fn, name: str, checks: int = 16) -> None:
-        self.fn, self.name, self.checks_per_cell = fn, name, checks
+    def __init__(self, backend, checks: int = 16) -> None:
+        self.backend, self.name, self.checks_per_cell = backend, backend.name, checks
+        self.fn = backend.segments
         self.reset()
+
+    def segments(self, *args):
+        return self(*args)
+
+    def rows(self, *args):
+        return self.backend.rows(*args)
 
     def reset(self) -> None:
         self.calls = 0
@@ -332,8 +340,8 @@ def set_policy(engine, policy: str) -> ComputeProbe:
     engine.orchestrator = Orchestrator(cfg, engine.config.scheduler.max_batch_size, engine.runner, engine.loras,
                                        engine.metrics)
     ctx = engine.runner.lora_ctx
-    probe = ComputeProbe(ctx.compute, cfg.resolved_lora_compute)
-    ctx.compute = probe
+    probe = ComputeProbe(ctx.backend)
+    ctx.backend = probe
     return probe
 
 

@@ -184,6 +184,34 @@ class AtmmConfig:
         _require(all(isinstance(x, int) and x >= 1 for x in self.tune_segments), "atmm.tune_segments are positive ints")
 
 
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the model runner executes a step (``engine`` section).
+
+    ``cuda_graphs``: ``auto`` captures every decode step shape in ``graph_batch_sizes`` (up to
+    ``scheduler.max_batch_size``) as a CUDA graph at model load and replays it, padding a decode batch to
+    the next captured size; steps that hold a prefill run eagerly. ``off`` runs every step eagerly. Only
+    CUDA devices capture. ``attention``: the paged attention backend (``triton``: kernels that read the
+    KV cache in place; ``torch``: the SDPA reference, what CPUs run); ``auto`` picks triton on CUDA where
+    it imports.
+    """
+
+    cuda_graphs: str = "auto"
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cuda_graphs, bool):  # YAML reads a bare off/on as a boolean
+            object.__setattr__(self, "cuda_graphs", "auto" if self.cuda_graphs else "off")
+        _require(self.cuda_graphs in ("auto", "off"), "engine.cuda_graphs must be auto or off")
+        _require(len(self.graph_batch_sizes) >= 1 and all(isinstance(b, int) and 1 <= b <= 1024 for b in self.graph_batch_sizes),
+                 "engine.graph_batch_sizes must be integers in [1, 1024]")
+        _require(self.attention in ATTENTION_BACKENDS, f"engine.attention must be one of {ATTENTION_BACKENDS}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -193,6 +221,7 @@ class EngineConfig:
     limits: InputLimits = field(default_factory=InputLimits)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     atmm: AtmmConfig = field(default_factory=AtmmConfig)
+    engine: RunnerConfig = field(default_factory=RunnerConfig)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":

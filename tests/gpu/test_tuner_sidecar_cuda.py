@@ -8,7 +8,7 @@ import torch
 from vlora.atmm import AtmmKernels, atmm
 from vlora.atmm.tiling import read_table, table_path
 from vlora.atmm.tuner import TunerSidecar
-from vlora.lora.mapping import LoraBatchMapping
+from vlora.atmm.mapping import LoraBatchMapping
 
 pytestmark = pytest.mark.gpu
 

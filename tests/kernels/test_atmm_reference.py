@@ -6,7 +6,7 @@ import torch
 
 from vlora.atmm import AtmmKernels, atmm, atmm_reference
 from vlora.atmm.cases import PATTERNS, RANK_CYCLE, lora_weights, loop_fp64, mapping_for
-from vlora.lora.mapping import LoraBatchMapping
+from vlora.atmm.mapping import LoraBatchMapping
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 

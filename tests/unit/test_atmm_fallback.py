@@ -9,7 +9,7 @@ import torch
 
 from vlora.atmm import AtmmKernels, atmm_reference
 from vlora.atmm.dispatch import PHASE_SHRINK
-from vlora.lora.mapping import LoraBatchMapping
+from vlora.atmm.mapping import LoraBatchMapping
 
 
 class _Table:

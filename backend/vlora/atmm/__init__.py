@@ -10,7 +10,7 @@ import torch
 from vlora.atmm.dispatch import AtmmKernels, default_kernels, set_default_kernels
 from vlora.atmm.merge import merge_lora, merge_lora_reference
 from vlora.atmm.reference import atmm_reference
-from vlora.lora.mapping import LoraBatchMapping
+from vlora.atmm.mapping import LoraBatchMapping
 
 __all__ = ["atmm", "atmm_reference", "AtmmKernels", "default_kernels", "set_default_kernels", "merge_lora",
            "merge_lora_reference"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from vlora.lora.mapping import LoraBatchMapping
+from vlora.atmm.mapping import LoraBatchMapping
 
 RANK_CYCLE = (8, 16, 32, 64, 128)
 PATTERNS = ("one_long", "many_short", "empty", "no_adapter", "1x7", "7x1", "3x3", "many_tiny")

@@ -16,7 +16,7 @@ import torch
 
 from vlora.atmm.reference import atmm_reference
 from vlora.atmm.tiling import read_table, table_path
-from vlora.lora.mapping import LoraBatchMapping
+from vlora.atmm.mapping import LoraBatchMapping
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ class AtmmKernels:
         self._plans: dict[tuple, tuple] = {}
         self._checked_buffers: dict[tuple, str] = {}
         self._workspace: dict[Any, torch.Tensor] = {}
+        # Plans of the graph-safe per-row calls (run_rows), each with its own workspace, never freed:
+        # a captured CUDA graph keeps the workspace's address.
+        self._row_plans: dict[tuple, tuple] = {}
         # Call signatures the extension refused (RuntimeError): the PyTorch reference serves them.
         self._refused: dict[tuple, str] = {}
         self._warned: set[tuple] = set()
@@ -240,6 +243,52 @@ class AtmmKernels:
             return atmm_reference(y, x, lora_a, lora_b, ranks, scales, mapping)
         return y
 
+
+    def run_rows(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 mapping: LoraBatchMapping, sign: float) -> bool:
+        """The graph-safe call of a captured decode step: one segment per row (``mapping.seg_indptr`` is
+        0..T, ``mapping.seg_slot`` the rows' slots, -1: none), every slot at rank ``r_max`` and scale
+        ``sign`` (the slot buffers hold scale * B, zero past each rank), so the launch arguments do not
+        depend on which adapters the slots hold. The tiling is the table's for (T, width, r_max, T
+        segments), chosen once. False (nothing launched) when the extension cannot serve these inputs."""
+        if self.unsupported(y, x, lora_a, lora_b, (0,) * lora_a.shape[0], (0.0,) * lora_a.shape[0], mapping):
+            return False
+        dtype = _DTYPES[y.dtype]
+        n_slots, r_max, d_in = lora_a.shape
+        d_out = y.shape[1]
+        T = x.shape[0]
+        key = (y.device, dtype, T, d_in, d_out, r_max, n_slots, float(sign))
+        plan = self._row_plans.get(key)
+        if plan is None:
+            hit = self.lookup("shrink", dtype, T, d_in, r_max, T)
+            shrink = (hit["config"], hit["split_k"])
+            expand = shrink[0] if self._kinds.get(shrink[0]) == "call" else None
+            if expand is None:
+                expand = self.lookup("expand", dtype, T, d_out, r_max, T)["config"]
+                if self._kinds.get(expand) == "call":
+                    expand = self.ext.TilingTable().lookup("expand", dtype, T, d_out, r_max, T)["config"]
+            split_k = int(shrink[1])
+            need = self.ext.workspace_size(T, split_k, T, r_max, dtype)
+            workspace = torch.empty(max(need, 256), dtype=torch.uint8, device=y.device)
+            plan = (self._names.index(shrink[0]), split_k, self._names.index(expand), [r_max] * n_slots,
+                    [float(sign)] * n_slots, workspace)
+            self._row_plans[key] = plan
+        if plan is False:
+            return False
+        shrink_idx, split_k, expand_idx, ranks_list, scales_list, workspace = plan
+        stream = torch.cuda.current_stream(y.device).cuda_stream
+        try:
+            self.ext.forward(
+                y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
+                mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), workspace.data_ptr(), workspace.numel(),
+                T, d_in, d_out, r_max, x.stride(0), y.stride(0), T, ranks_list, scales_list, dtype,
+                shrink_idx, split_k, expand_idx, stream, PHASE_ALL, True)
+        except RuntimeError as e:  # refused before any launch: the caller's PyTorch path serves this shape
+            log.warning("atmm: the extension refused a per-row call (T=%d d_in=%d d_out=%d r_max=%d: %s); "
+                        "the PyTorch per-row path serves it", T, d_in, d_out, r_max, e)
+            self._row_plans[key] = False
+            return False
+        return True
 
     def _plan(self, dtype: str, T: int, d_in: int, d_out: int, r_max: int, ranks: tuple[int, ...],
               mapping: LoraBatchMapping, shrink: tuple[str, int] | None, expand: str | None) -> tuple:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from vlora.lora.mapping import LoraBatchMapping
+from vlora.atmm.mapping import LoraBatchMapping
 
 
 def atmm_reference(

@@ -28,7 +28,7 @@ import torch
 from vlora.atmm.dispatch import PHASE_EXPAND, PHASE_PREP, PHASE_SHRINK, AtmmKernels
 from vlora.atmm.tiling import default_table_dir, gpu_slug, read_table, table_path, write_table
 from vlora.atmm.timing import graph_time_us, sets_needed
-from vlora.lora.mapping import LoraBatchMapping
+from vlora.atmm.mapping import LoraBatchMapping
 
 log = logging.getLogger(__name__)
 

@@ -81,15 +81,32 @@ def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) 
     runner = ModelRunner(loaded.model, image_token_id=loaded.image_token_id, num_slots=config.lora.max_gpu_adapters,
                          max_rank=config.lora.max_rank, target_modules=config.lora.target_modules)
     runner.allocate_kv(config.cache.num_blocks, config.cache.block_size, config.cache.gpu_memory_fraction)
+    runner.set_attention(config.engine.attention)
     loras = LoraManager(adapter_root, runner.lora_layers, runner.num_layers, runner.module_dims(), config.lora, metrics)
     engine = LLMEngine(config, runner, loras, loaded.tokenizer, max_model_len, eos_token_ids(loaded), metrics)
     engine.inputs = InputProcessor(loaded, config.limits, loras, max_model_len)
     engine.model_info = {"name": loaded.name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
                          "max_model_len": max_model_len, "model_dir": str(model_dir),
                          "adapter_root": str(adapter_root) if adapter_root else None}
+    capture_graphs(config, runner, max_model_len, engine)
     engine.tuner = start_tuner(config, runner, device, dtype)
     log.info("engine ready: %s on %s/%s in %.1fs, adapters at %s", loaded.name, device, dtype, time.perf_counter() - t0, adapter_root)
     return engine
+
+
+def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int, engine: LLMEngine) -> None:
+    """Capture the decode graphs (``engine.cuda_graphs``) once the orchestrator has placed the weights."""
+    if runner.device.type != "cuda" or config.engine.cuda_graphs == "off":
+        return
+    from vlora.engine.graphs import VARIANTS, DecodeGraphs
+
+    sizes = tuple(b for b in config.engine.graph_batch_sizes if b < config.scheduler.max_batch_size)
+    sizes += (config.scheduler.max_batch_size,)
+    runner.graphs = DecodeGraphs(runner, sizes, max_model_len)
+    # Only the vlora policy runs mixture steps; other policies would capture such a graph when first needed.
+    runner.graphs.capture_all(VARIANTS if config.orchestrator.policy == "vlora" else ("base", "lora"))
+    engine.model_info["cuda_graphs"] = {"batch_sizes": list(runner.graphs.sizes), "capture_s": round(runner.graphs.capture_s, 2),
+                                        "memory_mib": round(runner.graphs.memory_bytes / 2**20, 1)}
 
 
 def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device, dtype: torch.dtype):

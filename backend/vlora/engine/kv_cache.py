@@ -2,12 +2,15 @@
 
 Token ``p`` of a sequence lives in slot ``table[p // block_size] * block_size + p % block_size`` of
 the flattened pool. Blocks are reserved for a request's whole budget (prompt + max_tokens) when it is
-admitted, so a running request never has to be preempted for memory.
+admitted, so a running request never has to be preempted for memory. One more block, never handed
+out, is scratch: the padding rows of a captured decode step write their keys and values there.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -37,6 +40,13 @@ class SequenceBlocks:
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    _table: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+
+    def table(self) -> np.ndarray:
+        """The block ids as int32, made once (a sequence's blocks are reserved at admission)."""
+        if self._table is None or len(self._table) != len(self.blocks):
+            self._table = np.asarray(self.blocks, dtype=np.int32)
+        return self._table
 
 
 class PagedKVCache:
@@ -46,7 +56,9 @@ class PagedKVCache:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks * block_size, n_kv_heads, head_dim)
+        self.scratch_block = num_blocks  # the extra block, never allocated
+        self.scratch_slot = num_blocks * block_size
+        shape = ((num_blocks + 1) * block_size, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = BlockAllocator(num_blocks)

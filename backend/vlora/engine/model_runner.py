@@ -2,8 +2,13 @@
 
 It reuses the Hugging Face modules of the loaded model (embeddings, RMSNorm, rotary embedding, the
 projections, the MLP, the LM head); only the attention is ours, so that it can read a paged KV cache
-and serve sequences of different lengths without padding the whole batch. LoRA projections are
-:class:`~vlora.lora.layers.LoraLinear` wrappers driven by the step's :class:`LoraBatchMapping`.
+in place and serve sequences of different lengths without padding the whole batch. LoRA projections
+are :class:`~vlora.lora.layers.LoraLinear` wrappers driven by the step's :class:`LoraBatchMapping`.
+
+Each step is described once by a :class:`StepPlan` (token ids, positions, KV slot mapping, block
+tables, lengths, LoRA segments), built on the host and copied to the device in two transfers; the
+layers only read it. Decode-only steps replay CUDA graphs captured per batch-size bucket
+(:mod:`vlora.engine.graphs`); steps that hold a prefill run eagerly with the varlen prefill attention.
 """
 from __future__ import annotations
 
@@ -11,21 +16,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from vlora.atmm.mapping import LoraBatchMapping
+from vlora.engine.attention import AttentionMetadata, get_attention_backend
 from vlora.engine.kv_cache import PagedKVCache, SequenceBlocks
 from vlora.lora.layers import LoraContext, LoraLinear
-from vlora.lora.mapping import LoraBatchMapping
 
 log = logging.getLogger(__name__)
-
-# cuDNN's SDPA builds a graph for every new shape: about 2 ms of CPU per call on an H100 (measured with
-# torch.profiler: 57% of a decode step), and decode shapes change every step. Flash / memory-efficient
-# kernels have no such cost.
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -42,6 +42,25 @@ class SeqInput:
     delora_slot: int = -1  # merged slot whose delta this sequence subtracts (mixture mode), -1: none
     pixel_values: Optional[torch.Tensor] = None  # [n_images, 3, H, W] for a prefill with images
     image_keys: tuple[bytes, ...] = ()  # content hashes, so one image shared by requests is encoded once
+
+
+@dataclass
+class StepPlan:
+    """Everything one eager step needs, on the device, built once by :meth:`ModelRunner.plan`.
+
+    Shape: ids, positions, slot_mapping [T] int64; last_index [S] int64 (each sequence's last new
+    token in the packed batch); ``attn``: cu_seqlens_q [S+1] (None in a decode-only step), seq_lens [S]
+    (context length after this step) and block_tables [S, max blocks] int32 (:mod:`vlora.engine.attention`).
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    last_index: torch.Tensor
+    attn: AttentionMetadata
+    decode_only: bool
+    lora: LoraBatchMapping
+    delora: Optional[LoraBatchMapping]
 
 
 @dataclass
@@ -82,6 +101,9 @@ class ModelRunner:
         self.lora_layers: dict[tuple[int, str], LoraLinear] = {}
         self._wrap_lora(target_modules, num_slots, max_rank)
         self.kv: Optional[PagedKVCache] = None  # allocate_kv() once the weights and LoRA buffers are placed
+        self._attn_scale = float(getattr(self.lm.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
+        self.attention = get_attention_backend("auto", self.device)
+        self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
         vcfg = model.config
         self.vision_feature_layer = vcfg.vision_feature_layer
         self.vision_select = vcfg.vision_feature_select_strategy
@@ -106,7 +128,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
                 budget = free - (1.0 - memory_fraction) * total
-                num_blocks = int(budget // per_block)
+                num_blocks = int(budget // per_block) - 1  # one more is the scratch block
                 if num_blocks < 16:
                     raise MemoryError(f"KV cache: only {budget / 2**30:.2f} GiB left for the cache on {self.device}; "
                                       "lower lora.max_gpu_adapters or raise cache.gpu_memory_fraction")
@@ -140,34 +162,78 @@ class ModelRunner:
         return vm.multi_modal_projector(torch.cat(feats, dim=-1))
 
     # -- the step ------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, seqs: list[SeqInput]) -> StepResult:
+    def set_attention(self, name: str) -> None:
+        """Choose the paged attention backend by name (``auto``, ``triton``, ``torch``)."""
+        self.attention = get_attention_backend(name, self.device)
+
+    def plan(self, seqs: list[SeqInput]) -> StepPlan:
+        """The step's metadata, built once on the host and copied to the device: every layer reads it."""
         if not seqs:
             raise ValueError("forward: empty step")
-        dev = self.device
+        dev, kv = self.device, self.kv
+        bs = kv.block_size
         lengths = [len(s.token_ids) for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=dev)
-        positions = torch.tensor([p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))], dtype=torch.long, device=dev)
-        slot_mapping = torch.tensor([x for s in seqs for x in self.kv.slots(s.blocks, s.start_pos, s.start_pos + len(s.token_ids))],
-                                    dtype=torch.long, device=dev)
-        hidden = self.lm.embed_tokens(ids)
-        n_enc = self._insert_images(seqs, ids, hidden)
-        attn = _AttentionPlan.build(seqs, lengths, self.kv, dev)
-        cos, sin = self.lm.rotary_emb(hidden[None], positions[None])
-        self.lora_ctx.mapping = LoraBatchMapping.from_token_slots(lengths, [s.slot for s in seqs], dev)
-        if any(s.delora_slot >= 0 for s in seqs):
-            self.lora_ctx.delora = LoraBatchMapping.from_token_slots(lengths, [s.delora_slot for s in seqs], dev)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for s, n in zip(seqs, lengths):
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.start_pos + n))
+            slots.extend(kv.slots(s.blocks, s.start_pos, s.start_pos + n))
+        ends = [s.start_pos + n for s, n in zip(seqs, lengths)]
+        width = max(-(-e // bs) for e in ends)
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, (s, e) in enumerate(zip(seqs, ends)):
+            nb = -(-e // bs)
+            tables[i, :nb] = s.blocks.table()[:nb]
+        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        host = torch.tensor(np.concatenate([np.asarray(ids), np.asarray(positions), np.asarray(slots), cu[1:] - 1]),
+                            dtype=torch.long)
+        meta = torch.from_numpy(np.concatenate([cu.astype(np.int32), np.asarray(ends, dtype=np.int32), tables.reshape(-1)]))
+        if dev.type == "cuda":
+            host, meta = host.pin_memory().to(dev, non_blocking=True), meta.pin_memory().to(dev, non_blocking=True)
+        T, S = len(ids), len(seqs)
+        lora = LoraBatchMapping.from_token_slots(lengths, [s.slot for s in seqs], dev)
+        delora = (LoraBatchMapping.from_token_slots(lengths, [s.delora_slot for s in seqs], dev)
+                  if any(s.delora_slot >= 0 for s in seqs) else None)
+        decode_only = max(lengths) == 1
+        attn = AttentionMetadata(block_tables=meta[2 * S + 1:].view(S, width), seq_lens=meta[S + 1:2 * S + 1],
+                                 cu_seqlens_q=None if decode_only else meta[:S + 1], max_q_len=max(lengths))
+        return StepPlan(ids=host[:T], positions=host[T:2 * T], slot_mapping=host[2 * T:3 * T], last_index=host[3 * T:],
+                        attn=attn, decode_only=decode_only, lora=lora, delora=delora)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqInput]) -> StepResult:
+        """One packed step. A decode-only step replays a captured CUDA graph where one fits; any other
+        runs eagerly (the same layer code, with the prefill attention)."""
+        if self.graphs is not None and self.graphs.serves(seqs):
+            return self.graphs.run(seqs)
+        plan = self.plan(seqs)
+        hidden = self.lm.embed_tokens(plan.ids)
+        n_enc = self._insert_images(seqs, plan.ids, hidden)
+        kv, scale = self.kv, self._attn_scale
+        run = self.attention.decode if plan.decode_only else self.attention.prefill
+
+        def attend(q: torch.Tensor, li: int) -> torch.Tensor:
+            return run(q, kv.k[li], kv.v[li], plan.attn, scale, kv.block_size)
+        self.lora_ctx.mapping, self.lora_ctx.delora = plan.lora, plan.delora
         try:
-            with sdpa_kernel(SDPA_BACKENDS):
-                for li, layer in enumerate(self.lm.layers):
-                    hidden = self._layer(li, layer, hidden, cos, sin, slot_mapping, attn)
+            logits, h_last = self._decoder(hidden, plan.positions, plan.slot_mapping, attend, plan.last_index)
         finally:
-            self.lora_ctx.mapping = None
-            self.lora_ctx.delora = None
-        last = torch.tensor(attn.last_index, dtype=torch.long, device=dev)
-        h_last = self.lm.norm(hidden.index_select(0, last))
-        logits = self.lm_head(h_last).float()
+            self.lora_ctx.mapping = self.lora_ctx.delora = None
         return StepResult(logits=logits, hidden=h_last, num_images_encoded=n_enc)
+
+    def _decoder(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, attend,
+                 last_index: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer, the final norm and the LM head at ``last_index`` (None: every row)."""
+        cos, sin = self.lm.rotary_emb(hidden[None], positions[None])
+        cos, sin = cos[0], sin[0]
+        for li, layer in enumerate(self.lm.layers):
+            hidden = self._layer(li, layer, hidden, cos, sin, slot_mapping, attend)
+        h = hidden if last_index is None else hidden.index_select(0, last_index)
+        h_last = self.lm.norm(h)
+        return self.lm_head(h_last).float(), h_last
 
     def _insert_images(self, seqs: list[SeqInput], ids: torch.Tensor, hidden: torch.Tensor) -> int:
         with_images = [s for s in seqs if s.pixel_values is not None and len(s.pixel_values)]
@@ -204,18 +270,17 @@ class ModelRunner:
         return len(pixels)
 
     def _layer(self, li: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               slot_mapping: torch.Tensor, plan: "_AttentionPlan") -> torch.Tensor:
+               slot_mapping: torch.Tensor, attend) -> torch.Tensor:
         T = h.shape[0]
         sa = layer.self_attn
         x = layer.input_layernorm(h)
         q = sa.q_proj(x).view(T, self.n_heads, self.head_dim)
         k = sa.k_proj(x).view(T, self.n_kv, self.head_dim)
         v = sa.v_proj(x).view(T, self.n_kv, self.head_dim)
-        q, k = _rotary(q, k, cos[0], sin[0])
-        kc, vc = self.kv.k[li], self.kv.v[li]
-        kc.index_copy_(0, slot_mapping, k)
-        vc.index_copy_(0, slot_mapping, v)
-        o = plan.attend(q, k, v, kc, vc, sa.scaling, self.n_heads // self.n_kv)
+        q, k = _rotary(q, k, cos, sin)
+        self.kv.k[li].index_copy_(0, slot_mapping, k)
+        self.kv.v[li].index_copy_(0, slot_mapping, v)
+        o = attend(q, li)
         h = h + sa.o_proj(o.reshape(T, self.n_heads * self.head_dim))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -229,78 +294,3 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """LLaMA rotary embedding on [T, heads, dim] with cos/sin [T, dim] (same math as HF's apply_rotary_pos_emb)."""
     cos, sin = cos[:, None, :], sin[:, None, :]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-@dataclass
-class _AttentionPlan:
-    """Index work for attention, built once per step and used by every layer.
-
-    Decode tokens (one new token, context in the cache) run as one padded SDPA over gathered cache
-    slots. Prefills that start at position 0 attend causally over their own new keys; a prefill that
-    continues a cached prefix gathers the prefix from the cache like a decode.
-    """
-
-    last_index: list[int]
-    decode_tok: Optional[torch.Tensor]  # [Bd] token indices in the packed batch
-    decode_gather: Optional[torch.Tensor]  # [Bd, Lmax] pool slots
-    decode_mask: Optional[torch.Tensor]  # [Bd, 1, 1, Lmax] bool
-    prefills: list[tuple[int, int]]  # (first token index, length) of fresh prefills
-    continued: list[tuple[int, int, torch.Tensor, int]]  # (first, length, pool slots of [0, end), start_pos)
-
-    @classmethod
-    def build(cls, seqs: list[SeqInput], lengths: list[int], kv: PagedKVCache, dev: torch.device) -> "_AttentionPlan":
-        last_index, decode_idx, decode_ctx, prefills, continued = [], [], [], [], []
-        off = 0
-        for s, n in zip(seqs, lengths):
-            last_index.append(off + n - 1)
-            end = s.start_pos + n
-            if n == 1:
-                decode_idx.append(off)
-                decode_ctx.append(kv.slots(s.blocks, 0, end))
-            elif s.start_pos == 0:
-                prefills.append((off, n))
-            else:
-                continued.append((off, n, torch.tensor(kv.slots(s.blocks, 0, end), dtype=torch.long, device=dev), s.start_pos))
-            off += n
-        dec_tok = dec_gather = dec_mask = None
-        if decode_idx:
-            lmax = max(len(c) for c in decode_ctx)
-            gather = torch.zeros(len(decode_ctx), lmax, dtype=torch.long)
-            mask = torch.zeros(len(decode_ctx), lmax, dtype=torch.bool)
-            for i, c in enumerate(decode_ctx):
-                gather[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-                mask[i, : len(c)] = True
-            dec_tok = torch.tensor(decode_idx, dtype=torch.long, device=dev)
-            dec_gather = gather.to(dev)
-            dec_mask = mask.to(dev)[:, None, None, :]
-        return cls(last_index, dec_tok, dec_gather, dec_mask, prefills, continued)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-               scale: float, groups: int) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] of this step; kc/vc the layer's pool. Returns [T, H, D]."""
-        out = torch.empty_like(q)
-        for off, n in self.prefills:
-            qs = q[off:off + n].transpose(0, 1)
-            ks = _expand_kv(k[off:off + n].transpose(0, 1), groups)
-            vs = _expand_kv(v[off:off + n].transpose(0, 1), groups)
-            out[off:off + n] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
-        for off, n, slots, start in self.continued:
-            qs = q[off:off + n].transpose(0, 1)
-            ks = _expand_kv(kc[slots].transpose(0, 1), groups)
-            vs = _expand_kv(vc[slots].transpose(0, 1), groups)
-            L = slots.shape[0]
-            qpos = torch.arange(start, start + n, device=q.device)[:, None]
-            mask = torch.arange(L, device=q.device)[None, :] <= qpos
-            out[off:off + n] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale).transpose(0, 1)
-        if self.decode_tok is not None:
-            qd = q.index_select(0, self.decode_tok)[:, :, None, :]  # [B, H, 1, D]
-            kd = _expand_kv(kc[self.decode_gather].transpose(1, 2), groups)  # [B, H, L, D]
-            vd = _expand_kv(vc[self.decode_gather].transpose(1, 2), groups)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=scale)
-            out.index_copy_(0, self.decode_tok, od[:, :, 0, :])
-        return out
-
-
-def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Repeat KV heads for grouped-query attention: [..., Hkv, L, D] -> [..., Hkv*groups, L, D]."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)

@@ -1,39 +1,44 @@
-"""LoRA linear wrappers: the base projection plus every adapter's delta through ``atmm``.
+"""LoRA linear wrappers: the base projection plus every adapter's delta through a LoRA backend.
 
 Each wrapped projection owns preallocated slot buffers (``lora_a``/``lora_b``, one slot per resident
-adapter) and reads the step's :class:`LoraBatchMapping` from a :class:`LoraContext` shared by all
-wrappers, so the per-step metadata is built once and never per layer.
+adapter, at fixed device addresses) and reads the step's :class:`LoraBatchMapping` from a
+:class:`LoraContext` shared by all wrappers, so the per-step metadata is built once and never per layer.
+``lora_b`` holds B already multiplied by the adapter's scale, so the compute takes a unit scale and a
+slot can change adapters without changing any launch argument (what lets decode steps replay as CUDA
+graphs).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
-from vlora.atmm import atmm
-from vlora.lora.mapping import LoraBatchMapping
+from vlora.atmm.mapping import LoraBatchMapping
+from vlora.lora.backends import LoraBackend, get_lora_backend
 
 
 class LoraContext:
-    """What the LoRA layers read during one step: set by the engine before the forward, cleared after.
+    """What the LoRA layers read during one step: set by the runner before the forward, cleared after.
 
     ``mapping``: which slot's delta each token adds. ``delora``: which merged slot's delta each token
-    subtracts (mixture mode), or None. ``compute``: the batched LoRA operator (ATMM, or the padded
-    einsum of the dLoRA baseline), with :func:`vlora.atmm.atmm`'s signature.
+    subtracts (mixture mode), or None. ``rows``: True in a captured decode step, where the mappings
+    are per-row slot buffers (one token per row) that the backend must read on the device only.
+    ``backend``: the LoRA compute (:mod:`vlora.lora.backends`), chosen by name.
     """
 
-    def __init__(self, compute: Callable = atmm) -> None:
+    def __init__(self, backend: Optional[LoraBackend] = None) -> None:
         self.mapping: Optional[LoraBatchMapping] = None
         self.delora: Optional[LoraBatchMapping] = None
-        self.compute = compute
+        self.rows = False
+        self.backend = backend or get_lora_backend("atmm")
 
 
 class LoraLinear(nn.Module):
     """``y = base(x) + sum over segments of x @ A_s^T @ B_s^T * scale_s``.
 
     Shape: x [T, d_in] (or [..., d_in], flattened), y [T, d_out]. Slots whose adapter does not target
-    this projection have rank 0 here and cost nothing.
+    this projection have rank 0 here and cost nothing in eager steps.
     """
 
     def __init__(self, base: nn.Linear, ctx: LoraContext, num_slots: int, max_rank: int) -> None:
@@ -46,17 +51,18 @@ class LoraLinear(nn.Module):
         self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, self.in_features, dtype=w.dtype, device=w.device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(num_slots, self.out_features, max_rank, dtype=w.dtype, device=w.device), persistent=False)
         self.ranks: list[int] = [0] * num_slots
-        self.scales: list[float] = [0.0] * num_slots
+        self.scales: list[float] = [0.0] * num_slots  # each slot's adapter scale (already folded into lora_b)
         self._ranks_t: tuple[int, ...] = tuple(self.ranks)
-        self._scales_t: tuple[float, ...] = tuple(self.scales)
-        self._neg_scales_t: tuple[float, ...] = tuple(self.scales)
+        self._unit_t: tuple[float, ...] = (0.0,) * num_slots
+        self._neg_unit_t: tuple[float, ...] = (0.0,) * num_slots
 
     @property
     def weight(self) -> torch.Tensor:  # modules that peek at .weight (dtype checks) keep working
         return self.base.weight
 
     def set_slot(self, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor], scale: float) -> None:
-        """Copy one adapter's A [r, d_in] and B [d_out, r] into ``slot`` (None: the adapter skips this layer)."""
+        """Copy one adapter's A [r, d_in] and ``scale * B`` [d_out, r] into ``slot`` (None: the adapter
+        skips this layer). Runs on the stream the caller chose (the slot-copy stream on CUDA)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if a is None or b is None:
@@ -64,10 +70,16 @@ class LoraLinear(nn.Module):
         else:
             r = a.shape[0]
             self.lora_a[slot, :r].copy_(a, non_blocking=True)
-            self.lora_b[slot, :, :r].copy_(b, non_blocking=True)
+            if b.device.type == "cpu" and not b.is_pinned():
+                self.lora_b[slot, :, :r].copy_(b.float() * float(scale))  # folded in fp32
+            else:
+                dst = self.lora_b[slot, :, :r]
+                dst.copy_(b, non_blocking=True)
+                dst.mul_(float(scale))
             self.ranks[slot], self.scales[slot] = r, float(scale)
-        self._ranks_t, self._scales_t = tuple(self.ranks), tuple(self.scales)
-        self._neg_scales_t = tuple(-x for x in self.scales)
+        self._ranks_t = tuple(self.ranks)
+        self._unit_t = tuple(1.0 if r else 0.0 for r in self.ranks)
+        self._neg_unit_t = tuple(-x for x in self._unit_t)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -79,10 +91,16 @@ class LoraLinear(nn.Module):
         shape = y.shape
         x2 = x.reshape(-1, self.in_features)
         y2 = y.reshape(-1, self.out_features)
+        if ctx.rows:
+            if plus:
+                ctx.backend.rows(y2, x2, self.lora_a, self.lora_b, ctx.mapping, 1.0)
+            if minus:
+                ctx.backend.rows(y2, x2, self.lora_a, self.lora_b, ctx.delora, -1.0)
+            return y2.view(shape)
         if plus:
             if x2.shape[0] != ctx.mapping.num_tokens:
                 raise RuntimeError(f"LoraLinear: {x2.shape[0]} tokens but the step mapping covers {ctx.mapping.num_tokens}")
-            ctx.compute(y2, x2, self.lora_a, self.lora_b, self._ranks_t, self._scales_t, ctx.mapping)
+            ctx.backend.segments(y2, x2, self.lora_a, self.lora_b, self._ranks_t, self._unit_t, ctx.mapping)
         if minus:  # deLoRA: take the merged adapter's delta back out for tokens of other adapters
-            ctx.compute(y2, x2, self.lora_a, self.lora_b, self._ranks_t, self._neg_scales_t, ctx.delora)
+            ctx.backend.segments(y2, x2, self.lora_a, self.lora_b, self._ranks_t, self._neg_unit_t, ctx.delora)
         return y2.view(shape)

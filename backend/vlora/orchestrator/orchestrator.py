@@ -12,17 +12,14 @@ import time
 from collections import defaultdict
 from typing import Callable, Optional
 
-from vlora.atmm import atmm
 from vlora.config import OrchestratorConfig
 from vlora.engine.api import InvalidRequest
-from vlora.orchestrator.einsum import lora_padded_einsum
+from vlora.lora.backends import get_lora_backend
 from vlora.orchestrator.modes import MODES, InferenceMode
 from vlora.orchestrator.policies import MERGE, UNMERGE, Candidate, Decision, Estimates, make_policy
 from vlora.orchestrator.switcher import SWITCHERS, Switcher
 
 log = logging.getLogger(__name__)
-
-COMPUTE = {"atmm": atmm, "padded-einsum": lora_padded_einsum}
 
 
 class Orchestrator:
@@ -33,11 +30,13 @@ class Orchestrator:
         self.metrics = metrics
         self.clock = clock
         self.policy = make_policy(cfg.policy, max_batch_size, cfg.theta_s, cfg.merge_share)
-        runner.lora_ctx.compute = COMPUTE[cfg.resolved_lora_compute]
+        runner.lora_ctx.backend = get_lora_backend(cfg.resolved_lora_compute)
         # Only policies that merge need the contiguous weight stacks.
         self.switcher: Optional[Switcher] = None
         if cfg.policy != "unmerge-only":
             self.switcher = SWITCHERS[cfg.resolved_switcher](runner.lora_layers, runner.num_layers)
+            if getattr(runner, "graphs", None) is not None:
+                runner.graphs.invalidate()  # the swift switcher's stacks replaced the weight tensors
         self.estimates = Estimates(alpha=cfg.ema)
         self.mode = UNMERGE
         self.merged: Optional[str] = None  # adapter name merged into the base weights

@@ -62,11 +62,12 @@ class Switcher:
         raise NotImplementedError
 
     def _stacked(self, module: str, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A [L, r_max, d_in], B [L, d_out, r_max] and per-layer scales [L] of ``slot`` for ``module``."""
+        """A [L, r_max, d_in], scale * B [L, d_out, r_max] and per-layer factors [L] of ``slot`` for
+        ``module``: 1 where the adapter targets the layer (its scale is folded into ``lora_b``), else 0."""
         ls = [self.layers[(i, module)] for i in range(self.num_layers)]
         a = torch.stack([w.lora_a[slot] for w in ls])
         b = torch.stack([w.lora_b[slot] for w in ls])
-        scales = torch.tensor([w.scales[slot] for w in ls], dtype=torch.float32, device=a.device)
+        scales = torch.tensor([1.0 if w.ranks[slot] else 0.0 for w in ls], dtype=torch.float32, device=a.device)
         return a, b, scales
 
 
@@ -110,9 +111,8 @@ class PerLayerSwitcher(Switcher):
             if slot is None:
                 continue
             for w in self.layers.values():
-                s = w.scales[slot]
-                if s != 0.0:
-                    w.base.weight.data.addmm_(w.lora_b[slot], w.lora_a[slot], alpha=sign * s)
+                if w.ranks[slot]:  # lora_b holds scale * B
+                    w.base.weight.data.addmm_(w.lora_b[slot], w.lora_a[slot], alpha=sign)
 
 
 SWITCHERS = {c.name: c for c in (SwiftSwitcher, PerLayerSwitcher)}

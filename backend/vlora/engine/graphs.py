@@ -1,0 +1,203 @@
+"""CUDA graphs of decode steps, one per batch-size bucket and LoRA variant.
+
+A decode step's shapes depend only on its batch size, so each bucket (``engine.graph_batch_sizes``) is
+captured once and replayed with the batch padded up to it. Everything a replay reads sits at a fixed
+device address: one int32 buffer holds the step's token ids, positions, KV slots, context lengths, the
+rows' adapter slots and block tables, filled from pinned host memory with one copy per step; the
+weights, the LoRA slot buffers and the KV pools are allocated once. Padding rows read nothing (context
+length 0), write their keys and values to the cache's scratch block, and use no adapter.
+
+Three variants per bucket: ``base`` (no LoRA kernels at all: merged mode and base requests),
+``lora`` (every row's adapter through the LoRA backend's graph-safe ``rows`` path) and ``mixture``
+(also the merged adapter taken out again for the rows of other adapters). Capture happens at model load
+(:meth:`DecodeGraphs.capture_all`, with progress in the log), and again lazily after the weights move
+(:meth:`invalidate`: the swift switcher's contiguous stacks replace the weight tensors).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from vlora.atmm.mapping import LoraBatchMapping
+from vlora.engine.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from vlora.engine.model_runner import ModelRunner, SeqInput, StepResult
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("base", "lora", "mixture")
+# Fields of the per-step buffer before the block tables, each max_batch int32 long.
+_IDS, _POS, _SLOT, _LEN, _LORA, _DELORA = range(6)
+_FIELDS = 6
+
+
+def _static_mapping(indptr: torch.Tensor, slots: torch.Tensor, n: int) -> LoraBatchMapping:
+    """A per-row mapping over fixed buffers (one segment per row). Its host tuples are placeholders: the
+    ``rows`` path of the LoRA backends reads the device buffers only."""
+    return LoraBatchMapping(seg_indptr=indptr[:n + 1], seg_slot=slots[:n], seg_indptr_host=tuple(range(n + 1)),
+                            seg_slot_host=(0,) * n, num_tokens=n, has_lora=True)
+
+
+class DecodeGraphs:
+    def __init__(self, runner: "ModelRunner", sizes: tuple[int, ...], max_model_len: int) -> None:
+        self.runner = runner
+        self.sizes = tuple(sorted(set(sizes)))
+        self.max_batch = self.sizes[-1]
+        kv = runner.kv
+        self.max_blocks = -(-max_model_len // kv.block_size)
+        n = self.max_batch
+        dev = runner.device
+        self.host = torch.zeros(_FIELDS * n + n * self.max_blocks, dtype=torch.int32).pin_memory()
+        self.host_np = self.host.numpy()
+        self.buf = torch.zeros_like(self.host, device=dev)
+        self.indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        with torch.cuda.device(dev):
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.pool = None
+        self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.memory_bytes = 0
+        self.capture_s = 0.0
+
+    def field(self, i: int, n: int) -> torch.Tensor:
+        return self.buf[i * self.max_batch:i * self.max_batch + n]
+
+    def tables(self, n: int) -> torch.Tensor:
+        off = _FIELDS * self.max_batch
+        return self.buf[off:off + self.max_batch * self.max_blocks].view(self.max_batch, self.max_blocks)[:n]
+
+    # -- which steps replay ----------------------------------------------------------------------
+    def bucket(self, n: int) -> Optional[int]:
+        for b in self.sizes:
+            if b >= n:
+                return b
+        return None
+
+    def serves(self, seqs: list["SeqInput"]) -> bool:
+        return (len(seqs) <= self.max_batch and all(len(s.token_ids) == 1 and s.pixel_values is None for s in seqs)
+                and all(s.start_pos < self.max_blocks * self.runner.kv.block_size for s in seqs))
+
+    @staticmethod
+    def variant(seqs: list["SeqInput"]) -> str:
+        if any(s.delora_slot >= 0 for s in seqs):
+            return "mixture"
+        return "lora" if any(s.slot >= 0 for s in seqs) else "base"
+
+    # -- capture ---------------------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Drop every graph: the weights moved (a later step captures its bucket again)."""
+        self.graphs.clear()
+
+    @torch.inference_mode()
+    def capture_all(self, variants: tuple[str, ...] = VARIANTS) -> None:
+        dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        free0 = torch.cuda.mem_get_info(dev)[0]
+        t0 = time.perf_counter()
+        total = len(self.sizes) * len(variants)
+        done = 0
+        for b in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+            for v in variants:
+                self._capture(b, v)
+                done += 1
+            log.info("CUDA graphs: captured batch %d (%d/%d graphs, %.1f s)", b, done, total, time.perf_counter() - t0)
+        torch.cuda.synchronize(dev)
+        self.capture_s = time.perf_counter() - t0
+        self.memory_bytes = max(0, free0 - torch.cuda.mem_get_info(dev)[0])
+        log.info("CUDA graphs: %d decode graphs (batch sizes %s, variants %s) in %.1f s, %.0f MiB of device memory",
+                 total, list(self.sizes), list(variants), self.capture_s, self.memory_bytes / 2**20)
+
+    def _dummy_fill(self, b: int) -> None:
+        """A valid step for capture: every row one token at the scratch slot, no adapter."""
+        kv = self.runner.kv
+        n, h = self.max_batch, self.host_np
+        self._copied.synchronize()
+        h[:] = 0
+        h[_SLOT * n:_SLOT * n + n] = kv.scratch_slot
+        h[_LEN * n:_LEN * n + n] = 1
+        h[_LORA * n:_LORA * n + 2 * n] = -1
+        tables = h[_FIELDS * n:].reshape(n, self.max_blocks)
+        tables[:, 0] = kv.scratch_block
+        self.buf.copy_(self.host, non_blocking=True)
+        self._copied.record()
+
+    def _capture(self, b: int, variant: str) -> None:
+        r = self.runner
+        self._dummy_fill(b)
+        side = torch.cuda.Stream(r.device)
+        side.wait_stream(torch.cuda.current_stream(r.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up: lazy initialisation and autotuning stay out of the graph
+                self._body(b, variant)
+        torch.cuda.current_stream(r.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        # thread_local: CUDA calls of other threads (the adapter loader's pinned copies) must not void it.
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            logits, hidden = self._body(b, variant)
+        self.graphs[(b, variant)] = (g, logits, hidden)
+
+    def _body(self, b: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.runner
+        kv = r.kv
+        ids = self.field(_IDS, b).long()
+        positions = self.field(_POS, b).long()
+        slot_mapping = self.field(_SLOT, b).long()
+        meta = AttentionMetadata(block_tables=self.tables(b), seq_lens=self.field(_LEN, b))
+        scale = r._attn_scale
+
+        def attend(q: torch.Tensor, li: int) -> torch.Tensor:
+            return r.attention.decode(q, kv.k[li], kv.v[li], meta, scale, kv.block_size)
+
+        ctx = r.lora_ctx
+        ctx.rows = True
+        ctx.mapping = _static_mapping(self.indptr, self.field(_LORA, b), b) if variant != "base" else None
+        ctx.delora = _static_mapping(self.indptr, self.field(_DELORA, b), b) if variant == "mixture" else None
+        try:
+            return r._decoder(r.lm.embed_tokens(ids), positions, slot_mapping, attend, None)
+        finally:
+            ctx.rows = False
+            ctx.mapping = ctx.delora = None
+
+    # -- replay ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list["SeqInput"]) -> "StepResult":
+        from vlora.engine.model_runner import StepResult
+
+        r = self.runner
+        kv = r.kv
+        n = len(seqs)
+        b = self.bucket(n)
+        variant = self.variant(seqs)
+        if (b, variant) not in self.graphs:
+            self._capture(b, variant)
+        g, logits, hidden = self.graphs[(b, variant)]
+        m, h, bs = self.max_batch, self.host_np, kv.block_size
+        self._copied.synchronize()  # the previous step's copy has read the host buffer
+        tables = h[_FIELDS * m:].reshape(m, self.max_blocks)
+        for i, s in enumerate(seqs):
+            p = s.start_pos
+            t = s.blocks.table()
+            h[_IDS * m + i] = s.token_ids[0]
+            h[_POS * m + i] = p
+            h[_SLOT * m + i] = t[p // bs] * bs + p % bs
+            h[_LEN * m + i] = p + 1
+            h[_LORA * m + i] = s.slot
+            h[_DELORA * m + i] = s.delora_slot
+            tables[i, :len(t)] = t
+        if b > n:  # padding rows: no context, scratch slot, no adapter
+            h[_IDS * m + n:_IDS * m + b] = 0
+            h[_POS * m + n:_POS * m + b] = 0
+            h[_SLOT * m + n:_SLOT * m + b] = kv.scratch_slot
+            h[_LEN * m + n:_LEN * m + b] = 0
+            h[_LORA * m + n:_LORA * m + b] = -1
+            h[_DELORA * m + n:_DELORA * m + b] = -1
+        self.buf.copy_(self.host, non_blocking=True)
+        self._copied.record()
+        g.replay()
+        return StepResult(logits=logits[:n], hidden=hidden[:n])
