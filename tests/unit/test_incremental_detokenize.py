@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vlora.engine.core import LLMEngine, Sequence
+from vlora.engine.core import LLMEngine, Sequence, _fast_decode
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def _full(tokenizer, ids):
 
 
 def _check_incremental(tokenizer, ids):
-    engine = SimpleNamespace(tokenizer=tokenizer)
+    engine = SimpleNamespace(tokenizer=tokenizer, _decode=_fast_decode(tokenizer))
     seq = Sequence(req=None, callback=None, max_len=len(ids))
     for n, tok in enumerate(ids, 1):
         seq.output_ids.append(tok)
@@ -76,7 +76,7 @@ def test_random_token_sequences(tokenizer, seed):
 def test_pending_bytes_wait_and_then_complete(tokenizer):
     byte_ids = _byte_token_ids(tokenizer)
     euro = [byte_ids[b] for b in "€".encode()]
-    engine = SimpleNamespace(tokenizer=tokenizer)
+    engine = SimpleNamespace(tokenizer=tokenizer, _decode=_fast_decode(tokenizer))
     seq = Sequence(req=None, callback=None, max_len=8)
     deltas = []
     for tok in [byte_ids[ord("a")]] + euro + [byte_ids[ord("b")]]:
