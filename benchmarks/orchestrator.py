@@ -376,7 +376,7 @@ def switch_times(engine, names: list[str], repeats: int) -> dict[str, Any]:
                            "rank": engine.config.lora.max_rank, "repeats": repeats}
     try:
         for cls in (SwiftSwitcher, PerLayerSwitcher):
-            sw = cls(runner.lora_layers, runner.num_layers)
+            sw = cls(runner)
             for slot in (a, b, None):  # warm-up
                 sw.switch(slot)
             times: dict[str, list[float]] = {"merge": [], "swap": [], "unmerge": []}

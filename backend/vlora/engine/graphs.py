@@ -10,8 +10,9 @@ length 0), write their keys and values to the cache's scratch block, and use no 
 Three variants per bucket: ``base`` (no LoRA kernels at all: merged mode and base requests),
 ``lora`` (every row's adapter through the LoRA backend's graph-safe ``rows`` path) and ``mixture``
 (also the merged adapter taken out again for the rows of other adapters). Capture happens at model load
-(:meth:`DecodeGraphs.capture_all`, with progress in the log), and again lazily after the weights move
-(:meth:`invalidate`: the swift switcher's contiguous stacks replace the weight tensors).
+(:meth:`DecodeGraphs.capture_all`, with progress in the log); a variant not captured then (mixture
+under a policy that never mixes) is captured when a step first needs it. Merges change the weights in
+place (the runner's weight groups), so the graphs stay valid.
 """
 from __future__ import annotations
 
@@ -88,10 +89,6 @@ class DecodeGraphs:
         return "lora" if any(s.slot >= 0 for s in seqs) else "base"
 
     # -- capture ---------------------------------------------------------------------------------
-    def invalidate(self) -> None:
-        """Drop every graph: the weights moved (a later step captures its bucket again)."""
-        self.graphs.clear()
-
     @torch.inference_mode()
     def capture_all(self, variants: tuple[str, ...] = VARIANTS) -> None:
         dev = self.runner.device

@@ -18,6 +18,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlora.atmm.mapping import LoraBatchMapping
@@ -29,6 +30,33 @@ log = logging.getLogger(__name__)
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+# The projections that run as one GEMM (their weights concatenated along d_out), and the others.
+WEIGHT_GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)),
+                 ("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",)))
+
+
+@dataclass
+class WeightGroup:
+    """Projections of every layer that share d_in, in one contiguous stack: the layer's fused GEMM
+    reads ``stack[layer]``, each module's ``nn.Linear.weight`` is a view of its rows, and the swift
+    switcher merges an adapter into the whole stack in one call.
+
+    Shape: stack [L, sum of d_out, d_in]; bias [L, sum of d_out] or None; modules: (name, row offset,
+    d_out) in order; lora[layer]: (row offset, d_out, wrapper) of the modules with a LoRA wrapper.
+    """
+
+    name: str
+    stack: torch.Tensor
+    bias: Optional[torch.Tensor]
+    modules: tuple[tuple[str, int, int], ...]
+    lora: list[tuple[tuple[int, int, LoraLinear], ...]]
+
+    def forward(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d_in] -> [T, sum of d_out]: one GEMM, then each module's LoRA into its columns."""
+        y = F.linear(x, self.stack[li], None if self.bias is None else self.bias[li])
+        for off, d, wrapper in self.lora[li]:
+            wrapper.add_lora(x, y[:, off:off + d])
+        return y
 
 
 @dataclass
@@ -100,6 +128,10 @@ class ModelRunner:
         self.lora_ctx = LoraContext()
         self.lora_layers: dict[tuple[int, str], LoraLinear] = {}
         self._wrap_lora(target_modules, num_slots, max_rank)
+        self.groups: dict[str, WeightGroup] = {name: self._stack(name, mods) for name, mods in WEIGHT_GROUPS}
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.intermediate = self.groups["gate_up"].modules[0][2]
         self.kv: Optional[PagedKVCache] = None  # allocate_kv() once the weights and LoRA buffers are placed
         self._attn_scale = float(getattr(self.lm.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.attention = get_attention_backend("auto", self.device)
@@ -119,6 +151,44 @@ class ModelRunner:
                 wrapper = LoraLinear(base, self.lora_ctx, num_slots, max_rank)
                 setattr(parent, name, wrapper)
                 self.lora_layers[(i, name)] = wrapper
+
+    def _stack(self, name: str, modules: tuple[str, ...]) -> WeightGroup:
+        """Move ``modules``' weights of every layer into one contiguous stack (one layer at a time: peak
+        memory grows by the stack, and each old weight is freed as its module takes a view)."""
+        def linear(li: int, m: str) -> nn.Linear:
+            layer = self.lm.layers[li]
+            mod = getattr(layer.self_attn if m in ATTN_TARGETS else layer.mlp, m)
+            return mod.base if isinstance(mod, LoraLinear) else mod
+
+        first = [linear(0, m) for m in modules]
+        d_in = first[0].in_features
+        if any(lin.in_features != d_in for lin in first) or any(not isinstance(lin, nn.Linear) for lin in first):
+            raise TypeError(f"{name}: {modules} do not share d_in, or are not nn.Linear")
+        has_bias = [lin.bias is not None for lin in first]
+        if any(has_bias) and not all(has_bias):
+            raise TypeError(f"{name}: some of {modules} have a bias and some do not")
+        offsets, off = [], 0
+        for m, lin in zip(modules, first):
+            offsets.append((m, off, lin.out_features))
+            off += lin.out_features
+        w0 = first[0].weight
+        stack = torch.empty(self.num_layers, off, d_in, dtype=w0.dtype, device=w0.device)
+        bias = torch.empty(self.num_layers, off, dtype=w0.dtype, device=w0.device) if has_bias[0] else None
+        lora = []
+        for li in range(self.num_layers):
+            wrappers = []
+            for m, o, d in offsets:
+                lin = linear(li, m)
+                stack[li, o:o + d].copy_(lin.weight.data)
+                lin.weight = nn.Parameter(stack[li, o:o + d], requires_grad=False)
+                if bias is not None:
+                    bias[li, o:o + d].copy_(lin.bias.data)
+                    lin.bias = nn.Parameter(bias[li, o:o + d], requires_grad=False)
+                wrapper = self.lora_layers.get((li, m))
+                if wrapper is not None:
+                    wrappers.append((o, d, wrapper))
+            lora.append(tuple(wrappers))
+        return WeightGroup(name, stack, bias, tuple(offsets), lora)
 
     def allocate_kv(self, num_blocks: Optional[int], block_size: int, memory_fraction: float) -> PagedKVCache:
         """Allocate the KV pool. ``num_blocks=None``: 4096 blocks on CPU; on CUDA, whatever keeps the
@@ -272,17 +342,21 @@ class ModelRunner:
     def _layer(self, li: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                slot_mapping: torch.Tensor, attend) -> torch.Tensor:
         T = h.shape[0]
-        sa = layer.self_attn
+        g = self.groups
         x = layer.input_layernorm(h)
-        q = sa.q_proj(x).view(T, self.n_heads, self.head_dim)
-        k = sa.k_proj(x).view(T, self.n_kv, self.head_dim)
-        v = sa.v_proj(x).view(T, self.n_kv, self.head_dim)
+        qkv = g["qkv"].forward(li, x)
+        qs, ks = self.q_size, self.kv_size
+        q = qkv[:, :qs].view(T, self.n_heads, self.head_dim)
+        k = qkv[:, qs:qs + ks].view(T, self.n_kv, self.head_dim)
+        v = qkv[:, qs + ks:].view(T, self.n_kv, self.head_dim)
         q, k = _rotary(q, k, cos, sin)
         self.kv.k[li].index_copy_(0, slot_mapping, k)
         self.kv.v[li].index_copy_(0, slot_mapping, v)
         o = attend(q, li)
-        h = h + sa.o_proj(o.reshape(T, self.n_heads * self.head_dim))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + g["o"].forward(li, o.reshape(T, qs))
+        gu = g["gate_up"].forward(li, layer.post_attention_layernorm(h))
+        i = self.intermediate
+        return h + g["down"].forward(li, layer.mlp.act_fn(gu[:, :i]) * gu[:, i:])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

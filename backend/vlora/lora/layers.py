@@ -83,24 +83,28 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        shape = y.shape
+        y2 = self.add_lora(x.reshape(-1, self.in_features), y.reshape(-1, self.out_features))
+        return y2.view(shape)
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Add the step's LoRA deltas to ``y`` in place. Shape: x [T, d_in], y [T, d_out] (y may be the
+        columns of a fused projection's output: rows strided). Returns y."""
         ctx = self.ctx
         plus = ctx.mapping is not None and ctx.mapping.has_lora
         minus = ctx.delora is not None and ctx.delora.has_lora
         if not (plus or minus):
             return y
-        shape = y.shape
-        x2 = x.reshape(-1, self.in_features)
-        y2 = y.reshape(-1, self.out_features)
         if ctx.rows:
             if plus:
-                ctx.backend.rows(y2, x2, self.lora_a, self.lora_b, ctx.mapping, 1.0)
+                ctx.backend.rows(y, x, self.lora_a, self.lora_b, ctx.mapping, 1.0)
             if minus:
-                ctx.backend.rows(y2, x2, self.lora_a, self.lora_b, ctx.delora, -1.0)
-            return y2.view(shape)
+                ctx.backend.rows(y, x, self.lora_a, self.lora_b, ctx.delora, -1.0)
+            return y
         if plus:
-            if x2.shape[0] != ctx.mapping.num_tokens:
-                raise RuntimeError(f"LoraLinear: {x2.shape[0]} tokens but the step mapping covers {ctx.mapping.num_tokens}")
-            ctx.backend.segments(y2, x2, self.lora_a, self.lora_b, self._ranks_t, self._unit_t, ctx.mapping)
+            if x.shape[0] != ctx.mapping.num_tokens:
+                raise RuntimeError(f"LoraLinear: {x.shape[0]} tokens but the step mapping covers {ctx.mapping.num_tokens}")
+            ctx.backend.segments(y, x, self.lora_a, self.lora_b, self._ranks_t, self._unit_t, ctx.mapping)
         if minus:  # deLoRA: take the merged adapter's delta back out for tokens of other adapters
-            ctx.backend.segments(y2, x2, self.lora_a, self.lora_b, self._ranks_t, self._neg_unit_t, ctx.delora)
-        return y2.view(shape)
+            ctx.backend.segments(y, x, self.lora_a, self.lora_b, self._ranks_t, self._neg_unit_t, ctx.delora)
+        return y

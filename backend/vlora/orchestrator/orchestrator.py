@@ -34,9 +34,7 @@ class Orchestrator:
         # Only policies that merge need the contiguous weight stacks.
         self.switcher: Optional[Switcher] = None
         if cfg.policy != "unmerge-only":
-            self.switcher = SWITCHERS[cfg.resolved_switcher](runner.lora_layers, runner.num_layers)
-            if getattr(runner, "graphs", None) is not None:
-                runner.graphs.invalidate()  # the swift switcher's stacks replaced the weight tensors
+            self.switcher = SWITCHERS[cfg.resolved_switcher](runner)
         self.estimates = Estimates(alpha=cfg.ema)
         self.mode = UNMERGE
         self.merged: Optional[str] = None  # adapter name merged into the base weights

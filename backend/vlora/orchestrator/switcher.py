@@ -1,11 +1,13 @@
 """Mode switching: merge an adapter's delta into the base weights, or take it out again.
 
-``SwiftSwitcher`` (V-LoRA §4.4.1) keeps each targeted projection's weights of all layers in one
-preallocated contiguous tensor [L, d_out, d_in] (the layers' ``nn.Linear`` weights become views of
-it), and merges or unmerges every layer with one call of the merge operator per projection type.
-Switching from adapter A to adapter B is fused: one pass adds ``[s_B B_B, -s_A B_A] @ [A_B; A_A]``,
-so W is read and written once instead of twice. ``PerLayerSwitcher`` is the dLoRA baseline: one
-``addmm_`` per matrix.
+``SwiftSwitcher`` (V-LoRA §4.4.1) works on the model runner's weight groups: the projections that
+run as one GEMM (q/k/v, gate/up; o and down alone) keep their weights of all layers in one contiguous
+stack [L, sum of d_out, d_in] (each layer's ``nn.Linear`` weights are views of it), and one call of
+the merge operator per group merges or unmerges every layer: B is laid out block-diagonally, each
+module's ``scale * B`` in its own rows and rank columns, against the modules' A concatenated along the
+rank. Switching from adapter A to adapter B is fused the same way (``[B_B, -B_A] @ [A_B; A_A]``), so W
+is read and written once instead of twice. ``PerLayerSwitcher`` is the dLoRA baseline: one
+``addmm_`` per matrix. The slot buffers hold ``scale * B`` (:class:`~vlora.lora.layers.LoraLinear`).
 
 The adapter stays in its LoRA slot while merged (the engine pins it), so unmerging subtracts
 exactly what was added, up to the rounding of the weights' dtype.
@@ -29,10 +31,10 @@ class Switcher:
 
     name = ""
 
-    def __init__(self, layers: dict[tuple[int, str], LoraLinear], num_layers: int) -> None:
-        self.layers = layers
-        self.num_layers = num_layers
-        self.modules = sorted({m for _, m in layers})
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.layers: dict[tuple[int, str], LoraLinear] = runner.lora_layers
+        self.num_layers = runner.num_layers
         self.merged_slot: Optional[int] = None
         self.last_switch_s = 0.0
         self.total_switch_s = 0.0
@@ -61,44 +63,35 @@ class Switcher:
     def _apply(self, old: Optional[int], new: Optional[int]) -> None:
         raise NotImplementedError
 
-    def _stacked(self, module: str, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A [L, r_max, d_in], scale * B [L, d_out, r_max] and per-layer factors [L] of ``slot`` for
-        ``module``: 1 where the adapter targets the layer (its scale is folded into ``lora_b``), else 0."""
-        ls = [self.layers[(i, module)] for i in range(self.num_layers)]
-        a = torch.stack([w.lora_a[slot] for w in ls])
-        b = torch.stack([w.lora_b[slot] for w in ls])
-        scales = torch.tensor([1.0 if w.ranks[slot] else 0.0 for w in ls], dtype=torch.float32, device=a.device)
-        return a, b, scales
-
 
 class SwiftSwitcher(Switcher):
     name = "swift"
 
-    def __init__(self, layers: dict[tuple[int, str], LoraLinear], num_layers: int) -> None:
-        super().__init__(layers, num_layers)
-        self.stacks: dict[str, torch.Tensor] = {}
-        for module in self.modules:
-            ls = [layers[(i, module)] for i in range(num_layers)]
-            w0 = ls[0].base.weight
-            stack = torch.empty((num_layers,) + tuple(w0.shape), dtype=w0.dtype, device=w0.device)
-            for i, w in enumerate(ls):  # one layer at a time: peak memory grows by one matrix, not a copy of all
-                stack[i].copy_(w.base.weight.data)
-                w.base.weight = torch.nn.Parameter(stack[i], requires_grad=False)
-            self.stacks[module] = stack
-
     def _apply(self, old: Optional[int], new: Optional[int]) -> None:
-        for module, stack in self.stacks.items():
-            parts_a, parts_b = [], []
+        L = self.num_layers
+        for group in self.runner.groups.values():
+            stack = group.stack
+            modules = [(off, d, [group.lora[li][k][2] for li in range(L)])
+                       for k, (off, d, _) in enumerate(group.lora[0])]
+            parts_a, blocks = [], []  # blocks: (row offset, rows, signed B [L, d, r])
             for slot, sign in ((new, 1.0), (old, -1.0)):
                 if slot is None:
                     continue
-                a, b, scales = self._stacked(module, slot)
-                if not torch.any(scales):
-                    continue  # the adapter does not target this projection
-                parts_a.append(a)
-                parts_b.append(b * (sign * scales).to(b.dtype).view(-1, 1, 1))
-            if parts_a:  # unmerge old and merge new in one pass over W: ranks concatenated
-                merge_lora(stack, torch.cat(parts_a, dim=1).contiguous(), torch.cat(parts_b, dim=2).contiguous(), 1.0, 1)
+                for off, d, ws in modules:
+                    if not any(w.ranks[slot] for w in ws):
+                        continue  # the adapter does not target this projection
+                    parts_a.append(torch.stack([w.lora_a[slot] for w in ws]))
+                    b = torch.stack([w.lora_b[slot] for w in ws])
+                    blocks.append((off, d, b if sign > 0 else -b))
+            if not parts_a:
+                continue
+            a = torch.cat(parts_a, dim=1).contiguous()
+            b = stack.new_zeros(L, stack.shape[1], a.shape[1])
+            col = 0
+            for off, d, blk in blocks:  # block-diagonal: each module's delta lands in its own rows only
+                b[:, off:off + d, col:col + blk.shape[2]] = blk
+                col += blk.shape[2]
+            merge_lora(stack, a, b, 1.0, 1)
 
 
 class PerLayerSwitcher(Switcher):
