@@ -88,6 +88,35 @@ def run_batch(base_url: str, model: str, n: int, max_tokens: int, adapters: list
             "tokens_in_window": tokens}
 
 
+def image_ttft(base_url: str, model: str, n: int) -> dict:
+    """Time to the first token of a one-image request at idle (``<image>`` prompt, 336x336 PNG, greedy),
+    ``n`` requests one after another; the first is a warm-up and is not counted."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (336, 336, 3), dtype=np.uint8)).save(buf, format="PNG")
+    img = base64.b64encode(buf.getvalue()).decode()
+    sp = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    body = {"text_input": "<image>\nWhat is in the picture?", "image": [img], "stream": True,
+            "sampling_parameters": json.dumps(sp)}
+    ttfts = []
+    for i in range(n + 1):
+        out: dict = {}
+        t0 = time.perf_counter()
+        stream_request(f"{base_url}/v2/models/{model}/generate_stream", body, out)
+        if out.get("error"):
+            raise RuntimeError(f"image request failed: {out['error']}")
+        if i:
+            ttfts.append(out["times"][0] - t0)
+    ttfts.sort()
+    return {"workload": "image-ttft", "requests": n, "ttft_s_p50": ttfts[n // 2], "ttft_s_min": ttfts[0],
+            "ttft_s_max": ttfts[-1]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", help="configs/models/*.yaml; omit to serve the tiny default model")
@@ -98,6 +127,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--name", default="serve-decode")
     ap.add_argument("--prepare-only", action="store_true", help="write the model and adapters, then stop")
+    ap.add_argument("--image-ttft", type=int, default=10, help="one-image requests timed to their first token at idle (0: none)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -169,6 +199,9 @@ def main() -> None:
                 r |= {"workload": label, "distinct_adapters": 0 if label == "base" else len(set(use[:n]))}
                 print(json.dumps(r), flush=True)
                 rows.append(r)
+        if args.image_ttft:
+            ttft = image_ttft(base, "vlora", args.image_ttft)
+            print(json.dumps(ttft), flush=True)
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -179,6 +212,9 @@ def main() -> None:
     result = {"benchmark": args.name, "device": dev, "commit": git_commit(), "preset": args.preset or "tiny",
               "rank": args.rank, "max_tokens": args.max_tokens, "rows": rows}
     summary = "; ".join(f"bs{r['batch']} {r['workload']}: {r['decode_tokens_per_s']:.0f} tok/s" for r in rows)
+    if args.image_ttft:
+        result["image_ttft"] = ttft
+        summary += f"; one-image request at idle: first token p50 {1e3 * ttft['ttft_s_p50']:.0f} ms"
     record_result(args.name, dev, result, summary)
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from vlora.atmm.mapping import LoraBatchMapping
 from vlora.engine.attention import AttentionMetadata, get_attention_backend
+from vlora.engine.fused_ops import add_rms_norm, rms_norm, rotary_and_cache, silu_mul
 from vlora.engine.kv_cache import PagedKVCache, SequenceBlocks
 from vlora.lora.layers import LoraContext, LoraLinear
 
@@ -125,6 +126,9 @@ class ModelRunner:
         self.vocab_size = self.lm_head.out_features
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise TypeError(f"{type(model).__name__}: hidden_act={act!r}; the fused decoder layer serves silu (LLaMA)")
         self.lora_ctx = LoraContext()
         self.lora_layers: dict[tuple[int, str], LoraLinear] = {}
         self._wrap_lora(target_modules, num_slots, max_rank)
@@ -296,13 +300,20 @@ class ModelRunner:
 
     def _decoder(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, attend,
                  last_index: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer, the final norm and the LM head at ``last_index`` (None: every row)."""
+        """Every decoder layer, the final norm and the LM head at ``last_index`` (None: every row).
+
+        Each residual add is fused with the RMSNorm after it (:mod:`vlora.engine.fused_ops`: one kernel
+        on CUDA, the eager ops elsewhere, the same bits either way), so a layer hands the next its MLP
+        output still to be added."""
         cos, sin = self.lm.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0], sin[0]
+        pending = None
         for li, layer in enumerate(self.lm.layers):
-            hidden = self._layer(li, layer, hidden, cos, sin, slot_mapping, attend)
-        h = hidden if last_index is None else hidden.index_select(0, last_index)
-        h_last = self.lm.norm(h)
+            hidden, pending = self._layer(li, layer, hidden, pending, cos, sin, slot_mapping, attend)
+        if last_index is not None:
+            hidden, pending = hidden.index_select(0, last_index), pending.index_select(0, last_index)
+        norm = self.lm.norm
+        h_last, _ = add_rms_norm(pending, hidden, norm.weight, norm.variance_epsilon)
         return self.lm_head(h_last).float(), h_last
 
     def _insert_images(self, seqs: list[SeqInput], ids: torch.Tensor, hidden: torch.Tensor) -> int:
@@ -339,32 +350,23 @@ class ModelRunner:
         hidden[mask] = feats
         return len(pixels)
 
-    def _layer(self, li: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               slot_mapping: torch.Tensor, attend) -> torch.Tensor:
+    def _layer(self, li: int, layer: nn.Module, h: torch.Tensor, pending: Optional[torch.Tensor], cos: torch.Tensor,
+               sin: torch.Tensor, slot_mapping: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer: (residual stream, the previous layer's MLP output still to add) ->
+        (residual stream after attention, this layer's MLP output)."""
         T = h.shape[0]
         g = self.groups
-        x = layer.input_layernorm(h)
+        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        if pending is None:
+            x = rms_norm(h, ln1.weight, ln1.variance_epsilon)
+        else:
+            x, h = add_rms_norm(pending, h, ln1.weight, ln1.variance_epsilon)
         qkv = g["qkv"].forward(li, x)
         qs, ks = self.q_size, self.kv_size
         q = qkv[:, :qs].view(T, self.n_heads, self.head_dim)
         k = qkv[:, qs:qs + ks].view(T, self.n_kv, self.head_dim)
         v = qkv[:, qs + ks:].view(T, self.n_kv, self.head_dim)
-        q, k = _rotary(q, k, cos, sin)
-        self.kv.k[li].index_copy_(0, slot_mapping, k)
-        self.kv.v[li].index_copy_(0, slot_mapping, v)
+        q = rotary_and_cache(q, k, v, cos, sin, self.kv.k[li], self.kv.v[li], slot_mapping)
         o = attend(q, li)
-        h = h + g["o"].forward(li, o.reshape(T, qs))
-        gu = g["gate_up"].forward(li, layer.post_attention_layernorm(h))
-        i = self.intermediate
-        return h + g["down"].forward(li, layer.mlp.act_fn(gu[:, :i]) * gu[:, i:])
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """LLaMA rotary embedding on [T, heads, dim] with cos/sin [T, dim] (same math as HF's apply_rotary_pos_emb)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        x, h = add_rms_norm(g["o"].forward(li, o.reshape(T, qs)), h, ln2.weight, ln2.variance_epsilon)
+        return h, g["down"].forward(li, silu_mul(g["gate_up"].forward(li, x)))
