@@ -129,7 +129,7 @@ def rotary_eager(q, k, v, cos, sin, k_pool, v_pool, slots):
 def test_rotary_and_cache_matches_eager(dtype, hkv, T):
     rows = 4 * T + 64
     q, k, v = qkv_views(T, hkv, dtype, seed=T + hkv)
-    assert not q.is_contiguous() and not k.is_contiguous()
+    assert T == 1 or (not q.is_contiguous() and not k.is_contiguous())  # one token: every view is contiguous
     cos, sin = cos_sin(T, dtype, seed=T)
     slots = torch.randperm(rows, device=DEV, generator=torch.Generator(device=DEV).manual_seed(T))[:T]
     kp = torch.full((rows, hkv, D), float("nan"), dtype=dtype, device=DEV)
