@@ -197,8 +197,12 @@ def decode_config(batch: int, n_kv_heads: int, groups: int, head_dim: int, max_c
                         block_n=_block_n(g_pad, head_dim, elem, 2, 64))
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+def prefill_config(head_dim: int, dtype: torch.dtype, large_smem: bool = False) -> PrefillConfig:
+    """``large_smem`` (Hopper: 228 KiB per SM): 128-query tiles, 8 warps and three K/V stages for 16-bit
+    heads up to 128 wide, the usual flash-attention shape there; otherwise tiles that fit SMEM_BUDGET."""
     elem = torch.empty((), dtype=dtype).element_size()
+    if large_smem and elem == 2 and head_dim <= 128:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     block_m = 64 if elem <= 2 or head_dim <= 64 else 32
     return PrefillConfig(block_m=block_m, block_n=_block_n(block_m, head_dim, elem, 2, 64),
                          num_warps=8 if head_dim >= 256 else 4)
@@ -532,7 +536,7 @@ def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, c
     S = seq_lens.shape[0]
     if T == 0 or S == 0 or max_q_len <= 0:
         return out
-    cfg = prefill_config(D, q.dtype)
+    cfg = prefill_config(D, q.dtype, large_smem=q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9)
     _prefill_kernel[(triton.cdiv(max_q_len, cfg.block_m), S, H)](
         q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),

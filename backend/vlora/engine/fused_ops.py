@@ -220,8 +220,10 @@ if triton is not None:
         x_row = x_ptr + row * stride_x
         r_row = r_ptr + row * stride_r
         res_row = res_ptr + row * stride_res
-        # pass 1: torch's per-thread accumulation order (thread j: float4 vectors j, j + NT, ...)
-        for it in range(N_ITER):
+        # pass 1: torch's per-thread accumulation order (thread j: float4 vectors j, j + NT, ...). Unrolled:
+        # the loads do not depend on the sum, so they issue together instead of one latency per tile
+        # (the rolled loop took ~14 us per [32, 4096] call on the H100).
+        for it in tl.static_range(N_ITER):
             offs = (it * NT + j).to(tl.int64)[:, None] * 4 + lane[None, :]
             m = offs < H
             xv = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
