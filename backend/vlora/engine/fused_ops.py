@@ -252,13 +252,13 @@ if triton is not None:
         # pass 2: weight * (x * rstd).to(dtype)
         cols = tl.arange(0, BLOCK)
         o_row = out_ptr + row * stride_o
-        for start in range(0, H, BLOCK):
-            c = start + cols
-            m = c < H
-            xv = tl.load(res_row + c, mask=m, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-            y = (xv * rstd).to(DT).to(tl.float32) * w
-            tl.store(o_row + c, y.to(out_ptr.dtype.element_ty), mask=m)
+        for start in range(0, H, BLOCK):  # names of its own: pass 1's unrolled names must not be loop-carried here
+            c2 = start + cols
+            m2 = c2 < H
+            x2 = tl.load(res_row + c2, mask=m2, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + c2, mask=m2, other=0.0).to(tl.float32)
+            y2 = (x2 * rstd).to(DT).to(tl.float32) * w2
+            tl.store(o_row + c2, y2.to(out_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
     def _rope_pair(x1, x2, c1, s1, c2, s2, DT: tl.constexpr):
