@@ -84,3 +84,17 @@ def test_pending_bytes_wait_and_then_complete(tokenizer):
         deltas.append(LLMEngine._decode_delta(engine, seq))
     assert deltas == ["a", "", "", "€", "b"]
     assert (seq.prefix_offset, seq.read_offset) == (4, 5)  # the window is one token back, not the whole text
+
+
+def test_stray_byte_tokens_still_stream(tokenizer):
+    """A model that keeps emitting lead bytes never completes a character: every replacement character
+    but the last (which a next byte could still complete) goes out as it is generated."""
+    lead = _byte_token_ids(tokenizer)[0xE2]
+    engine = SimpleNamespace(tokenizer=tokenizer, _decode=_fast_decode(tokenizer))
+    seq = Sequence(req=None, callback=None, max_len=64)
+    for n in range(1, 41):
+        seq.output_ids.append(lead)
+        seq.text += LLMEngine._decode_delta(engine, seq)
+        assert seq.text == "\ufffd" * (n - 1)
+    seq.text += LLMEngine._decode_delta(engine, seq, final=True)
+    assert seq.text == _full(tokenizer, seq.output_ids)

@@ -70,6 +70,7 @@ class Sequence:
     # covers output_ids[prefix_offset:], from a character boundary a few tokens back.
     prefix_offset: int = 0
     read_offset: int = 0
+    pending_chars: int = 0  # characters of the window's new text already sent while its last one was incomplete
     prefilled: bool = False
     answer: Optional[dict] = None  # a task head's answer (task, label, labels, scores)
     candidate: Optional[Candidate] = None  # what the scheduling policy sees of this request
@@ -312,18 +313,28 @@ class LLMEngine:
 
         As vLLM's incremental detokenizer: decode ids[prefix:] and ids[prefix:read] and return the
         difference. Both decodes start on the same character boundary, so the difference is what a full
-        decode adds. While the new text ends in an incomplete UTF-8 sequence ("\ufffd") or adds
-        nothing (a skipped special token), nothing is returned and the offsets stay, so the window
-        grows until the character completes; ``final`` returns the pending text as it stands.
+        decode adds. While the new text ends in an incomplete UTF-8 sequence, the offsets stay (the
+        window grows until the character completes) and only the text before its replacement character
+        goes out: a trailing incomplete sequence decodes to exactly one "\ufffd", so everything before it
+        is final (a model that keeps emitting stray byte tokens still streams). ``final`` returns the
+        pending text as it stands.
         """
         ids = s.output_ids
         decode = self._decode
         before = decode(ids[s.prefix_offset:s.read_offset]) if s.read_offset > s.prefix_offset else ""
         after = decode(ids[s.prefix_offset:])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
-            return after[len(before):] if final else ""
+        if len(after) <= len(before):  # nothing new yet (a skipped special token)
+            return ""
+        new = after[len(before):]
+        if new.endswith("\ufffd") and not final:
+            ready = new[:-1]
+            out = ready[s.pending_chars:]
+            s.pending_chars = max(s.pending_chars, len(ready))
+            return out
         s.prefix_offset, s.read_offset = s.read_offset, len(ids)
-        return after[len(before):]
+        out = new[s.pending_chars:]
+        s.pending_chars = 0
+        return out
 
     def _answer_with_head(self, s: Sequence, hidden: torch.Tensor) -> None:
         """A head request ends with its prefill: its text is the label, and it counts as one output token
