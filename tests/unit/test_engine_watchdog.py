@@ -10,7 +10,8 @@ import pytest
 
 from vlora.config import EngineConfig
 from vlora.engine.api import GenerationRequest, InvalidRequest, SamplingParams
-from vlora.engine.async_engine import AsyncEngine, EngineDead
+from vlora.engine.api import EngineDead
+from vlora.engine.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,6 +21,11 @@ class EngineOverloaded(RuntimeError):
     """The engine could not admit the request within the admission timeout."""
 
 
+class EngineDead(EngineOverloaded):
+    """The engine thread died or stopped making progress: this instance serves nothing more. The
+    message says why. (A kind of EngineOverloaded, so callers answer it as "unavailable".)"""
+
+
 # Limits on sampling_parameters, checked before a request is queued (see SamplingParams).
 MIN_TEMPERATURE = 1e-2  # keeps logits / T far from float32 overflow; colder is greedy in all but name: send 0
 MAX_TEMPERATURE = 100.0

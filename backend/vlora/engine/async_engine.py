@@ -19,7 +19,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable, Optional
 
 from vlora.config import EngineConfig
-from vlora.engine.api import EngineOverloaded, GenerationOutput, GenerationRequest, InvalidRequest, OutputCallback
+from vlora.engine.api import EngineDead, EngineOverloaded, GenerationOutput, GenerationRequest, InvalidRequest, OutputCallback
 from vlora.engine.builder import build_engine
 from vlora.engine.core import LLMEngine, PreparedRequest
 from vlora.engine.metrics import EngineMetrics
@@ -32,11 +32,6 @@ IDLE_POLL_S = 0.002
 # Faults a test may inject when scheduler.fault_injection is on: "kill" raises out of the engine loop,
 # "wedge" blocks the engine thread in its next step.
 FAULTS = ("kill", "wedge")
-
-
-class EngineDead(EngineOverloaded):
-    """The engine thread died or stopped making progress: this instance serves nothing more. The
-    message says why. (A kind of EngineOverloaded, so callers answer it as "unavailable".)"""
 
 
 class InjectedFault(RuntimeError):
