@@ -54,10 +54,19 @@ class LoraConfig:
     max_rank: int = 64
     target_modules: tuple[str, ...] = LORA_TARGETS
     load_timeout_s: float = 30.0  # an adapter read (on the loader threads) that takes longer is refused
+    # An unload waits this long for the adapter's running and waiting requests to finish, then answers
+    # with state "unloading" (the unload still completes when the last one finishes; 0: answer at once).
+    unload_timeout_s: float = 30.0
+    # Adapter load/unload requests must carry the token this file holds (``admin_token``); None: they are
+    # refused (``list`` stays open). A file, not the token: config.pbtxt parameters are readable by clients.
+    admin_token_file: Optional[str] = None
 
     def __post_init__(self) -> None:
         _require(self.max_gpu_adapters >= 1, "lora.max_gpu_adapters must be >= 1")
+        _require(self.admin_token_file is None or (isinstance(self.admin_token_file, str) and self.admin_token_file),
+                 "lora.admin_token_file must be a file path or null")
         _require(self.load_timeout_s > 0, "lora.load_timeout_s must be > 0")
+        _require(self.unload_timeout_s >= 0, "lora.unload_timeout_s must be >= 0")
         _require(self.max_cpu_adapters >= self.max_gpu_adapters, "lora.max_cpu_adapters must be >= lora.max_gpu_adapters")
         _require(1 <= self.max_rank <= 256, "lora.max_rank must be in [1, 256]")
         bad = [t for t in self.target_modules if t not in LORA_TARGETS]
@@ -108,12 +117,32 @@ class InputLimits:
     max_image_bytes: int = 16 * 1024 * 1024  # encoded size of one image
     max_image_pixels: int = 4096 * 4096  # decoded width * height; guards against decompression bombs
     max_prompt_chars: int = 64 * 1024
+    # Decoding costs CPU per pixel, not per byte (a 60 KB solid-colour 4096x4096 PNG takes ~0.5-1 s to
+    # decode and preprocess), so a request's images are bounded in pixels, read from their headers before
+    # anything is decoded: 32 M allows 8 video frames of 2048x2048, or two 4096x4096 images.
+    max_total_pixels: int = 32 * 1024 * 1024
+    image_decode_timeout_s: float = 10.0  # a request whose images take longer to decode is refused
+    # Image requests over inline_image_pixels in all are decoded on image_workers threads (0: half the
+    # CPU cores, 1 to 4), not on Triton's request thread; image_queue_size more may wait for them, and
+    # beyond that a request is refused as overloaded (UNAVAILABLE).
+    image_workers: int = 0
+    image_queue_size: int = 32
+    inline_image_pixels: int = 512 * 512
 
     def __post_init__(self) -> None:
         _require(self.max_images >= 1, "limits.max_images must be >= 1")
         _require(self.max_image_bytes >= 1024, "limits.max_image_bytes must be >= 1024")
         _require(self.max_image_pixels >= 64 * 64, "limits.max_image_pixels must be >= 4096")
         _require(self.max_prompt_chars >= 1, "limits.max_prompt_chars must be >= 1")
+        _require(self.max_total_pixels >= 64 * 64, "limits.max_total_pixels must be >= 4096")
+        _require(self.image_decode_timeout_s > 0, "limits.image_decode_timeout_s must be > 0")
+        _require(0 <= self.image_workers <= 64, "limits.image_workers must be in [0, 64] (0: auto)")
+        _require(self.image_queue_size >= 1, "limits.image_queue_size must be >= 1")
+        _require(self.inline_image_pixels >= 0, "limits.inline_image_pixels must be >= 0")
+
+    @property
+    def resolved_image_workers(self) -> int:
+        return self.image_workers or max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 POLICIES = ("vlora", "merge-only", "unmerge-only", "dlora")
@@ -266,6 +295,22 @@ def _build(kind: type, section: str, values: Mapping[str, Any]):
         elif isinstance(v, Mapping):
             kw[k] = dict(v)
     return kind(**kw)
+
+
+MIN_ADMIN_TOKEN_CHARS = 16
+
+
+def read_admin_token(path: str | os.PathLike) -> str:
+    """The adapter admin token in ``path``: its text without surrounding whitespace. Raises ConfigError
+    (naming the file, never the token) when it cannot be read or is shorter than MIN_ADMIN_TOKEN_CHARS."""
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"admin token file {path}: cannot be read ({type(e).__name__}: {e})") from None
+    _require(len(token) >= MIN_ADMIN_TOKEN_CHARS,
+             f"admin token file {path}: the token must have at least {MIN_ADMIN_TOKEN_CHARS} characters "
+             f"(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))' > {path}`)")
+    return token
 
 
 def default_cache_dir() -> Path:

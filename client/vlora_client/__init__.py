@@ -4,8 +4,9 @@ from vlora_client.client import (
     StreamDelta,
     VloraClient,
     VloraClientError,
+    VloraConnectionError,
     encode_image,
     sampling_parameters,
 )
 
-__all__ = ["GenerationResult", "StreamDelta", "VloraClient", "VloraClientError", "encode_image", "sampling_parameters"]
+__all__ = ["GenerationResult", "StreamDelta", "VloraClient", "VloraClientError", "VloraConnectionError", "encode_image", "sampling_parameters"]

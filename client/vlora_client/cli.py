@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
-from vlora_client.client import DEFAULT_MODEL, DEFAULT_URLS, VloraClient, VloraClientError
+from vlora_client.client import DEFAULT_MODEL, DEFAULT_URLS, VloraClient, VloraClientError, VloraConnectionError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,15 +36,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
+    p.add_argument("--admin-token-file", metavar="FILE",
+                   help="adapters load/unload: send the token this file holds (the server's --admin-token-file)")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
-    client = VloraClient(args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout)
+    admin_token = None
+    if args.admin_token_file:
+        try:  # a file keeps the token off the process list; surrounding whitespace is not part of it
+            admin_token = Path(args.admin_token_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            print(f"vlora-client: --admin-token-file {args.admin_token_file}: cannot be read ({e})", file=sys.stderr)
+            return 2
+    client = VloraClient(args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout,
+                         admin_token=admin_token)
     try:
         return _adapters(parser, client, args) if args.command else _generate(parser, client, args)
+    except VloraConnectionError as e:
+        print(f"vlora-client: {e}", file=sys.stderr)
+        return 1
     except VloraClientError as e:
         print(f"vlora-client: server error: {e}", file=sys.stderr)
         return 1
@@ -104,12 +118,13 @@ def _adapters(parser: argparse.ArgumentParser, client: VloraClient, args) -> int
     if args.json:
         print(json.dumps(result, indent=2))
     elif cmd[1] == "list":
-        print(f"{'id':>4}  {'name':<32} {'tier':<5} {'loaded':<6} {'rank':>4}  {'running':>7} {'waiting':>7}")
+        print(f"{'id':>4}  {'name':<32} {'tier':<8} {'loaded':<6} {'rank':>4}  {'running':>7} {'waiting':>7}")
         for a in result:
-            print(f"{a['id']:>4}  {a['name']:<32} {a['tier']:<5} {'yes' if a['loaded'] else 'no':<6} "
+            print(f"{a['id']:>4}  {a['name']:<32} {a['tier']:<8} {'yes' if a['loaded'] else 'no':<6} "
                   f"{a['rank'] if a['rank'] is not None else '-':>4}  {a['running']:>7} {a['waiting']:>7}")
     else:
-        print(f"{cmd[1]}ed {result['name']} (id {result['id']}, tier {result.get('tier', '-')})")
+        done = "unloading (its requests in flight finish first)" if result.get("state") == "unloading" else f"{cmd[1]}ed"
+        print(f"{done} {result['name']} (id {result['id']}, tier {result.get('tier', '-')})")
     return 0
 
 

@@ -7,6 +7,7 @@ Anything that speaks KServe v2 to Triton can send the same requests.
 
 Adapters are listed, loaded and unloaded through the same model: ``sampling_parameters`` carries
 ``adapter_action`` (``list``, ``load``, ``unload``) and ``lora_name``; the answer's ``text_output`` is JSON.
+``load`` and ``unload`` also carry ``admin_token`` (the token of the server's ``--admin-token-file``).
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
 
 class VloraClientError(RuntimeError):
     """The server refused or failed a request; the message is the server's."""
+
+
+class VloraConnectionError(VloraClientError):
+    """No server answered at the client's address (nothing listens there, or it cannot be reached)."""
 
 
 @dataclass(frozen=True)
@@ -99,13 +104,15 @@ class VloraClient:
     """
 
     def __init__(self, url: Optional[str] = None, protocol: str = "grpc", model: str = DEFAULT_MODEL,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, admin_token: Optional[str] = None) -> None:
+        """``admin_token``: sent with adapter load/unload (the server refuses them without its token)."""
         if protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
         self.protocol = protocol
         self.url = url or DEFAULT_URLS[protocol]
         self.model = model
         self.timeout_s = timeout_s
+        self.admin_token = admin_token
         if protocol == "grpc":
             import tritonclient.grpc  # noqa: F401  (fail early with a clear ImportError)
 
@@ -143,7 +150,7 @@ class VloraClient:
     # -- adapters ------------------------------------------------------------------------------
     def list_adapters(self) -> list[dict]:
         """Every adapter the server knows: ``name``, ``id`` (stable across unload/load), ``tier``
-        (``gpu``, ``cpu`` or ``disk``), ``loaded``, ``rank``, ``target_modules``, ``heads``,
+        (``gpu``, or ``cpu-slot`` on a CPU server: a device slot; ``cpu``: host memory; ``disk``), ``loaded``, ``rank``, ``target_modules``, ``heads``,
         ``running`` and ``waiting`` requests."""
         return self._adapter_action("list")["adapters"]
 
@@ -154,13 +161,17 @@ class VloraClient:
 
     def unload_adapter(self, name: str) -> dict:
         """Drop ``name`` from the server's memory; requests for it are refused until it is loaded
-        again. Refused (VloraClientError) while requests for it are running or waiting."""
+        again. New requests are refused at once; the server unloads it when those in flight have
+        finished, waiting for that up to its lora.unload_timeout_s: the answer's ``state`` is
+        ``unloaded``, or ``unloading`` when that wait timed out (the unload still completes)."""
         return self._adapter_action("unload", name)["unloaded"]
 
     def _adapter_action(self, action: str, name: Optional[str] = None) -> dict:
         params: dict = {"adapter_action": action}
         if name is not None:
             params["lora_name"] = name
+        if action != "list" and self.admin_token is not None:
+            params["admin_token"] = self.admin_token
         if self.protocol == "http":
             result = self._http_generate("", [], params)
         else:
@@ -198,8 +209,17 @@ class VloraClient:
         finished = False
         try:
             client.start_stream(callback=lambda result, error: events.put((result, error)))
-            client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex,
-                                      enable_empty_final_response=True)
+            try:
+                client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex,
+                                          enable_empty_final_response=True)
+            except InferenceServerException as e:  # the stream broke before the request went out
+                finished = True
+                try:  # its cause comes through the callback
+                    _, cause = events.get(timeout=2.0)
+                except queue.Empty:
+                    cause = None
+                raise _grpc_error(self.url, cause if cause is not None else e, connecting=True) from None
+            received = False
             while True:
                 try:
                     result, error = events.get(timeout=self.timeout_s)
@@ -207,8 +227,8 @@ class VloraClient:
                     raise VloraClientError(f"no response within {self.timeout_s}s") from None
                 if error is not None:
                     finished = True
-                    message = error.message() if isinstance(error, InferenceServerException) else str(error)
-                    raise VloraClientError(message)
+                    raise _grpc_error(self.url, error, connecting=not received)
+                received = True
                 response = result.get_response()
                 final = response.parameters["triton_final_response"].bool_param
                 if response.outputs:
@@ -242,6 +262,8 @@ class VloraClient:
                 payload = json.loads(resp.read())
         except urllib.error.HTTPError as e:
             raise VloraClientError(_http_error_message(e)) from None
+        except urllib.error.URLError as e:
+            raise _unreachable(self.url, "HTTP", e.reason) from None
         if "error" in payload:
             raise VloraClientError(payload["error"])
         d = _delta_from_json(payload)
@@ -255,6 +277,8 @@ class VloraClient:
             resp = urllib.request.urlopen(req, timeout=self.timeout_s)
         except urllib.error.HTTPError as e:
             raise VloraClientError(_http_error_message(e)) from None
+        except urllib.error.URLError as e:
+            raise _unreachable(self.url, "HTTP", e.reason) from None
         with resp:
             for raw in resp:
                 line = raw.decode("utf-8").strip()
@@ -351,6 +375,23 @@ def _join(deltas: Iterator[StreamDelta]) -> GenerationResult:
         if d.label is not None:
             label, scores = d.label, d.scores
     return GenerationResult("".join(parts), finish, n_in, n_out, label, scores)
+
+
+def _unreachable(url: str, protocol: str, reason) -> VloraConnectionError:
+    return VloraConnectionError(f"cannot reach a vlora server at {url} ({protocol}): {reason}; "
+                                "is `vlora serve` running there, with this port?")
+
+
+def _grpc_error(url: str, error, connecting: bool) -> VloraClientError:
+    """The client error for a gRPC stream error: a transport failure before any answer (gRPC status
+    UNAVAILABLE: no server there) is a VloraConnectionError; anything else is the server's message."""
+    message = error.message() if hasattr(error, "message") and callable(error.message) else str(error)
+    status = error.status() if hasattr(error, "status") and callable(error.status) else None
+    if connecting and status is not None and "UNAVAILABLE" in str(status):
+        return _unreachable(url, "gRPC", message)
+    if connecting and status is None and "no longer in valid state" in (message or ""):
+        return _unreachable(url, "gRPC", "the stream could not be opened")
+    return VloraClientError(message)
 
 
 def _http_error_message(e: urllib.error.HTTPError) -> str:

@@ -20,6 +20,7 @@ import pytest
 
 MODEL = "vlora"
 STARTUP_TIMEOUT_S = 300
+ADMIN_TOKEN = "e2e-admin-token-0123456789"  # what start_server's servers require for adapter load/unload
 
 
 from vlora.server.ports import free_ports  # noqa: E402,F401  (the e2e tests import it from here)
@@ -34,6 +35,7 @@ class RunningServer:
     grpc_port: int
     metrics_port: int
     adapters: list[str]
+    admin_token: Optional[str] = None  # None: the server refuses adapter load/unload
 
     @property
     def http_url(self) -> str:
@@ -84,9 +86,16 @@ def http_status(url: str) -> Optional[int]:
         return None
 
 
-def start_server(workspace: Path, cache_dir: Path, extra_args: list[str] = ()) -> RunningServer:
+def start_server(workspace: Path, cache_dir: Path, extra_args: list[str] = (),
+                 admin_token: Optional[str] = ADMIN_TOKEN) -> RunningServer:
+    """`vlora serve` on free loopback ports; ``admin_token`` (None: none) enables adapter load/unload."""
     http_port, grpc_port, metrics_port = free_ports(3)
     output = workspace / "launcher.out"
+    token_args = []
+    if admin_token is not None:
+        token_file = workspace / "admin.token"
+        token_file.write_text(admin_token + "\n")
+        token_args = ["--admin-token-file", str(token_file)]
     cmd = [
         sys.executable, "-m", "vlora.cli", "serve",
         "--host", "127.0.0.1",
@@ -94,11 +103,12 @@ def start_server(workspace: Path, cache_dir: Path, extra_args: list[str] = ()) -
         "--workspace", str(workspace / "ws"),
         "--device", "cpu",
         "--set", f"model.cache_dir={cache_dir}",
+        *token_args,
         *extra_args,
     ]
     with open(output, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    server = RunningServer(proc, workspace / "ws", output, http_port, grpc_port, metrics_port, [])
+    server = RunningServer(proc, workspace / "ws", output, http_port, grpc_port, metrics_port, [], admin_token)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not server.is_ready():
         if proc.poll() is not None:

@@ -131,6 +131,15 @@ def test_cancelled_stream_frees_the_engine(small_server):
         time.sleep(0.2)
     else:
         pytest.fail(f"the cancelled request did not finish as cancelled: {finished}")
+    # The queue gauges drop with no further request (no engine step runs until the next one comes).
+    deadline = time.monotonic() + 5
+    while True:
+        text = small_server.metrics()
+        depth = [sum(metric_values(text, name).values()) for name in ("vlora_running_requests", "vlora_waiting_requests")]
+        if depth == [0, 0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert depth == [0, 0], f"running, waiting after the cancellation: {depth}"
     t0 = time.monotonic()
     assert client.generate("USER: next ASSISTANT:", max_tokens=3).num_output_tokens >= 1
     assert time.monotonic() - t0 < 20

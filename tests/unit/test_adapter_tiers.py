@@ -19,7 +19,7 @@ from vlora.engine.async_engine import AsyncEngine
 from vlora.engine.builder import build_engine
 from vlora.engine.metrics import NullMetrics
 from vlora.lora.adapter import AdapterError
-from vlora.lora.manager import AdapterBusy, SlotCopies
+from vlora.lora.manager import SlotCopies
 
 A, B, C = "demo-r8-qv", "demo-r16-attn", "demo-r4-pattern"
 
@@ -193,7 +193,7 @@ def test_ids_are_stable_across_unload_and_load(tiny_model_dir, root):
     outs = {}
     _add(engine, _req("x", lora="added-later"), outs)
     _drain(engine, outs, 1)
-    assert [e["tier"] for e in engine.describe_adapters(["added-later"])] == ["gpu"]
+    assert [e["tier"] for e in engine.describe_adapters(["added-later"])] == ["cpu-slot"]  # a device slot of this CPU engine
     engine.unload_adapter("added-later")
     (entry,) = engine.describe_adapters(["added-later"])
     assert entry["loaded"] is False and entry["tier"] == "disk" and entry["id"] == 4
@@ -228,24 +228,73 @@ def test_malformed_or_unsupported_adapters_are_refused_with_the_reason(tiny_mode
     assert outs["ok"].finish_reason == "length"
 
 
-def test_unload_is_refused_while_requests_use_the_adapter(tiny_model_dir, root):
-    engine = build_engine(_cfg(tiny_model_dir, root))
+def test_unload_is_deferred_until_running_and_waiting_requests_finish(tiny_model_dir, root):
+    """Unload under traffic: new requests and loads are refused at once, the admitted ones finish, and the
+    last one to finish completes the unload."""
+    engine = build_engine(_cfg(tiny_model_dir, root, **{"scheduler.max_batch_size": 1}))
     outs = {}
     _add(engine, _req("long", lora=A, max_tokens=20), outs)
     _add(engine, _req("queued", lora=A, max_tokens=4), outs)
     engine.step()
-    with pytest.raises(AdapterBusy, match=r"2 running and 0 waiting"):
-        engine.unload_adapter(A)
+    prepared = engine.inputs.prepare(_req("raced", lora=A))  # validated before the unload, admitted after it
+    done = []
+    entry = engine.unload_adapter(A, on_unloaded=done.append)
+    assert entry["state"] == "unloading" and entry["loaded"] and (entry["running"], entry["waiting"]) == (1, 1)
+    assert not done
+    with pytest.raises(InvalidRequest, match=f"adapter '{A}' is being unloaded"):
+        engine.inputs.prepare(_req("new", lora=A))
+    with pytest.raises(AdapterError, match="being unloaded: load it again once its unload has finished"):
+        engine.loras.load(A)
+    again = engine.unload_adapter(A)  # a second unload joins the first
+    assert again["state"] == "unloading"
+    engine.add_request(prepared, lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
     _drain(engine, outs, 2)
-    # Validated, then unloaded before the engine admits it: the request fails with the reason.
-    prepared = engine.inputs.prepare(_req("raced", lora=A))
-    engine.unload_adapter(A)
+    assert engine.describe_adapters([A])[0]["state"] == "unloading"  # "raced" still waits for a slot
+    _drain(engine, outs, 3)
+    for rid, n in (("long", 20), ("queued", 4), ("raced", 6)):
+        assert outs[rid].finish_reason == "length" and not outs[rid].error and outs[rid].num_output_tokens == n
+    assert len(done) == 1 and done[0]["state"] == "unloaded" and done[0]["loaded"] is False
+    assert engine.describe_adapters([A])[0]["state"] == "unloaded"
     assert engine.loras.resident == {} and all(p == 0 for p in engine.loras._pins)
+    # Validated, then unloaded before the engine admits it: the request fails with the reason.
+    prepared = engine.inputs.prepare(_req("late", lora=B))
+    assert engine.unload_adapter(B)["state"] == "unloaded"  # nothing used it: at once
     engine.add_request(prepared, lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
     engine.step()
-    assert outs["raced"].finish_reason == "error" and "unloaded" in outs["raced"].error
+    assert outs["late"].finish_reason == "error" and "unloaded" in outs["late"].error
     with pytest.raises(AdapterError, match="unknown adapter"):
         engine.unload_adapter("no-such-adapter")
+    assert engine.loras.load(A) is True  # loaded again once unloaded
+    _add(engine, _req("back", lora=A, max_tokens=20), outs)
+    _drain(engine, outs, 5)
+    assert outs["back"].text == outs["long"].text
+
+
+def test_cancelling_the_last_request_completes_the_unload(tiny_model_dir, root):
+    engine = build_engine(_cfg(tiny_model_dir, root))
+    outs = {}
+    _add(engine, _req("slow", lora=A, max_tokens=50), outs)
+    engine.step()
+    done = []
+    assert engine.unload_adapter(A, on_unloaded=done.append)["state"] == "unloading"
+    engine.abort("slow")
+    engine.step()
+    assert outs["slow"].finish_reason == "cancelled"
+    assert [d["state"] for d in done] == ["unloaded"] and engine.loras.resident == {}
+
+
+def test_unloading_a_merged_adapter_in_use_unmerges_it_when_its_requests_finish(tiny_model_dir, root):
+    engine = build_engine(_cfg(tiny_model_dir, root, **{"orchestrator.policy": "merge-only"}))
+    outs = {}
+    for i in range(3):
+        _add(engine, _req(f"m{i}", lora=A, max_tokens=10), outs)
+    engine.step()
+    assert engine.orchestrator.merged == A
+    assert engine.unload_adapter(A)["state"] == "unloading"
+    _drain(engine, outs, 3)
+    assert all(o.finish_reason == "length" and not o.error for o in outs.values())
+    assert engine.orchestrator.merged is None and all(p == 0 for p in engine.loras._pins)
+    assert engine.describe_adapters([A])[0]["state"] == "unloaded"
 
 
 def test_unloading_the_merged_adapter_unmerges_it_first(tiny_model_dir, root):
@@ -295,7 +344,7 @@ def test_async_engine_adapter_actions_and_metrics(tiny_model_dir, root):
         assert len(done) == 4 and all(o.finish_reason == "length" for o in done), (
             [o.request_id for o in done], [s.req.request_id for s in eng.waiting], eng.loras.resident, eng.loras._pending)
         unloaded = engine.unload_adapter("hot")
-        assert unloaded["loaded"] is False and unloaded["id"] == 4
+        assert unloaded["loaded"] is False and unloaded["id"] == 4 and unloaded["state"] == "unloaded"
         with pytest.raises(AdapterError, match="unknown adapter"):
             engine.load_adapter("missing")
     finally:
@@ -306,6 +355,29 @@ def test_async_engine_adapter_actions_and_metrics(tiny_model_dir, root):
     assert any(running.get("hot") for running, _ in rec.requests), rec.requests
     assert rec.requests[-1] == ({}, {}), "the per-adapter gauges did not go back to zero"
     assert rec.resident and max(g for g, _ in rec.resident) <= 2
+
+
+def test_async_engine_unload_waits_for_its_requests_up_to_the_timeout(tiny_model_dir, root):
+    engine = AsyncEngine(_cfg(tiny_model_dir, root, **{"lora.unload_timeout_s": 30}))
+    try:
+        done = []
+        engine.submit(engine.prepare(_req("long", lora=A, max_tokens=150)), lambda o: done.append(o) if o.finished else None)
+        deadline = time.monotonic() + 30
+        while not any(e["running"] for e in engine.adapters() if e["name"] == A):
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        early = engine.unload_adapter(A, timeout=0.05)  # the wait times out: the answer says so
+        assert early["state"] == "unloading" and time.monotonic() - t0 < 5
+        assert [e["state"] for e in engine.adapters() if e["name"] == A] == ["unloading"]
+        with pytest.raises(InvalidRequest, match="being unloaded"):
+            engine.prepare(_req("new", lora=A))
+        final = engine.unload_adapter(A)  # waits (lora.unload_timeout_s) for the request to finish
+        assert final["state"] == "unloaded" and final["loaded"] is False
+        assert len(done) == 1 and done[0].finish_reason == "length" and done[0].num_output_tokens == 150
+        assert engine.unload_adapter(A, timeout=0)["state"] == "unloaded"  # twice: not an error
+    finally:
+        engine.shutdown()
 
 
 def test_cpu_slot_copies_are_synchronous():

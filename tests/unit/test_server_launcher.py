@@ -133,3 +133,47 @@ def test_doctor_reports(capsys):
     main(["doctor"])
     out = capsys.readouterr().out
     assert "python" in out and "tritonserver" in out and "atmm" in out
+
+
+def test_listens_on_loopback_unless_told_and_the_banner_says_where(tmp_path):
+    opts = launcher.options_from_args(parse([]))
+    assert opts.host == "127.0.0.1"
+    banner = launcher.TritonServer(opts).banner()
+    assert "listening on 127.0.0.1 (this machine only" in banner and "0.0.0.0 (all" not in banner
+    assert "http://127.0.0.1:8000/v2/models/vlora/generate" in banner
+    opened = launcher.TritonServer(launcher.options_from_args(parse(["--host", "0.0.0.0"]))).banner()
+    assert "listening on 0.0.0.0 (all interfaces" in opened
+    assert "http://127.0.0.1:8000" in opened  # where a client on this machine sends requests
+
+
+def test_banner_names_the_adapter_root(tmp_path):
+    (tmp_path / "a1").mkdir()
+    (tmp_path / "a1" / "adapter_config.json").write_text("{}")
+    banner = launcher.TritonServer(launcher.options_from_args(parse(["--adapters", str(tmp_path)]))).banner()
+    assert f"  adapter root: {tmp_path.resolve()} (one PEFT folder per adapter" in banner
+    assert "  adapters: a1\n" in banner
+    default = launcher.TritonServer(launcher.options_from_args(parse(["--set", f"model.cache_dir={tmp_path}"])))
+    assert f"  adapter root: {tmp_path / 'demo-adapters'} (the demo adapters" in default.banner()  # not yet generated
+    model = tmp_path / "m"
+    model.mkdir()
+    assert "adapter root: none (--adapters DIR" in launcher.TritonServer(
+        launcher.options_from_args(parse(["--model", str(model)]))).banner()
+
+
+def test_admin_token_file_enables_load_and_unload_without_showing_the_token(tmp_path):
+    token = "tok-" + "x" * 28
+    path = tmp_path / "admin.token"
+    path.write_text(token + "\n")
+    opts = launcher.options_from_args(parse(["--admin-token-file", str(path)]))
+    assert opts.engine.lora.admin_token_file == str(path.resolve())
+    params = flat_overrides(opts.engine)
+    assert params["lora.admin_token_file"] == f'"{path.resolve()}"' and token not in repr(params)
+    banner = launcher.TritonServer(opts).banner()
+    assert f"load/unload need the token in {path.resolve()}" in banner and token not in banner
+    assert "load/unload are off (enable them with --admin-token-file FILE)" in launcher.TritonServer(
+        launcher.options_from_args(parse([]))).banner()
+    (tmp_path / "short").write_text("abc\n")
+    for bad, words in ((tmp_path / "short", "at least 16 characters"), (tmp_path / "missing", "cannot be read")):
+        with pytest.raises(ConfigError, match=words) as err:
+            launcher.options_from_args(parse(["--admin-token-file", str(bad)]))
+        assert "abc" not in str(err.value)

@@ -1,6 +1,7 @@
-"""The engine behind the Triton model: input validation on the caller's thread, the iteration loop
-on its own thread, back-pressure on admission, cancellation, a draining shutdown, and the adapter
-administration of clients (list, load, unload) run on the engine thread between steps.
+"""The engine behind the Triton model: input validation on the caller's thread (image decoding on the
+image workers), the iteration loop on its own thread, back-pressure on admission, cancellation, a
+draining shutdown, and the adapter administration of clients (list, load, unload) run on the engine
+thread between steps.
 
 Fail-safe: one request that cannot be admitted fails alone; a step that raises fails its batch. A
 watchdog thread declares the engine dead when its thread has exited, or when one loop iteration (a
@@ -16,13 +17,16 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
 from vlora.config import EngineConfig
 from vlora.engine.api import EngineDead, EngineOverloaded, GenerationOutput, GenerationRequest, InvalidRequest, OutputCallback
 from vlora.engine.builder import build_engine
 from vlora.engine.core import LLMEngine, PreparedRequest
+from vlora.engine.inputs import CheckedRequest
 from vlora.engine.metrics import EngineMetrics
+from vlora.engine.preprocess import PreprocessPool
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,8 @@ class AsyncEngine:
         self.engine = build_engine(config, metrics)
         self.inputs = self.engine.inputs
         self.loras = self.engine.loras
+        limits = config.limits
+        self.image_workers = PreprocessPool(limits.resolved_image_workers, limits.image_queue_size)
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._cancels: set[str] = set()
@@ -107,7 +113,7 @@ class AsyncEngine:
         return fut.result(timeout)
 
     def adapters(self) -> list[dict]:
-        """Every adapter known to the server: id, tier (gpu, cpu, disk), rank, targets, heads, requests."""
+        """Every adapter known to the server: id, tier (gpu or cpu-slot, cpu, disk), rank, targets, heads, requests."""
         return self.call(lambda eng: eng.describe_adapters())
 
     def load_adapter(self, name: str) -> dict:
@@ -116,14 +122,43 @@ class AsyncEngine:
         self.loras.load(name)
         return self.call(lambda eng: eng.describe_adapters([name]))[0]
 
-    def unload_adapter(self, name: str) -> dict:
-        """Drop ``name`` from the device and host tiers; refused (AdapterBusy) while requests use it."""
-        return self.call(lambda eng: eng.unload_adapter(name))
+    def unload_adapter(self, name: str, timeout: Optional[float] = None) -> dict:
+        """Unload ``name``: new requests for it are refused at once, and it leaves the device and host
+        tiers when its running and waiting requests have finished (LLMEngine.unload_adapter). Waits for
+        that up to ``timeout`` (default lora.unload_timeout_s) and returns the adapter's entry: ``state``
+        "unloaded", or "unloading" when the wait timed out (the unload still completes)."""
+        done: Future = Future()
+        entry = self.call(lambda eng: eng.unload_adapter(name, on_unloaded=done.set_result))
+        if entry.get("state") != "unloading":
+            return entry
+        wait = self.config.lora.unload_timeout_s if timeout is None else timeout
+        try:
+            return done.result(wait) if wait > 0 else entry
+        except FutureTimeout:
+            return self.call(lambda eng: eng.describe_adapters([name]))[0]
 
     # -- requests --------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest) -> PreparedRequest:
         """Validate and preprocess on the caller's thread. Raises InvalidRequest naming the problem."""
         return self.inputs.prepare(req)
+
+    def check(self, req: GenerationRequest) -> CheckedRequest:
+        """The cheap half of ``prepare``: fields, adapter, image headers and pixel budget."""
+        return self.inputs.check(req)
+
+    def preprocess(self, checked: CheckedRequest) -> PreparedRequest:
+        """The costly half of ``prepare``: decode the images, build the model inputs."""
+        return self.inputs.preprocess(checked)
+
+    def defer(self, run: Callable[[], None], refuse: Callable[[str], None]) -> None:
+        """Run ``run()`` on the image workers (it preprocesses and submits a request, and answers its
+        client); ``refuse(reason)`` instead if the server shuts down first. Raises EngineOverloaded when
+        limits.image_queue_size requests already wait for them, or the server is stopping."""
+        with self._cond:
+            self._check_alive()
+            if self._stopping:
+                raise EngineOverloaded("server is shutting down")
+        self.image_workers.submit(run, refuse)
 
     def submit(self, prepared: PreparedRequest, callback: OutputCallback, timeout: Optional[float] = None,
                fault: Optional[str] = None) -> None:
@@ -165,6 +200,9 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, let in-flight requests finish (cancel what remains at ``timeout``), join."""
+        # The image workers first: what waits for them is refused, what they hold is submitted (the
+        # engine still admits it) and drained with the rest.
+        self.image_workers.shutdown(min(timeout, self.config.limits.image_decode_timeout_s + 5.0))
         with self._cond:
             if self._stopped:
                 return

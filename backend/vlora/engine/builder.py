@@ -70,16 +70,16 @@ def eos_token_ids(loaded) -> set[int]:
 def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) -> LLMEngine:
     from vlora.engine.inputs import InputProcessor
     from vlora.lora.manager import LoraManager
-    from vlora.models.loader import load_llava
+    from vlora.models.family import load_model
 
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     model_dir, adapter_root = resolve_model_and_adapters(config)
     t0 = time.perf_counter()
-    loaded = load_llava(model_dir, dtype, device)
+    loaded = load_model(model_dir, dtype, device)
     max_model_len = min(config.model.max_model_len or loaded.max_model_len, loaded.max_model_len)
     runner = ModelRunner(loaded.model, image_token_id=loaded.image_token_id, num_slots=config.lora.max_gpu_adapters,
-                         max_rank=config.lora.max_rank, target_modules=config.lora.target_modules)
+                         max_rank=config.lora.max_rank, target_modules=config.lora.target_modules, loaded=loaded)
     runner.allocate_kv(config.cache.num_blocks, config.cache.block_size, config.cache.gpu_memory_fraction)
     runner.set_attention(config.engine.attention)
     loras = LoraManager(adapter_root, runner.lora_layers, runner.num_layers, runner.module_dims(), config.lora, metrics)

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,7 +32,7 @@ from vlora.engine.kv_cache import SequenceBlocks
 from vlora.engine.metrics import EngineMetrics, NullMetrics
 from vlora.engine.model_runner import ModelRunner, SeqInput, StepResult
 from vlora.engine.sampler import make_seed, sample
-from vlora.lora.manager import AdapterBusy, LoraManager
+from vlora.lora.manager import LoraManager
 from vlora.orchestrator.orchestrator import Orchestrator
 from vlora.orchestrator.policies import UNMERGE, Candidate, Decision
 
@@ -48,9 +48,12 @@ class PreparedRequest:
     sampling: SamplingParams
     lora_name: Optional[str] = None
     stream: bool = False
-    pixel_values: Optional[torch.Tensor] = None
+    pixel_values: Optional[torch.Tensor] = None  # as the model family's vision tower takes them
     image_keys: tuple[bytes, ...] = ()
     task: Optional[str] = None
+    image_grid_thw: Optional[torch.Tensor] = None  # [n_images, 3] (Qwen2-VL)
+    mrope_positions: Optional[torch.Tensor] = None  # [3, len(prompt_ids)] (M-RoPE), None: 1-D positions
+    rope_delta: int = 0  # generated tokens sit at their index plus this (M-RoPE)
     latency_target: Optional[float] = None  # seconds: this application's target, for the scheduler's credits
     arrival: float = field(default_factory=time.monotonic)
 
@@ -98,11 +101,13 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._aborted: set[str] = set()
+        self._unloading: dict[str, list[Callable[[dict], None]]] = {}  # adapter -> who waits for its unload
         self.last_step: Optional[dict] = None  # what the last step ran; read by tests and benchmarks
         self.inputs = None  # the InputProcessor that prepares requests for this engine (set by build_engine)
         self.model_info: dict = {}
         self.orchestrator = Orchestrator(config.orchestrator, config.scheduler.max_batch_size, runner, loras, self.metrics)
         self._reported: tuple = ()  # the per-adapter counts and residency last sent to the metrics
+        self._reported_depth: Optional[tuple[int, int]] = None  # (running, waiting) last sent to the metrics
         self.tuner = None  # the ATMM tuner sidecar started at model load (vlora.atmm.tuner.start_at_load), if any
         self._decode = _fast_decode(tokenizer)
 
@@ -128,10 +133,20 @@ class LLMEngine:
         try:
             return self._step()
         finally:
+            self._report_queue_depth()
             self._report_adapters()
             if self.tuner is not None and self.tuner.poll():  # swap the tuned tiling table in between steps
                 self.model_info["atmm_tiling_table"] = self.tuner.kernels.table_source
                 self.tuner = None
+
+    def _report_queue_depth(self) -> None:
+        """Send (running, waiting) when it changed since the last report. Also after a step that ran
+        nothing (its requests were all cancelled, or failed): otherwise the gauges would keep the old
+        depth until the next request comes."""
+        depth = (len(self.running), len(self.waiting))
+        if depth != self._reported_depth:
+            self._reported_depth = depth
+            self.metrics.queue_depth(*depth)
 
     def _step(self) -> Optional[StepResult]:
         self._process_aborts()
@@ -143,11 +158,15 @@ class LLMEngine:
         inputs = []
         for s in batch:
             plus, minus = orch.lora_slots(s.slot)
+            req = s.req
             if s.prefilled:
-                inputs.append(SeqInput([s.output_ids[-1]], s.num_tokens - 1, s.blocks, plus, delora_slot=minus))
+                inputs.append(SeqInput([s.output_ids[-1]], s.num_tokens - 1, s.blocks, plus, delora_slot=minus,
+                                       rope_delta=req.rope_delta))
             else:
-                inputs.append(SeqInput(s.req.prompt_ids, 0, s.blocks, plus, delora_slot=minus,
-                                       pixel_values=s.req.pixel_values, image_keys=s.req.image_keys))
+                inputs.append(SeqInput(req.prompt_ids, 0, s.blocks, plus, delora_slot=minus,
+                                       pixel_values=req.pixel_values, image_keys=req.image_keys,
+                                       image_grid_thw=req.image_grid_thw, mrope_positions=req.mrope_positions,
+                                       rope_delta=req.rope_delta))
         try:
             # The copies into the slots this step reads were issued on the side stream: order them first.
             self.loras.wait_ready([s.slot for s in batch] + [orch.merged_slot if orch.merged_slot is not None else -1])
@@ -363,6 +382,11 @@ class LLMEngine:
         s.sent = len(s.text)
         self.metrics.request_finished(s.req.lora_name, reason, n_out)
         self._emit(s, out)
+        if s.req.lora_name in self._unloading:  # the last request of an adapter being unloaded completes it
+            try:
+                self._complete_unload(s.req.lora_name)
+            except Exception:  # the step goes on; the adapter stays "unloading" and the error is logged
+                log.exception("completing the unload of %s failed", s.req.lora_name)
 
     def _emit(self, s: Sequence, out: GenerationOutput) -> None:
         try:
@@ -396,20 +420,40 @@ class LLMEngine:
             entry["merged"] = entry["name"] == self.orchestrator.merged
         return out
 
-    def unload_adapter(self, name: str) -> dict:
-        """Unload ``name`` unless requests use it (refused, not deferred: the client retries).
+    def unload_adapter(self, name: str, on_unloaded: Optional[Callable[[dict], None]] = None) -> dict:
+        """Unload ``name``, deferred while requests use it.
 
-        Requests admitted or waiting for it block the unload; a merge of it alone is undone first.
+        New requests for it are refused at once (LoraManager.begin_unload); its running and waiting
+        requests finish, and the last one to finish completes the unload (a merge of it is undone
+        first). Returns its entry: ``state`` "unloading" until then, "unloaded" after.
+        ``on_unloaded(entry)`` is called on this thread when the unload completes (at once when no
+        request uses it). Unloading twice is not an error.
         """
-        running, waiting = self.adapter_requests().get(name, (0, 0))
-        if running or waiting:
-            raise AdapterBusy(f"adapter {name!r} has {running} running and {waiting} waiting request(s); "
-                              f"unload refused: retry when they have finished")
+        self.loras.begin_unload(name)
+        waiters = self._unloading.setdefault(name, [])
+        if on_unloaded is not None:
+            waiters.append(on_unloaded)
+        self._complete_unload(name)
+        return self._adapter_entry(name)
+
+    def _complete_unload(self, name: str) -> None:
+        """Unload ``name`` (being unloaded) once no request runs or waits for it, and tell its waiters."""
+        if name not in self._unloading or name in self.adapter_requests():
+            return
         if self.orchestrator.merged == name:
             self.orchestrator.enter(UNMERGE, None)
         self.loras.unload(name)
+        entry = self._adapter_entry(name)
+        for notify in self._unloading.pop(name):
+            try:
+                notify(entry)
+            except Exception:
+                log.exception("an unload waiter of %s failed", name)
+
+    def _adapter_entry(self, name: str) -> dict:
         entries = self.describe_adapters([name])
-        return entries[0] if entries else {"name": name, "id": self.loras.adapter_id(name), "loaded": False}
+        return entries[0] if entries else {"name": name, "id": self.loras.adapter_id(name), "loaded": False,
+                                           "state": "unloaded"}
 
     def _report_adapters(self) -> None:
         running = Counter(s.req.lora_name for s in self.running)
@@ -429,6 +473,7 @@ class LLMEngine:
             if s in self.waiting:
                 self.waiting.remove(s)
             self._finish(s, reason, error)
+        self._report_queue_depth()
 
 
 def _fast_decode(tokenizer):

@@ -181,7 +181,7 @@ class DecodeGraphs:
             p = s.start_pos
             t = s.blocks.table()
             h[_IDS * m + i] = s.token_ids[0]
-            h[_POS * m + i] = p
+            h[_POS * m + i] = p + s.rope_delta
             h[_SLOT * m + i] = t[p // bs] * bs + p % bs
             h[_LEN * m + i] = p + 1
             h[_LORA * m + i] = s.slot

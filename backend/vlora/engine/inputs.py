@@ -1,15 +1,37 @@
-"""Request validation and preprocessing, run on the caller's thread before anything is queued."""
+"""Request validation and preprocessing, run before anything is queued.
+
+Two stages: ``check`` validates every field, the adapter and the images' headers (cheap: no pixel is
+decoded; the Triton model runs it on the request thread), and ``preprocess`` decodes the images and
+builds the model inputs (as costly as the images' pixels; the Triton model runs it on the image workers,
+:class:`vlora.engine.preprocess.PreprocessPool`, for requests with many pixels).
+"""
 from __future__ import annotations
 
 import hashlib
+import time
+from dataclasses import dataclass
 
 from vlora.config import InputLimits
 from vlora.engine.api import GenerationRequest, InvalidRequest
 from vlora.engine.core import PreparedRequest
 from vlora.lora.adapter import validate_adapter_name
 from vlora.lora.manager import LoraManager
-from vlora.models.images import decode_base64_image, pixel_values
-from vlora.models.loader import LoadedModel, build_prompt_ids
+from vlora.models.family import LoadedModel
+from vlora.models.images import ProbedImage, check_decode_budget, decode_images, probe_images
+
+
+@dataclass
+class CheckedRequest:
+    """A request whose fields, adapter and image headers passed ``InputProcessor.check``."""
+
+    req: GenerationRequest
+    images: list[ProbedImage]
+    image_keys: tuple[bytes, ...]
+
+    @property
+    def pixels(self) -> int:
+        """Decoded pixels of all its images: what preprocessing it costs."""
+        return sum(image.pixels for image in self.images)
 
 
 class InputProcessor:
@@ -21,6 +43,11 @@ class InputProcessor:
 
     def prepare(self, req: GenerationRequest) -> PreparedRequest:
         """Check every field, decode images, tokenize. Raises InvalidRequest naming the problem."""
+        return self.preprocess(self.check(req))
+
+    def check(self, req: GenerationRequest) -> CheckedRequest:
+        """Every field, the adapter, and the images' headers and pixel budget; no pixel decoded. Raises
+        InvalidRequest naming the problem."""
         limits = self.limits
         if not req.request_id:
             raise InvalidRequest("request id is empty")
@@ -44,14 +71,25 @@ class InputProcessor:
                 have = sorted(adapter.heads)
                 raise InvalidRequest(f"unknown task {req.task!r} for adapter {req.lora_name!r}: "
                                      + (f"its heads are {have}" if have else "it has no task heads"))
-        images, keys = [], []
-        for i, data in enumerate(req.images):
-            images.append(decode_base64_image(data, limits, index=i))
-            keys.append(hashlib.sha256(data if isinstance(data, bytes) else str(data).encode()).digest())
-        ids = build_prompt_ids(self.loaded, req.prompt, len(images), req.apply_chat_template)
+        probed = probe_images(req.images, limits)
+        keys = tuple(hashlib.sha256(data if isinstance(data, bytes) else str(data).encode()).digest() for data in req.images)
+        return CheckedRequest(req, probed, keys)
+
+    def preprocess(self, checked: CheckedRequest) -> PreparedRequest:
+        """Decode the images (within limits.image_decode_timeout_s), tokenize, build the model inputs.
+        Raises InvalidRequest naming the problem."""
+        req, limits = checked.req, self.limits
+        started = time.monotonic()
+        images = decode_images(checked.images, limits, started)
+        if images:
+            check_decode_budget(limits, started, done=len(images), total=len(images))
+        # The model family tokenizes as the model's own processor does and preprocesses the images.
+        prompt = self.loaded.family.prompt(self.loaded, req.prompt, images, req.apply_chat_template)
+        ids = prompt.ids
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"prompt is {len(ids)} tokens (images included); the model's context is "
                                  f"{self.max_model_len} tokens and at least one must remain for the output")
-        pv = pixel_values(images, self.loaded.image_processor) if images else None
         return PreparedRequest(request_id=req.request_id, prompt_ids=ids, sampling=req.sampling, lora_name=req.lora_name,
-                               stream=req.stream, pixel_values=pv, image_keys=tuple(keys), task=req.task)
+                               stream=req.stream, pixel_values=prompt.pixel_values, image_keys=checked.image_keys, task=req.task,
+                               image_grid_thw=prompt.image_grid_thw, mrope_positions=prompt.mrope_positions,
+                               rope_delta=prompt.rope_delta)

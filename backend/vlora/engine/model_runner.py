@@ -69,8 +69,11 @@ class SeqInput:
     blocks: SequenceBlocks
     slot: int = -1  # adapter slot whose delta this sequence adds, -1: none
     delora_slot: int = -1  # merged slot whose delta this sequence subtracts (mixture mode), -1: none
-    pixel_values: Optional[torch.Tensor] = None  # [n_images, 3, H, W] for a prefill with images
+    pixel_values: Optional[torch.Tensor] = None  # a prefill's images, as its model family's vision tower takes them
     image_keys: tuple[bytes, ...] = ()  # content hashes, so one image shared by requests is encoded once
+    image_grid_thw: Optional[torch.Tensor] = None  # [n_images, 3] (Qwen2-VL)
+    mrope_positions: Optional[torch.Tensor] = None  # [3, prompt length] M-RoPE positions of the prompt
+    rope_delta: int = 0  # tokens past the prompt sit at their index plus this (M-RoPE)
 
 
 @dataclass
@@ -113,8 +116,11 @@ class ModelRunner:
     """Owns the model on its device, the LoRA slot buffers inside it, and the KV cache."""
 
     def __init__(self, model: nn.Module, *, image_token_id: int, num_slots: int, max_rank: int,
-                 target_modules: tuple[str, ...]) -> None:
+                 target_modules: tuple[str, ...], loaded=None) -> None:
         self.model = model
+        self.loaded = loaded  # the LoadedModel: its family encodes images (vlora.models.family)
+        if loaded is not None and loaded.family is None:
+            raise ValueError("ModelRunner: the LoadedModel has no family (load it with vlora.models.family.load_model)")
         self.image_token_id = image_token_id
         self.lm, self.lm_head = language_parts(model)
         cfg = self.lm.config
@@ -140,9 +146,6 @@ class ModelRunner:
         self._attn_scale = float(getattr(self.lm.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.attention = get_attention_backend("auto", self.device)
         self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
-        vcfg = model.config
-        self.vision_feature_layer = vcfg.vision_feature_layer
-        self.vision_select = vcfg.vision_feature_select_strategy
 
     # -- setup ---------------------------------------------------------------------------------
     def _wrap_lora(self, targets: tuple[str, ...], num_slots: int, max_rank: int) -> None:
@@ -224,16 +227,11 @@ class ModelRunner:
         return dims
 
     # -- vision --------------------------------------------------------------------------------
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[n, 3, H, W] -> [n, tokens_per_image, hidden], as LlavaModel.get_image_features does."""
-        vm = self.model.model
-        out = vm.vision_tower(pixel_values.to(self.device, self.dtype), output_hidden_states=True)
-        layers = self.vision_feature_layer if isinstance(self.vision_feature_layer, (list, tuple)) else [self.vision_feature_layer]
-        feats = []
-        for li in layers:
-            h = out.hidden_states[li]
-            feats.append(h[:, 1:] if self.vision_select == "default" else h)
-        return vm.multi_modal_projector(torch.cat(feats, dim=-1))
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The model family's vision tower and projector: each image's features, joined (LLaVA
+        [n, tokens, hidden]; Qwen2-VL [all tokens, hidden])."""
+        feats = self.loaded.family.encode_images(self.loaded, pixel_values, image_grid_thw)
+        return torch.stack(feats) if len({f.shape[0] for f in feats}) == 1 else torch.cat(feats)
 
     # -- the step ------------------------------------------------------------------------------
     def set_attention(self, name: str) -> None:
@@ -250,10 +248,18 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        mrope = any(s.mrope_positions is not None and s.start_pos < s.mrope_positions.shape[1] for s in seqs)
+        axes: list[torch.Tensor] = []
         for s, n in zip(seqs, lengths):
             ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + n))
+            positions.extend(range(s.start_pos + s.rope_delta, s.start_pos + s.rope_delta + n))
             slots.extend(kv.slots(s.blocks, s.start_pos, s.start_pos + n))
+            if mrope:  # M-RoPE: the prompt's own three axes; tokens past it, their index + delta on all three
+                m = s.mrope_positions
+                if m is not None and s.start_pos + n <= m.shape[1]:
+                    axes.append(m[:, s.start_pos:s.start_pos + n])
+                else:
+                    axes.append(torch.arange(s.start_pos + s.rope_delta, s.start_pos + s.rope_delta + n).expand(3, n))
         ends = [s.start_pos + n for s, n in zip(seqs, lengths)]
         width = max(-(-e // bs) for e in ends)
         tables = np.zeros((len(seqs), width), dtype=np.int32)
@@ -274,7 +280,8 @@ class ModelRunner:
         decode_only = max(lengths) == 1
         attn = AttentionMetadata(block_tables=meta[2 * S + 1:].view(S, width), seq_lens=meta[S + 1:2 * S + 1],
                                  cu_seqlens_q=None if decode_only else meta[:S + 1], max_q_len=max(lengths))
-        return StepPlan(ids=host[:T], positions=host[T:2 * T], slot_mapping=host[2 * T:3 * T], last_index=host[3 * T:],
+        pos = host[T:2 * T] if not mrope else torch.cat(axes, dim=1).to(dev, non_blocking=True)
+        return StepPlan(ids=host[:T], positions=pos, slot_mapping=host[2 * T:3 * T], last_index=host[3 * T:],
                         attn=attn, decode_only=decode_only, lora=lora, delora=delora)
 
     @torch.inference_mode()
@@ -305,7 +312,8 @@ class ModelRunner:
         Each residual add is fused with the RMSNorm after it (:mod:`vlora.engine.fused_ops`: one kernel
         on CUDA, the eager ops elsewhere, the same bits either way), so a layer hands the next its MLP
         output still to be added."""
-        cos, sin = self.lm.rotary_emb(hidden[None], positions[None])
+        # [T] (1-D) or [3, T] (M-RoPE); the model's rotary embedding takes a batch of one.
+        cos, sin = self.lm.rotary_emb(hidden[None], positions[None] if positions.dim() == 1 else positions[:, None])
         cos, sin = cos[0], sin[0]
         pending = None
         for li, layer in enumerate(self.lm.layers):
@@ -320,19 +328,24 @@ class ModelRunner:
         with_images = [s for s in seqs if s.pixel_values is not None and len(s.pixel_values)]
         if not with_images:
             return 0
+        family = self.loaded.family
         # Encode each distinct image once; keep the order in which placeholders appear.
         order: list[int] = []
         unique: dict[bytes, int] = {}
         pixels: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
         for s in with_images:
-            keys = s.image_keys or tuple(bytes([i]) + id(s).to_bytes(8, "little") for i in range(len(s.pixel_values)))
-            for key, pv in zip(keys, s.pixel_values):
+            per_image = family.patches(s.pixel_values, s.image_grid_thw)
+            keys = s.image_keys or tuple(bytes([i]) + id(s).to_bytes(8, "little") for i in range(len(per_image)))
+            for i, (key, pv) in enumerate(zip(keys, per_image)):
                 if key not in unique:
                     unique[key] = len(pixels)
                     pixels.append(pv)
+                    if s.image_grid_thw is not None:
+                        grids.append(s.image_grid_thw[i])
                 order.append(unique[key])
-        feats = self.encode_images(torch.stack(pixels))
-        feats = feats[torch.tensor(order, device=feats.device)].reshape(-1, feats.shape[-1]).to(hidden.dtype)
+        feats = family.encode_images(self.loaded, family.join(pixels), torch.stack(grids) if grids else None)
+        feats = torch.cat([feats[i] for i in order]).to(hidden.dtype)
         # Placeholders are looked for only in the prompts that bring their images in this step: a decode
         # token that happens to be the image token id (a random model samples it now and then) is text,
         # and must neither take an image's features nor fail the whole step.

@@ -9,7 +9,7 @@ Threads. ``validate`` and ``load`` run on request threads: they read and check a
 host tier, so a bad adapter is refused with its reason before anything is queued. Every read runs on
 the loader threads (daemon threads: a read stuck on a disk never holds up a request thread, the
 engine, or the process's exit); the caller waits at most ``lora.load_timeout_s`` for it. ``try_acquire``,
-``acquire``, ``release``, ``wait_ready``, ``unload`` and ``describe`` run on the engine thread, which
+``acquire``, ``release``, ``wait_ready``, ``begin_unload``, ``unload`` and ``describe`` run on the engine thread, which
 alone touches the slots. The engine loop never waits for the disk or for a copy (it uses
 ``try_acquire``; ``acquire`` is the blocking form for benchmarks and tests):
 
@@ -222,6 +222,7 @@ class LoraManager:
         self._pending_since: dict[str, float] = {}  # when each of those started (for the load timeout)
         self._reads: dict[tuple[str, int], Future] = {}  # reads waited for by validate/load, shared per (name, epoch)
         self._unloaded: set[str] = set()  # refused until loaded again
+        self._draining: set[str] = set()  # being unloaded: new requests refused, the engine finishes the rest
         self._epoch: dict[str, int] = {}  # bumped by unload: a read started before it is discarded
         self._records: dict[str, AdapterRecord] = {}
         self._next_id = 1
@@ -266,6 +267,9 @@ class LoraManager:
         """Resolve, load and check ``name`` into the host tier. Raises InvalidRequest/AdapterError."""
         with self._lock:
             self._check_not_unloaded(name)
+            if name in self._draining:
+                raise AdapterError(f"adapter {name!r} is being unloaded: it takes no new requests "
+                                   f"(those already admitted finish first)")
             w = self._host.get(name)
             if w is not None:
                 self._host.move_to_end(name)
@@ -291,6 +295,7 @@ class LoraManager:
         """
         validate_adapter_name(name)
         with self._lock:
+            self._check_not_draining(name)
             if name not in self._unloaded and (name in self._host or name in self._in_memory):
                 return False
         if self.root is None:
@@ -299,6 +304,7 @@ class LoraManager:
             epoch = self._epoch.get(name, 0)
         w = self._read_on_loader(name, epoch)
         with self._lock:
+            self._check_not_draining(name)
             self._unloaded.discard(name)
             self._insert_host(name, w, None)
         return True
@@ -352,6 +358,18 @@ class LoraManager:
         """Make the compute stream wait for the copies into ``slots`` (no host synchronisation)."""
         self.copies.wait(slots)
 
+    def begin_unload(self, name: str) -> None:
+        """Refuse new requests for ``name`` (``validate``) and loads of it until ``unload`` completes;
+        requests already admitted still get its slot (``try_acquire``). Raises AdapterError for an
+        unknown adapter. The engine calls ``unload`` once no request uses it."""
+        validate_adapter_name(name)
+        with self._lock:
+            known = name in self._records or name in self._host or name in self._in_memory
+            if not known and name not in self._on_disk():
+                raise AdapterError(f"unknown adapter {name!r}")
+            if name not in self._unloaded:
+                self._draining.add(name)
+
     def unload(self, name: str) -> None:
         """Drop ``name`` from its device slot and the host tier; refuse it until it is loaded again.
 
@@ -369,6 +387,7 @@ class LoraManager:
                 raise AdapterError(f"unknown adapter {name!r}")
             self._record(name)
             self._unloaded.add(name)
+            self._draining.discard(name)
             self._epoch[name] = self._epoch.get(name, 0) + 1
             self._pending.pop(name, None)  # a read in flight is discarded by the epoch
             self._in_memory.pop(name, None)
@@ -387,9 +406,12 @@ class LoraManager:
     def describe(self, names: Optional[Iterable[str]] = None) -> list[dict[str, Any]]:
         """One entry per adapter (every known one, or ``names``): id, tier, rank, targets, heads.
 
-        ``tier``: ``gpu`` (in a device slot; ``ready`` is false while its copy is in flight), ``cpu``
-        (host memory) or ``disk``. ``loaded`` is false after a client unloaded it.
+        ``tier``: ``gpu`` (in a device slot; ``ready`` is false while its copy is in flight), named
+        ``cpu-slot`` on a CPU server, whose slots are in host memory; ``cpu`` (the host-memory tier) or
+        ``disk``. ``loaded`` is false after a client unloaded it. ``state``: ``loaded``, ``unloading``
+        (new requests refused while those admitted finish; see ``begin_unload``) or ``unloaded``.
         """
+        slot_tier = "gpu" if self.copies.cuda else "cpu-slot"
         on_disk = set(self._on_disk())
         with self._lock:
             if names is None:
@@ -400,12 +422,13 @@ class LoraManager:
                     continue
                 rec = self._record(name)
                 slot = self._slot_of.get(name)
-                tier = "gpu" if slot is not None else "cpu" if name in self._host or name in self._in_memory else "disk"
+                tier = slot_tier if slot is not None else "cpu" if name in self._host or name in self._in_memory else "disk"
                 entry: dict[str, Any] = {
                     "name": name, "id": rec.id, "tier": tier, "loaded": name not in self._unloaded,
                     "source": "memory" if name in self._in_memory else "disk",
                     "rank": rec.rank, "target_modules": list(rec.target_modules), "heads": list(rec.heads),
                 }
+                entry["state"] = "unloaded" if name in self._unloaded else "unloading" if name in self._draining else "loaded"
                 if slot is not None:
                     entry["slot"] = slot
                     entry["ready"] = self.copies.ready(slot)
@@ -588,6 +611,11 @@ class LoraManager:
     def _check_not_unloaded(self, name: str) -> None:
         if name in self._unloaded:
             raise AdapterError(self._unloaded_message(name))
+
+    def _check_not_draining(self, name: str) -> None:
+        if name in self._draining:
+            raise AdapterError(f"adapter {name!r} is being unloaded: load it again once its unload has finished "
+                               f"(adapter_action \"list\" shows its state)")
 
     @staticmethod
     def _unloaded_message(name: str) -> str:

@@ -1,4 +1,5 @@
-"""Loading a LLaVA-architecture model from a local Hugging Face folder, and building prompt token ids.
+"""The LLaVA-1.5 family: loading a LLaVA-architecture model from a local Hugging Face folder, building
+prompt token ids, and its vision tower (:class:`LlavaFamily`, see :mod:`vlora.models.family`).
 
 One path serves the embedded tiny model and real llava-hf checkpoints (llava-hf/llava-1.5-7b-hf:
 ``config.json``, sharded ``*.safetensors`` with an index, tokenizer files, ``preprocessor_config.json``,
@@ -16,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from vlora.engine.api import InvalidRequest
+from vlora.models.family import LoadedModel, ModelFamily, ModelLoadError, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -38,26 +40,6 @@ LLAVA_15_CHAT_TEMPLATE = (
 
 # Vision towers whose output starts with a class token (which the "default" feature strategy drops).
 _CLASS_TOKEN = {"clip_vision_model": True, "siglip_vision_model": False}
-
-
-class ModelLoadError(RuntimeError):
-    """The model folder cannot be served; the message names the file or setting at fault."""
-
-
-@dataclass
-class LoadedModel:
-    """A LLaVA model ready for inference, with what the engine needs to build its inputs."""
-
-    model: Any  # transformers LlavaForConditionalGeneration, eval mode, requires_grad off
-    tokenizer: Any
-    image_processor: Any
-    image_token_id: int
-    num_image_tokens: int  # placeholder tokens each image expands to in the prompt
-    max_model_len: int
-    name: str
-    text_config: Any  # the LLaMA decoder's config (hidden_size, num_hidden_layers, ...)
-    chat_template: str  # the tokenizer's, the folder's chat_template.json/.jinja, or LLaVA-1.5's
-    path: Optional[Path] = None
 
 
 def load_llava(path: str | Path, dtype: torch.dtype, device: torch.device | str,
@@ -264,3 +246,33 @@ def _folder_chat_template(path: Path) -> Optional[str]:
             raise ModelLoadError(f"{str(js)!r} is not a valid chat template file: {e}") from e
         return template if isinstance(template, str) else None
     return None
+
+
+class LlavaFamily(ModelFamily):
+    """LLaVA-1.5 (``LlavaForConditionalGeneration``): a CLIP/SigLIP tower at a fixed resolution, a fixed
+    number of tokens per image, 1-D rotary positions."""
+
+    name = "llava"
+    model_types = ("llava",)
+    image_placeholder = IMAGE_PLACEHOLDER
+
+    def load(self, path, dtype, device) -> LoadedModel:
+        return load_llava(path, dtype, device)
+
+    def prompt(self, loaded, text, images, apply_chat_template) -> Prompt:
+        from vlora.models.images import pixel_values
+
+        ids = build_prompt_ids(loaded, text, len(images), apply_chat_template)
+        return Prompt(ids=ids, pixel_values=pixel_values(images, loaded.image_processor) if images else None)
+
+    def encode_images(self, loaded, pixel_values, image_grid_thw):
+        """[n, 3, H, W] -> n x [tokens_per_image, hidden], as LlavaModel.get_image_features does."""
+        model = loaded.model
+        vm = model.model
+        p = next(vm.vision_tower.parameters())
+        out = vm.vision_tower(pixel_values.to(p.device, p.dtype), output_hidden_states=True)
+        layer = model.config.vision_feature_layer
+        layers = layer if isinstance(layer, (list, tuple)) else [layer]
+        default = model.config.vision_feature_select_strategy == "default"
+        feats = torch.cat([out.hidden_states[li][:, 1:] if default else out.hidden_states[li] for li in layers], dim=-1)
+        return list(vm.multi_modal_projector(feats))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
-from vlora.config import ConfigError, EngineConfig, default_cache_dir
+from vlora.config import ConfigError, EngineConfig, default_cache_dir, read_admin_token
 from vlora.server.repository import (
     MODEL_NAME,
     flat_overrides,
@@ -66,7 +66,7 @@ class ServeOptions:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback only unless the operator opens it (--host 0.0.0.0)
     max_queue_size: Optional[int] = None  # None: the committed config.pbtxt's value
     workspace: Optional[Path] = None  # None: a temporary folder, removed after a clean exit
     model_repository: Optional[Path] = None  # None: model_repository/ of this checkout
@@ -89,6 +89,15 @@ class ServeOptions:
     def client_host(self) -> str:
         return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
+    @property
+    def listen_description(self) -> str:
+        """Where the endpoints really listen, in words, for the banner."""
+        if self.host in ("0.0.0.0", "::", ""):
+            return f"{self.host or '0.0.0.0'} (all interfaces: any machine that can reach this one may send requests)"
+        if self.host == "localhost" or self.host.startswith("127."):
+            return f"{self.host} (this machine only; --host 0.0.0.0 opens it to others)"
+        return self.host
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="DIR", help="local Hugging Face LLaVA folder (default: the embedded tiny random model)")
@@ -103,7 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--host", default="0.0.0.0", help="address the three endpoints listen on (default: all)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the three endpoints listen on (default: 127.0.0.1, this machine only; 0.0.0.0: all interfaces)")
+    parser.add_argument("--admin-token-file", metavar="FILE",
+                        help="enable adapter load/unload for requests carrying the token this file holds (admin_token); "
+                             "without it they are refused (list stays open)")
     parser.add_argument("--workspace", metavar="DIR", help="where the server binary, model repository and log go (default: a temporary folder)")
     parser.add_argument("--model-repository", metavar="DIR", help="model repository to serve (default: model_repository/ of this checkout)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -123,6 +136,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         flat["model.dtype"] = args.dtype
     if args.max_batch_size is not None:
         flat["scheduler.max_batch_size"] = args.max_batch_size
+    if getattr(args, "admin_token_file", None):
+        path = Path(args.admin_token_file).expanduser().resolve()
+        read_admin_token(path)  # refused now, not at model load, when unreadable or too short
+        flat["lora.admin_token_file"] = str(path)
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -382,6 +399,9 @@ class TritonServer:
             "",
             f"vlora is serving model '{MODEL_NAME}': {model}",
             f"  adapters: {', '.join(adapters) if adapters else '(none found)'}",
+            f"  adapter root: {self._adapter_root_description()}",
+            f"  adapter admin: {self._admin_description()}",
+            f"  listening on {self.options.listen_description}",
             f"  HTTP     {self.http_url}/v2/models/{MODEL_NAME}/generate   (streaming: .../generate_stream)",
             f"  gRPC     {self.grpc_url}   (tritonclient streaming RPC, model '{MODEL_NAME}')",
             f"  metrics  {self.metrics_url}",
@@ -394,6 +414,21 @@ class TritonServer:
             "",
         ]
         return "\n".join(lines)
+
+    def _adapter_root_description(self) -> str:
+        if self.adapter_root:
+            return (f"{self.adapter_root} (one PEFT folder per adapter, served by its folder name; "
+                    "a folder added later: `vlora-client adapters load NAME`)")
+        if self.engine_config.model.path is not None:
+            return "none (--adapters DIR serves the PEFT folders under DIR)"
+        cache_dir = Path(self.engine_config.model.cache_dir) if self.engine_config.model.cache_dir else default_cache_dir()
+        return f"{cache_dir / 'demo-adapters'} (the demo adapters, generated at model load)"
+
+    def _admin_description(self) -> str:
+        token_file = self.engine_config.lora.admin_token_file
+        if token_file:
+            return f"load/unload need the token in {token_file} (admin_token); list is open"
+        return "load/unload are off (enable them with --admin-token-file FILE); list is open"
 
     def serve_forever(self) -> int:
         """Print the banner, then wait for the server; SIGINT/SIGTERM drain and stop it."""

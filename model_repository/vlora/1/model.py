@@ -1,8 +1,11 @@
 """The Triton model: a thin adapter between Triton's request objects and the vlora engine.
 
-execute() validates each request and submits it to the engine, which runs on its own thread. The
-engine reports every event through a callback that only enqueues; a response thread sends the
-responses and watches for cancelled requests. finalize() drains the engine and joins the threads.
+execute() validates each request and submits it to the engine, which runs on its own thread. A request
+whose images have more than limits.inline_image_pixels pixels is decoded and submitted by the image
+workers (a bounded pool; when its queue is full the request is refused as UNAVAILABLE), so execute()
+returns at once and a heavy request delays only itself. The engine reports every event through a
+callback that only enqueues; a response thread sends the responses and watches for cancelled requests.
+finalize() drains the image workers and the engine, and joins the threads.
 
 Wire format (the Triton vLLM backend's): inputs text_input, image (base64, one or more), stream,
 sampling_parameters (JSON), exclude_input_in_output; lora_name in the request parameters or in
@@ -12,7 +15,10 @@ with a ``task`` (answered by a vision task head of its adapter) also gets label,
 Adapter administration goes through the same model: a request whose parameters (or
 sampling_parameters) carry ``adapter_action`` ("list", "load" or "unload", with ``lora_name`` for the
 last two) is answered with one response whose text_output is JSON. It runs on an admin thread (a load
-reads from disk there) and touches the engine's state only on the engine thread.
+reads from disk there, an unload waits there for the adapter's requests to finish) and touches the
+engine's state only on the engine thread. ``load`` and ``unload`` must carry ``admin_token``, the token
+of the file ``lora.admin_token_file`` names (``vlora serve --admin-token-file``); without that setting
+they are refused. ``list`` is open.
 
 When the engine fails (its thread died, or the watchdog saw it stall), every request in flight is
 answered with the cause, the cause is logged (``vlora: ENGINE FAILED: ...``), and this stub process
@@ -21,6 +27,7 @@ which takes readiness down with it.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import queue
@@ -35,7 +42,7 @@ from typing import Any, Optional
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from vlora.config import EngineConfig
+from vlora.config import EngineConfig, read_admin_token
 from vlora.engine import AsyncEngine
 from vlora.engine.api import (
     EngineOverloaded,
@@ -45,6 +52,7 @@ from vlora.engine.api import (
     SamplingParams,
     parse_sampling_json,
 )
+from vlora.engine.inputs import CheckedRequest
 
 BASE_LABEL = "__base__"  # the lora_name label of requests without an adapter
 CANCEL_POLL_S = 0.5  # how often in-flight requests are checked for client cancellation (one IPC each)
@@ -54,9 +62,11 @@ IGNORED_PARAMETERS = ("stream",)
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos") + SamplingParams.EXTRA_KEYS
 ADMIN_KEY = "adapter_action"
 ADMIN_ACTIONS = ("list", "load", "unload")
+ADMIN_TOKEN_KEY = "admin_token"  # load/unload carry it; checked against lora.admin_token_file's token
 # Tests only: a request parameter that injects a fault into the engine (accepted when the engine
 # setting scheduler.fault_injection is on; see vlora.engine.async_engine.FAULTS).
 FAULT_KEY = "vlora_test_fault"
+ADMIN_THREADS = 4  # adapter actions at once
 DEAD_FLUSH_S = 5.0  # how long a dead engine's errors may take to reach the clients before the stub exits
 ENGINE_FAILED = "vlora: ENGINE FAILED"  # the log line `vlora serve` looks for
 
@@ -247,6 +257,9 @@ class TritonPythonModel:
                 "vlora: config.pbtxt must set model_transaction_policy { decoupled: true }"
             )
         config = self._engine_config(args)
+        # Read once, before the engine loads: an unreadable token file fails the model load, naming the file.
+        token_file = config.lora.admin_token_file
+        self._admin_token: Optional[bytes] = read_admin_token(token_file).encode("utf-8") if token_file else None
         pb_utils.Logger.log_info(
             f"vlora: loading the engine (model {config.model.path or 'tiny default'}, device {config.model.device}, "
             f"dtype {config.model.dtype})"
@@ -262,7 +275,8 @@ class TritonPythonModel:
         )
         self._response_thread = threading.Thread(target=self._response_loop, name="vlora-responses", daemon=True)
         self._response_thread.start()
-        self._admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlora-admin")
+        # Several: an unload may wait (lora.unload_timeout_s) for its adapter's requests, and a list must not.
+        self._admin = ThreadPoolExecutor(max_workers=ADMIN_THREADS, thread_name_prefix="vlora-admin")
 
     @staticmethod
     def _engine_config(args: dict[str, str]) -> EngineConfig:
@@ -297,7 +311,43 @@ class TritonPythonModel:
                 self._admin.submit(self._run_admin, sender, *admin)
                 return
             gen, exclude_input, fault = self._parse(request, request_id)
-            prepared = self._engine.prepare(gen)
+            checked = self._engine.check(gen)  # fields, adapter, image headers: no pixel decoded yet
+            if checked.pixels > self._engine.config.limits.inline_image_pixels:
+                # Decoding costs CPU per pixel: on the image workers, so that execute() returns at once
+                # and this request delays only itself.
+                self._engine.defer(lambda: self._enter_deferred(sender, checked, exclude_input, fault),
+                                   lambda reason: self._send_error(sender, reason, unavailable=True))
+                return
+        except InvalidRequest as e:
+            self._send_error(sender, str(e))
+            return
+        except EngineOverloaded as e:  # the image workers' queue is full, or the server is stopping
+            self._send_error(sender, str(e) or "server overloaded", unavailable=True)
+            return
+        except Exception as e:
+            pb_utils.Logger.log_error(f"vlora: request refused by an internal error: {traceback.format_exc()}")
+            self._send_error(sender, f"internal error: {type(e).__name__}: {e}")
+            return
+        self._enter(sender, checked, exclude_input, fault)
+
+    def _enter_deferred(self, sender, checked: CheckedRequest, exclude_input: bool, fault: Optional[str]) -> None:
+        """An image worker: ``_enter`` unless the client went away while the request waited."""
+        try:
+            cancelled = sender.is_cancelled()
+        except Exception:
+            cancelled = False
+        if cancelled:
+            self._send_cancelled(sender)
+            return
+        self._enter(sender, checked, exclude_input, fault)
+
+    def _enter(self, sender, checked: CheckedRequest, exclude_input: bool, fault: Optional[str]) -> None:
+        """Preprocess (decode the images, build the model inputs) and submit one checked request; every
+        refusal goes to its client."""
+        gen = checked.req
+        request_id = gen.request_id
+        try:
+            prepared = self._engine.preprocess(checked)
         except InvalidRequest as e:
             self._send_error(sender, str(e))
             return
@@ -315,7 +365,8 @@ class TritonPythonModel:
         # before its first output arrives.
         self._responses.put(("open", state))
         try:
-            # Blocks while the engine is full: that is what pushes back into Triton's queue.
+            # Blocks while the engine is full: that is what pushes back into Triton's queue (or, on an
+            # image worker, into the image workers' bounded queue).
             self._engine.submit(prepared, self._responses.put, fault=fault)
         except EngineOverloaded as e:
             self._responses.put(("close", request_id))
@@ -378,8 +429,27 @@ class TritonPythonModel:
             fault,
         )
 
-    def _run_admin(self, sender, action: str, name: Optional[str]) -> None:
+    def _check_admin_token(self, action: str, token: Any) -> None:
+        """load/unload need the configured token; raises InvalidRequest saying why (never echoing a token)."""
+        if action == "list":
+            return
+        if self._admin_token is None:
+            raise InvalidRequest(
+                f"{ADMIN_KEY} {action!r} is off on this server: start it with `vlora serve --admin-token-file FILE` "
+                f"(engine setting lora.admin_token_file) and send that file's token as {ADMIN_TOKEN_KEY}")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode("utf-8"), self._admin_token):
+            what = "missing" if token is None else "wrong"
+            raise InvalidRequest(f"{ADMIN_KEY} {action!r} refused: {what} {ADMIN_TOKEN_KEY} "
+                                 f"(send the token of the server's --admin-token-file)")
+
+    def _run_admin(self, sender, action: str, name: Optional[str], token: Any = None) -> None:
         """The admin thread: one adapter action, answered with JSON in text_output."""
+        try:
+            self._check_admin_token(action, token)
+        except InvalidRequest as e:  # one line per refused request, no traceback, no token
+            pb_utils.Logger.log_warn(f"vlora: {e}")
+            self._send_error(sender, str(e))
+            return
         try:
             if action == "list":
                 payload = {"adapters": self._engine.adapters()}
@@ -558,7 +628,7 @@ def _request_parameters(request) -> dict[str, Any]:
     params = json.loads(raw) if raw else {}
     for key in IGNORED_PARAMETERS:
         params.pop(key, None)
-    unknown = sorted(set(params) - set(SAMPLING_KEYS) - {ADMIN_KEY, FAULT_KEY})
+    unknown = sorted(set(params) - set(SAMPLING_KEYS) - {ADMIN_KEY, ADMIN_TOKEN_KEY, FAULT_KEY})
     if unknown:
         raise InvalidRequest(
             f"unknown request parameter(s) {unknown}; accepted: {sorted(SAMPLING_KEYS + (ADMIN_KEY,))}"
@@ -566,8 +636,9 @@ def _request_parameters(request) -> dict[str, Any]:
     return params
 
 
-def _admin_request(request) -> Optional[tuple[str, Optional[str]]]:
-    """(action, lora_name) when the request is an adapter_action, else None. Raises InvalidRequest."""
+def _admin_request(request) -> Optional[tuple[str, Optional[str], Any]]:
+    """(action, lora_name, admin_token) when the request is an adapter_action, else None. Raises
+    InvalidRequest. The token is checked on the admin thread (TritonPythonModel._check_admin_token)."""
     options = _request_parameters(request)
     options.update(parse_sampling_json(_single(request, "sampling_parameters")))
     if ADMIN_KEY not in options:
@@ -576,14 +647,15 @@ def _admin_request(request) -> Optional[tuple[str, Optional[str]]]:
     if action not in ADMIN_ACTIONS:
         raise InvalidRequest(f"{ADMIN_KEY} must be one of {list(ADMIN_ACTIONS)}, got {action!r}")
     name = options.pop("lora_name", None)
+    token = options.pop(ADMIN_TOKEN_KEY, None)
     if options:
-        raise InvalidRequest(f"an {ADMIN_KEY} request takes only lora_name, not {sorted(options)}")
+        raise InvalidRequest(f"an {ADMIN_KEY} request takes only lora_name and {ADMIN_TOKEN_KEY}, not {sorted(options)}")
     if action == "list":
         if name is not None:
             raise InvalidRequest(f"{ADMIN_KEY} \"list\" takes no lora_name")
     elif not isinstance(name, str) or not name:
         raise InvalidRequest(f"{ADMIN_KEY} {action!r} needs lora_name, the adapter's folder name under the adapter root")
-    return action, name
+    return action, name, token
 
 
 def _head_tensors(answer: dict[str, Any]) -> list:

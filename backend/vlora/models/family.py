@@ -1,0 +1,135 @@
+"""Model families: what differs between LMMs behind one small interface, so that the engine, the paged
+KV cache, the attention kernels, the CUDA graphs and ATMM serve every family unchanged.
+
+A family (one module each: :mod:`vlora.models.loader` for LLaVA-1.5, :mod:`vlora.models.qwen2_vl` for
+Qwen2-VL and Qwen2.5-VL) owns:
+- loading from a local Hugging Face folder (:meth:`ModelFamily.load`), refusing what it cannot serve;
+- turning a prompt and its images into token ids, the vision inputs and the rotary positions, exactly as
+  the model's own processor does (:meth:`ModelFamily.prompt`);
+- the vision encoder and projector or merger (:meth:`ModelFamily.encode_images`: one feature row per
+  placeholder token of each image).
+
+What the decoder layer needs is read from the Hugging Face modules themselves: the layers live at
+``model.model.language_model.layers`` with LLaMA's projections (biases allowed: Qwen2 has them on
+q/k/v), RMSNorm and a SiLU MLP; the rotary embedding is the model's own ``rotary_emb``, which takes
+1-D positions or M-RoPE's three axes ([3, T]: temporal, height, width). A prompt's M-RoPE positions
+end ``rope_delta`` past its length, and every later token of the request sits at its index plus that
+delta on all three axes, so decode steps (and their CUDA graphs) stay 1-D.
+
+To add a family (InternVL, Gemma 3, ...): subclass :class:`ModelFamily`, list its ``model_types``
+(config.json ``model_type``), and register it in :data:`FAMILIES`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Optional, Sequence
+
+import torch
+
+
+class ModelLoadError(RuntimeError):
+    """The model folder cannot be served; the message names the file or setting at fault."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference, with what the engine needs to build its inputs."""
+
+    model: Any  # the transformers *ForConditionalGeneration, eval mode, requires_grad off
+    tokenizer: Any
+    image_processor: Any  # LLaVA: the image processor; Qwen2-VL: the whole processor (text + images)
+    image_token_id: int
+    num_image_tokens: int  # placeholder tokens per image (0: it depends on the image, as in Qwen2-VL)
+    max_model_len: int
+    name: str
+    text_config: Any  # the decoder's config (hidden_size, num_hidden_layers, ...)
+    chat_template: str
+    path: Optional[Path] = None
+    family: Optional["ModelFamily"] = field(default=None, repr=False)
+
+
+@dataclass
+class Prompt:
+    """One request's model inputs. Shape: pixel_values as the family's vision tower takes them (LLaVA
+    [n, 3, H, W]; Qwen2-VL [patches, C * T * P * P] for all images, in order); image_grid_thw [n, 3]
+    (Qwen2-VL); mrope_positions [3, len(ids)] int64, or None for 1-D positions."""
+
+    ids: list[int]
+    pixel_values: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
+    mrope_positions: Optional[torch.Tensor] = None
+    rope_delta: int = 0
+
+
+class ModelFamily:
+    """Base class; see the module docstring."""
+
+    name: ClassVar[str] = ""
+    model_types: ClassVar[tuple[str, ...]] = ()
+    image_placeholder: ClassVar[str] = ""  # what a prompt writes where an image goes
+
+    def load(self, path: Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
+        raise NotImplementedError
+
+    def prompt(self, loaded: LoadedModel, text: str, images: Sequence, apply_chat_template: bool) -> Prompt:
+        """Token ids and vision inputs for one request (decoded RGB images). Raises InvalidRequest."""
+        raise NotImplementedError
+
+    def encode_images(self, loaded: LoadedModel, pixel_values: torch.Tensor,
+                      image_grid_thw: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        """Features of each image, [tokens of that image, hidden], in order."""
+        raise NotImplementedError
+
+    def patches(self, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        """One request's pixel_values split per image (to encode each distinct image once)."""
+        return list(pixel_values)
+
+    def join(self, per_image: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(per_image)
+
+
+def read_model_type(path: Path) -> str:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{str(path)!r} has no config.json; expected a Hugging Face model folder")
+    try:
+        config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{str(cfg_file)!r} is not valid JSON: {e}") from e
+    return str(config.get("model_type"))
+
+
+def family_for(path: str | Path) -> ModelFamily:
+    """The family that serves the folder's ``model_type``; ModelLoadError naming the supported ones."""
+    model_type = read_model_type(Path(path))
+    _register()
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    supported = ", ".join(f"{t!r} ({f.name})" for f in FAMILIES for t in f.model_types)
+    raise ModelLoadError(f"{str(path)!r}: model_type {model_type!r} is not supported; vlora serves {supported}")
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
+    """Load any supported family's folder (chosen by its config.json ``model_type``)."""
+    family = family_for(path)
+    loaded = family.load(Path(path), dtype, device)
+    loaded.family = family
+    return loaded
+
+
+def _families() -> list[ModelFamily]:
+    from vlora.models.loader import LlavaFamily
+    from vlora.models.qwen2_vl import Qwen2VLFamily
+
+    return [LlavaFamily(), Qwen2VLFamily()]
+
+
+FAMILIES: list[ModelFamily] = []
+
+
+def _register() -> None:
+    if not FAMILIES:
+        FAMILIES.extend(_families())

@@ -1,0 +1,123 @@
+"""The Qwen2-VL family (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``).
+
+- Images keep their own resolution within the processor's pixel bounds: each image gives its own number
+  of visual tokens (``image_grid_thw`` [t, h, w] patches, merged 2x2 into one token each).
+- The prompt is built by the model's own processor (``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor``): the
+  text is used as given, with ``<|vision_start|><|image_pad|><|vision_end|>`` where each image goes (the
+  processor expands the pad token to the image's token count); with no placeholder the images come
+  first; the chat-template option wraps the text as one user turn. The tokenizer adds no BOS.
+- Positions are M-RoPE's three axes, from the model's own ``get_rope_index``; the prompt's
+  ``rope_delta`` shifts every generated token (see :mod:`vlora.models.family`).
+- Decoder layers are Qwen2's: LLaMA's with biases on q/k/v (the runner's fused q/k/v GEMM carries them).
+
+Videos and Qwen2.5-VL's video timing are not served yet: a request's images are still images.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from vlora.engine.api import InvalidRequest
+from vlora.models.family import LoadedModel, ModelFamily, ModelLoadError, Prompt
+
+log = logging.getLogger(__name__)
+
+VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+
+
+class Qwen2VLFamily(ModelFamily):
+    name = "qwen2-vl"
+    model_types = tuple(_CLASSES)
+    image_placeholder = VISION_PLACEHOLDER
+
+    def load(self, path: Path, dtype: torch.dtype, device) -> LoadedModel:
+        import transformers
+
+        from vlora.models.family import read_model_type
+        from vlora.models.loader import _check_safetensors_present
+
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelLoadError(f"model folder {str(path)!r} does not exist or is not a directory")
+        model_type = read_model_type(path)
+        _check_safetensors_present(path)
+        cls = getattr(transformers, _CLASSES[model_type])
+        try:
+            model, info = cls.from_pretrained(str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
+                                              output_loading_info=True)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load model weights from {str(path)!r}: {e}") from e
+        missing = [k for k in info.get("missing_keys", ()) if not k.endswith("position_ids")]
+        if missing:
+            raise ModelLoadError(f"{str(path)!r}: {len(missing)} weight(s) missing from the checkpoint, e.g. {missing[:3]}")
+        model.eval()
+        model.requires_grad_(False)
+        model.to(device)
+        try:
+            # AutoProcessor where torchvision is installed; composed from the same files where it is not.
+            from vlora.models.tiny_qwen import load_qwen_processor
+
+            processor = load_qwen_processor(path)
+        except (OSError, ValueError, ImportError) as e:
+            raise ModelLoadError(f"cannot load the processor from {str(path)!r}: {e}") from e
+        tokenizer = processor.tokenizer
+        cfg = model.config
+        text_config = cfg.text_config
+        if getattr(text_config, "use_sliding_window", False):
+            raise ModelLoadError(f"{str(path)!r}: use_sliding_window is not supported")
+        image_token_id = int(cfg.image_token_id)
+        if tokenizer.convert_tokens_to_ids("<|image_pad|>") != image_token_id:
+            raise ModelLoadError(f"{str(path)!r}: the tokenizer's <|image_pad|> is not config.image_token_id {image_token_id}")
+        return LoadedModel(model=model, tokenizer=tokenizer, image_processor=processor, image_token_id=image_token_id,
+                           num_image_tokens=0, max_model_len=int(text_config.max_position_embeddings),
+                           name=path.resolve().name, text_config=text_config,
+                           chat_template=processor.chat_template or tokenizer.chat_template or "", path=path)
+
+    def prompt(self, loaded: LoadedModel, text: str, images, apply_chat_template: bool) -> Prompt:
+        if not isinstance(text, str):
+            raise InvalidRequest("text_input must be a string")
+        if not text.strip() and not images:
+            raise InvalidRequest("empty prompt: text_input is empty and no image was given")
+        processor = loaded.image_processor
+        placeholders = text.count(VISION_PLACEHOLDER)
+        if placeholders and placeholders != len(images):
+            raise InvalidRequest(f"the prompt has {placeholders} {VISION_PLACEHOLDER} placeholder(s) "
+                                 f"but the request carries {len(images)} image(s)")
+        if text.count("<|image_pad|>") != placeholders or "<|video_pad|>" in text:
+            raise InvalidRequest(f"write images as {VISION_PLACEHOLDER}; <|image_pad|> alone and videos are not accepted")
+        if apply_chat_template:
+            parts: list[dict[str, Any]] = [] if placeholders else [{"type": "image"} for _ in images]
+            parts.append({"type": "text", "text": text})
+            text = processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                                 add_generation_prompt=True)
+        elif not placeholders:
+            text = VISION_PLACEHOLDER * len(images) + text
+        out = processor(text=[text], images=list(images) or None, return_tensors="pt")
+        ids = out["input_ids"][0]
+        grid = out.get("image_grid_thw")
+        pv = out.get("pixel_values")
+        if images:
+            positions, delta = loaded.model.model.get_rope_index(
+                ids[None], out["mm_token_type_ids"], image_grid_thw=grid)
+            positions, delta = positions[:, 0].to(torch.long).cpu(), int(delta.reshape(-1)[0])
+        else:
+            positions, delta = None, 0  # text only: 1-D positions, as the model infers them
+        return Prompt(ids=ids.tolist(), pixel_values=None if pv is None else pv.to(torch.float32),
+                      image_grid_thw=grid, mrope_positions=positions, rope_delta=delta)
+
+    def encode_images(self, loaded: LoadedModel, pixel_values: torch.Tensor,
+                      image_grid_thw: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        vm = loaded.model.model
+        p = next(vm.visual.parameters())
+        out = vm.get_image_features(pixel_values.to(p.device, p.dtype), image_grid_thw.to(p.device))
+        return list(out.pooler_output)
+
+    def patches(self, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch.split(pixel_values, image_grid_thw.prod(-1).tolist()))
+
+    def join(self, per_image: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(per_image)

@@ -1,0 +1,132 @@
+"""Per-request image budgets (total pixels from the headers, decode time) and the image workers' bounded
+pool: refusals name the limit, nothing is decoded before the pixel check, a full queue is an explicit
+overload, and shutdown refuses what still waits."""
+from __future__ import annotations
+
+import io
+import struct
+import threading
+import time
+import zlib
+
+import pytest
+from PIL import Image
+
+from vlora.config import EngineConfig, InputLimits
+from vlora.engine.api import EngineOverloaded, GenerationRequest, InvalidRequest
+from vlora.engine.preprocess import PreprocessPool
+from vlora.models.images import decode_images, probe_images
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A valid PNG signature and IHDR claiming width x height, with a token IDAT: decoding it fails."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def _solid_png(size: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), (20, 200, 40)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_total_pixels_are_checked_from_the_headers_before_any_decode():
+    limits = InputLimits(max_total_pixels=3 * 1000 * 1000)
+    # Header-only PNGs: decoding any of them would fail as truncated, so the refusal below proves that
+    # the budget was checked from the headers alone.
+    bombs = [_png_header_only(1000, 1000) for _ in range(4)]
+    with pytest.raises(InvalidRequest, match=r"^images: 4000000 pixels in all \(1000x1000, 1000x1000, 1000x1000, "
+                                             r"1000x1000\) is over the limit of 3000000 pixels per request "
+                                             r"\(limits.max_total_pixels\)$"):
+        probe_images(bombs, limits)
+    probed = probe_images(bombs[:3], limits)  # at the limit: accepted, and not decoded yet
+    assert [(p.width, p.height, p.format) for p in probed] == [(1000, 1000, "PNG")] * 3
+    with pytest.raises(InvalidRequest, match="^image 0: corrupt or truncated PNG"):
+        decode_images(probed, limits)
+
+
+def test_per_image_checks_still_come_first():
+    limits = InputLimits(max_total_pixels=10 ** 9)
+    with pytest.raises(InvalidRequest, match="^image 1: 5000x5000 pixels is over the limit of 16777216 pixels"):
+        probe_images([_solid_png(8), _png_header_only(5000, 5000)], limits)
+    with pytest.raises(InvalidRequest, match="^image 0: neither an encoded image nor valid base64 text"):
+        probe_images([b"@@@"], limits)
+
+
+def test_decoding_past_the_time_budget_refuses_the_request():
+    heavy = _solid_png(2048)  # 4 M pixels: tens of milliseconds to decode
+    limits = InputLimits(image_decode_timeout_s=0.001)
+    probed = probe_images([heavy] * 4, limits)
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequest, match=r"^images: decoding took \d+\.\d s, over the limit of 0.001 s per "
+                                             r"request \(limits.image_decode_timeout_s\); 1 of 4 image\(s\) were done$"):
+        decode_images(probed, limits)
+    one_image = time.monotonic() - t0
+    decode_images(probed[:1], InputLimits())  # within the default budget
+    assert [im.size for im in decode_images(probed, InputLimits())] == [(2048, 2048)] * 4
+    assert one_image < 5, "the refusal came after more than the first image"
+
+
+def test_the_input_processor_checks_budgets_before_decoding(tiny_model_dir, demo_adapter_root):
+    from vlora.engine.builder import build_engine
+
+    cfg = EngineConfig().with_overrides({"model.path": str(tiny_model_dir), "model.device": "cpu",
+                                         "lora.adapter_root": str(demo_adapter_root), "lora.max_rank": "32",
+                                         "limits.max_total_pixels": str(64 * 64 * 2)})
+    inputs = build_engine(cfg).inputs
+    small = _solid_png(64)
+    checked = inputs.check(GenerationRequest("ok", "Describe <image> and <image>.", images=[small, small]))
+    assert checked.pixels == 2 * 64 * 64
+    prepared = inputs.preprocess(checked)
+    assert prepared.pixel_values.shape[0] == 2 and len(prepared.image_keys) == 2
+    with pytest.raises(InvalidRequest, match="limits.max_total_pixels"):
+        inputs.check(GenerationRequest("big", "Describe these.", images=[small] * 3))
+
+
+def test_the_pool_refuses_beyond_its_queue_and_at_shutdown():
+    pool = PreprocessPool(workers=1, max_queued=2)
+    gate = threading.Event()
+    started = threading.Event()
+    ran: list[str] = []
+    refused: list[tuple[str, str]] = []
+
+    def job(name, block=False):
+        def run():
+            started.set()
+            if block:
+                gate.wait(10)
+            ran.append(name)
+        return run, lambda reason: refused.append((name, reason))
+
+    pool.submit(*job("running", block=True))
+    assert started.wait(5)
+    pool.submit(*job("q1"))
+    pool.submit(*job("q2"))
+    with pytest.raises(EngineOverloaded, match=r"server overloaded: 2 image requests already wait .*image_queue_size=2"):
+        pool.submit(*job("q3"))
+    assert pool.load() == (1, 2)
+    closer = threading.Thread(target=pool.shutdown, args=(10.0,))
+    closer.start()
+    time.sleep(0.1)
+    gate.set()  # the running job finishes; the queued ones were refused, none dropped silently
+    closer.join(10)
+    assert ran == ["running"]
+    assert refused == [("q1", "server is shutting down"), ("q2", "server is shutting down")]
+    with pytest.raises(EngineOverloaded, match="shutting down"):
+        pool.submit(*job("late"))
+
+
+def test_a_failing_job_does_not_end_its_worker():
+    pool = PreprocessPool(workers=1, max_queued=4)
+    done = threading.Event()
+
+    def boom():
+        raise RuntimeError("boom")
+
+    pool.submit(boom, lambda reason: None)
+    pool.submit(done.set, lambda reason: None)
+    assert done.wait(5)
+    pool.shutdown(5)
