@@ -59,7 +59,7 @@ class Qwen2VLFamily(ModelFamily):
         model.to(device)
         try:
             # AutoProcessor where torchvision is installed; composed from the same files where it is not.
-            from vlora.models.tiny_qwen import load_qwen_processor
+            from vlora.models.qwen_processing import load_qwen_processor
 
             processor = load_qwen_processor(path)
         except (OSError, ValueError, ImportError) as e:

@@ -467,8 +467,11 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"vlora: adapter_action {action} failed: {traceback.format_exc()}")
             self._send_error(sender, f"internal error: {type(e).__name__}: {e}")
             return
-        if action != "list":
-            pb_utils.Logger.log_info(f"vlora: adapter {name} {action}ed")
+        if action == "load":
+            pb_utils.Logger.log_info(f"vlora: adapter {name} loaded")
+        elif action == "unload":  # "unloading" when its running requests outlasted lora.unload_timeout_s
+            state = payload["unloaded"].get("state", "unloaded") if isinstance(payload["unloaded"], dict) else "unloaded"
+            pb_utils.Logger.log_info(f"vlora: adapter {name} {state}")
         tensors = [
             _string_tensor("text_output", json.dumps(payload)),
             _string_tensor("finish_reason", "stop"),
