@@ -1,7 +1,8 @@
 """The engine serving the Qwen2-VL family (tiny random Qwen2-VL and Qwen2.5-VL, fp32, CPU) against
 transformers + PEFT on the same weights: greedy tokens identical one request at a time and in mixed
 batches (three adapters made by PEFT and the base model together, prefill and decode in one step, images
-of different sizes, so different numbers of visual tokens, text-only requests beside them)."""
+of different sizes, so different numbers of visual tokens, text-only requests and a 4-frame video
+beside them)."""
 from __future__ import annotations
 
 import io
@@ -13,7 +14,7 @@ from PIL import Image
 from vlora.config import EngineConfig
 from vlora.engine.api import GenerationRequest, InvalidRequest, SamplingParams
 from vlora.engine.builder import build_engine
-from vlora.models.qwen2_vl import VISION_PLACEHOLDER
+from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER
 
 peft = pytest.importorskip("peft")
 tiny_qwen = pytest.importorskip("vlora.models.tiny_qwen")
@@ -53,10 +54,13 @@ def setup(request, tmp_path_factory):
 
 def _reference(ref, processor, adapter, text, images):
     """transformers + PEFT greedy continuation of the request, as the processor builds it."""
-    if images and VISION_PLACEHOLDER not in text:
-        text = VISION_PLACEHOLDER * len(images) + text
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
-    inputs = processor(text=[text], images=pil, return_tensors="pt")
+    if VIDEO_PLACEHOLDER in text:
+        inputs = processor(text=[text], videos=[pil], return_tensors="pt")
+    else:
+        if images and VISION_PLACEHOLDER not in text:
+            text = VISION_PLACEHOLDER * len(images) + text
+        inputs = processor(text=[text], images=pil, return_tensors="pt")
     with torch.no_grad():
         if adapter is None:
             with ref.disable_adapter():
@@ -104,6 +108,7 @@ SPECS = {
                      [_png(2, 112, 56), _png(3, 56, 84)]),
     "text-r32": ("qwen-r32-mlp", "Count to ten, slowly, please.", []),
     "img-base": (None, "What do you see?", [_png(4, 84, 84)]),
+    "video-r16": ("qwen-r16-attn", f"{VIDEO_PLACEHOLDER}What happens in this clip?", [_png(10 + i, 64, 64) for i in range(4)]),
 }
 
 
@@ -130,3 +135,14 @@ def test_placeholder_count_must_match(setup):
     engine, _, _ = setup
     with pytest.raises(InvalidRequest, match="placeholder"):
         engine.inputs.prepare(GenerationRequest("c", f"{VISION_PLACEHOLDER} {VISION_PLACEHOLDER}", images=[_png(1, 56, 56)]))
+
+
+def test_a_video_is_one_item_with_its_own_key(setup):
+    engine, _, _ = setup
+    frames = [_png(10 + i, 64, 64) for i in range(4)]
+    video = engine.inputs.prepare(GenerationRequest("v", f"{VIDEO_PLACEHOLDER}Go.", images=frames))
+    first_frame = engine.inputs.prepare(GenerationRequest("i", "Go.", images=frames[:1]))
+    assert video.video and video.image_grid_thw.tolist()[0][0] == 2  # 4 frames, temporal patches of 2
+    assert len(video.image_keys) == 1 and video.image_keys[0] != first_frame.image_keys[0]
+    with pytest.raises(InvalidRequest, match="video"):
+        engine.inputs.prepare(GenerationRequest("w", f"{VIDEO_PLACEHOLDER}{VIDEO_PLACEHOLDER}", images=frames))

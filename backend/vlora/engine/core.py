@@ -54,6 +54,7 @@ class PreparedRequest:
     image_grid_thw: Optional[torch.Tensor] = None  # [n_images, 3] (Qwen2-VL)
     mrope_positions: Optional[torch.Tensor] = None  # [3, len(prompt_ids)] (M-RoPE), None: 1-D positions
     rope_delta: int = 0  # generated tokens sit at their index plus this (M-RoPE)
+    video: bool = False  # pixel_values are one video's frames (Qwen2-VL's video path)
     latency_target: Optional[float] = None  # seconds: this application's target, for the scheduler's credits
     arrival: float = field(default_factory=time.monotonic)
 
@@ -166,7 +167,7 @@ class LLMEngine:
                 inputs.append(SeqInput(req.prompt_ids, 0, s.blocks, plus, delora_slot=minus,
                                        pixel_values=req.pixel_values, image_keys=req.image_keys,
                                        image_grid_thw=req.image_grid_thw, mrope_positions=req.mrope_positions,
-                                       rope_delta=req.rope_delta))
+                                       rope_delta=req.rope_delta, video=req.video))
         try:
             # The copies into the slots this step reads were issued on the side stream: order them first.
             self.loras.wait_ready([s.slot for s in batch] + [orch.merged_slot if orch.merged_slot is not None else -1])

@@ -89,7 +89,10 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"prompt is {len(ids)} tokens (images included); the model's context is "
                                  f"{self.max_model_len} tokens and at least one must remain for the output")
+        keys = checked.image_keys
+        if prompt.video:  # one video: one key over all its frames, never equal to an image's
+            keys = (hashlib.sha256(b"video:" + b"".join(keys)).digest(),)
         return PreparedRequest(request_id=req.request_id, prompt_ids=ids, sampling=req.sampling, lora_name=req.lora_name,
-                               stream=req.stream, pixel_values=prompt.pixel_values, image_keys=checked.image_keys, task=req.task,
+                               stream=req.stream, pixel_values=prompt.pixel_values, image_keys=keys, task=req.task,
                                image_grid_thw=prompt.image_grid_thw, mrope_positions=prompt.mrope_positions,
-                               rope_delta=prompt.rope_delta)
+                               rope_delta=prompt.rope_delta, video=prompt.video)

@@ -74,6 +74,7 @@ class SeqInput:
     image_grid_thw: Optional[torch.Tensor] = None  # [n_images, 3] (Qwen2-VL)
     mrope_positions: Optional[torch.Tensor] = None  # [3, prompt length] M-RoPE positions of the prompt
     rope_delta: int = 0  # tokens past the prompt sit at their index plus this (M-RoPE)
+    video: bool = False  # pixel_values are one video's frames
 
 
 @dataclass
@@ -325,43 +326,47 @@ class ModelRunner:
         return self.lm_head(h_last).float(), h_last
 
     def _insert_images(self, seqs: list[SeqInput], ids: torch.Tensor, hidden: torch.Tensor) -> int:
+        """Put the vision features of this step's prompts at their placeholder tokens; each distinct image
+        (or video) is encoded once, images and videos in one call each. Returns how many were encoded."""
         with_images = [s for s in seqs if s.pixel_values is not None and len(s.pixel_values)]
         if not with_images:
             return 0
-        family = self.loaded.family
-        # Encode each distinct image once; keep the order in which placeholders appear.
-        order: list[int] = []
-        unique: dict[bytes, int] = {}
-        pixels: list[torch.Tensor] = []
-        grids: list[torch.Tensor] = []
+        family, loaded = self.loaded.family, self.loaded
+        order: list[tuple[bool, int]] = []  # (video, index among the distinct ones), in placeholder order
+        unique: dict[tuple[bool, bytes], int] = {}
+        pixels: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+        grids: dict[bool, list[torch.Tensor]] = {False: [], True: []}
         for s in with_images:
-            per_image = family.patches(s.pixel_values, s.image_grid_thw)
-            keys = s.image_keys or tuple(bytes([i]) + id(s).to_bytes(8, "little") for i in range(len(per_image)))
-            for i, (key, pv) in enumerate(zip(keys, per_image)):
-                if key not in unique:
-                    unique[key] = len(pixels)
-                    pixels.append(pv)
+            per_item = family.patches(s.pixel_values, s.image_grid_thw)
+            keys = s.image_keys or tuple(bytes([i]) + id(s).to_bytes(8, "little") for i in range(len(per_item)))
+            if len(keys) != len(per_item):
+                raise RuntimeError(f"{len(keys)} image keys for {len(per_item)} images")
+            for i, (key, pv) in enumerate(zip(keys, per_item)):
+                if (s.video, key) not in unique:
+                    unique[(s.video, key)] = len(pixels[s.video])
+                    pixels[s.video].append(pv)
                     if s.image_grid_thw is not None:
-                        grids.append(s.image_grid_thw[i])
-                order.append(unique[key])
-        feats = family.encode_images(self.loaded, family.join(pixels), torch.stack(grids) if grids else None)
-        feats = torch.cat([feats[i] for i in order]).to(hidden.dtype)
+                        grids[s.video].append(s.image_grid_thw[i])
+                order.append((s.video, unique[(s.video, key)]))
+        feats = {video: family.encode_images(loaded, family.join(px), torch.stack(grids[video]) if grids[video] else None,
+                                             video=video)
+                 for video, px in pixels.items() if px}
+        feats = torch.cat([feats[video][i] for video, i in order]).to(hidden.dtype)
         # Placeholders are looked for only in the prompts that bring their images in this step: a decode
         # token that happens to be the image token id (a random model samples it now and then) is text,
         # and must neither take an image's features nor fail the whole step.
-        in_image_prompts = torch.zeros_like(ids, dtype=torch.bool)
+        mask = torch.zeros_like(ids, dtype=torch.bool)
         off = 0
         for s in seqs:
             n = len(s.token_ids)
             if s.pixel_values is not None and len(s.pixel_values):
-                in_image_prompts[off:off + n] = True
+                mask[off:off + n] = ids[off:off + n] == family.placeholder_id(loaded, s.video)
             off += n
-        mask = (ids == self.image_token_id) & in_image_prompts
         n_slots_img = int(mask.sum())
         if n_slots_img != feats.shape[0]:
             raise RuntimeError(f"image placeholders ({n_slots_img} tokens) do not match image features ({feats.shape[0]})")
         hidden[mask] = feats
-        return len(pixels)
+        return sum(len(px) for px in pixels.values())
 
     def _layer(self, li: int, layer: nn.Module, h: torch.Tensor, pending: Optional[torch.Tensor], cos: torch.Tensor,
                sin: torch.Tensor, slot_mapping: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,13 +54,15 @@ class LoadedModel:
 class Prompt:
     """One request's model inputs. Shape: pixel_values as the family's vision tower takes them (LLaVA
     [n, 3, H, W]; Qwen2-VL [patches, C * T * P * P] for all images, in order); image_grid_thw [n, 3]
-    (Qwen2-VL); mrope_positions [3, len(ids)] int64, or None for 1-D positions."""
+    (Qwen2-VL); mrope_positions [3, len(ids)] int64, or None for 1-D positions. With ``video`` the request's
+    images are one video's frames: pixel_values are its patches and image_grid_thw its [1, 3] grid."""
 
     ids: list[int]
     pixel_values: Optional[torch.Tensor] = None
     image_grid_thw: Optional[torch.Tensor] = None
     mrope_positions: Optional[torch.Tensor] = None
     rope_delta: int = 0
+    video: bool = False  # the images are the frames of one video (its grid is image_grid_thw's one row)
 
 
 class ModelFamily:
@@ -78,9 +80,13 @@ class ModelFamily:
         raise NotImplementedError
 
     def encode_images(self, loaded: LoadedModel, pixel_values: torch.Tensor,
-                      image_grid_thw: Optional[torch.Tensor]) -> list[torch.Tensor]:
-        """Features of each image, [tokens of that image, hidden], in order."""
+                      image_grid_thw: Optional[torch.Tensor], video: bool = False) -> list[torch.Tensor]:
+        """Features of each image (or video), [tokens of that image, hidden], in order."""
         raise NotImplementedError
+
+    def placeholder_id(self, loaded: LoadedModel, video: bool) -> int:
+        """The token id the vision features replace."""
+        return loaded.image_token_id
 
     def patches(self, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor]) -> list[torch.Tensor]:
         """One request's pixel_values split per image (to encode each distinct image once)."""

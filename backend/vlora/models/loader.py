@@ -265,7 +265,7 @@ class LlavaFamily(ModelFamily):
         ids = build_prompt_ids(loaded, text, len(images), apply_chat_template)
         return Prompt(ids=ids, pixel_values=pixel_values(images, loaded.image_processor) if images else None)
 
-    def encode_images(self, loaded, pixel_values, image_grid_thw):
+    def encode_images(self, loaded, pixel_values, image_grid_thw, video=False):
         """[n, 3, H, W] -> n x [tokens_per_image, hidden], as LlavaModel.get_image_features does."""
         model = loaded.model
         vm = model.model

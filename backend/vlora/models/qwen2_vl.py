@@ -10,7 +10,9 @@
   ``rope_delta`` shifts every generated token (see :mod:`vlora.models.family`).
 - Decoder layers are Qwen2's: LLaMA's with biases on q/k/v (the runner's fused q/k/v GEMM carries them).
 
-Videos and Qwen2.5-VL's video timing are not served yet: a request's images are still images.
+- Videos: a prompt with ``<|vision_start|><|video_pad|><|vision_end|>`` (once) makes the request's images
+  the frames of one video, through the processor's video path (temporal patches of 2; Qwen2.5-VL's
+  ``second_per_grid_ts`` from the processor's frame rate) and the model's ``get_video_features``.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from vlora.models.family import LoadedModel, ModelFamily, ModelLoadError, Prompt
 log = logging.getLogger(__name__)
 
 VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 _CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
@@ -83,12 +86,15 @@ class Qwen2VLFamily(ModelFamily):
         if not text.strip() and not images:
             raise InvalidRequest("empty prompt: text_input is empty and no image was given")
         processor = loaded.image_processor
+        if VIDEO_PLACEHOLDER in text:
+            return self._video_prompt(loaded, text, images, apply_chat_template)
         placeholders = text.count(VISION_PLACEHOLDER)
         if placeholders and placeholders != len(images):
             raise InvalidRequest(f"the prompt has {placeholders} {VISION_PLACEHOLDER} placeholder(s) "
                                  f"but the request carries {len(images)} image(s)")
         if text.count("<|image_pad|>") != placeholders or "<|video_pad|>" in text:
-            raise InvalidRequest(f"write images as {VISION_PLACEHOLDER}; <|image_pad|> alone and videos are not accepted")
+            raise InvalidRequest(f"write images as {VISION_PLACEHOLDER} and a video as {VIDEO_PLACEHOLDER}; "
+                                 f"the pad tokens alone are not accepted")
         if apply_chat_template:
             parts: list[dict[str, Any]] = [] if placeholders else [{"type": "image"} for _ in images]
             parts.append({"type": "text", "text": text})
@@ -109,12 +115,34 @@ class Qwen2VLFamily(ModelFamily):
         return Prompt(ids=ids.tolist(), pixel_values=None if pv is None else pv.to(torch.float32),
                       image_grid_thw=grid, mrope_positions=positions, rope_delta=delta)
 
+    def _video_prompt(self, loaded: LoadedModel, text: str, frames, apply_chat_template: bool) -> Prompt:
+        processor = loaded.image_processor
+        if text.count(VIDEO_PLACEHOLDER) != 1 or VISION_PLACEHOLDER in text:
+            raise InvalidRequest(f"a video request has one {VIDEO_PLACEHOLDER} and no image placeholder")
+        if not frames:
+            raise InvalidRequest("a video request carries its frames as the request's images; none were given")
+        if apply_chat_template:
+            text = text.replace(VIDEO_PLACEHOLDER, "")
+            text = processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}],
+                                                 tokenize=False, add_generation_prompt=True)
+        out = processor(text=[text], videos=[list(frames)], return_tensors="pt")
+        ids = out["input_ids"][0]
+        grid = out["video_grid_thw"]
+        extra = {"second_per_grid_ts": out["second_per_grid_ts"]} if "second_per_grid_ts" in out else {}
+        positions, delta = loaded.model.model.get_rope_index(ids[None], out["mm_token_type_ids"], video_grid_thw=grid, **extra)
+        return Prompt(ids=ids.tolist(), pixel_values=out["pixel_values_videos"].to(torch.float32), image_grid_thw=grid,
+                      mrope_positions=positions[:, 0].to(torch.long).cpu(), rope_delta=int(delta.reshape(-1)[0]), video=True)
+
     def encode_images(self, loaded: LoadedModel, pixel_values: torch.Tensor,
-                      image_grid_thw: Optional[torch.Tensor]) -> list[torch.Tensor]:
+                      image_grid_thw: Optional[torch.Tensor], video: bool = False) -> list[torch.Tensor]:
         vm = loaded.model.model
         p = next(vm.visual.parameters())
-        out = vm.get_image_features(pixel_values.to(p.device, p.dtype), image_grid_thw.to(p.device))
+        encode = vm.get_video_features if video else vm.get_image_features
+        out = encode(pixel_values.to(p.device, p.dtype), image_grid_thw.to(p.device))
         return list(out.pooler_output)
+
+    def placeholder_id(self, loaded: LoadedModel, video: bool) -> int:
+        return int(loaded.model.config.video_token_id) if video else loaded.image_token_id
 
     def patches(self, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor]) -> list[torch.Tensor]:
         return list(torch.split(pixel_values, image_grid_thw.prod(-1).tolist()))
