@@ -61,6 +61,19 @@ def test_metrics_show_requests_per_adapter_and_batch_size(server):
     assert _labelled(text, "vlora_adapter_waiting_requests", adapter) == 0
     assert _tier(text, "gpu") >= 1 and _tier(text, "cpu") >= 1
 
+    # The prefix cache: a second request with the same long prompt reuses its full KV blocks.
+    shared = "USER: " + "Look at the crossing and list what moves there, lane by lane. " * 6
+    for question in ("Cars? ASSISTANT:", "Bikes? ASSISTANT:"):
+        client.generate(shared + question, max_tokens=2)
+    deadline = time.monotonic() + 10
+    while True:
+        reused = sum(metric_values(server.metrics(), "vlora_prefix_cache_reused_tokens_total").values())
+        if reused >= 64 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert reused >= 64, reused
+    assert sum(metric_values(server.metrics(), "vlora_prefix_cache_prompt_tokens_total").values()) > reused
+
 
 def _labelled(text: str, name: str, adapter: str) -> float:
     values = [v for k, v in metric_values(text, name).items() if f'lora_name="{adapter}"' in k]

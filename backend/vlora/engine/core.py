@@ -18,12 +18,14 @@ whose adapter is being loaded waits for it while the others keep decoding.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from vlora.config import EngineConfig
@@ -83,10 +85,13 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.req.prompt_ids) + len(self.output_ids)
 
+    prefix_hashes: list = field(default_factory=list)  # the prefix cache's hash of each full prompt block
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (a whole number of blocks)
+
     @property
     def step_tokens(self) -> int:
-        """Tokens this request puts into its next step: the prompt, then one at a time."""
-        return 1 if self.prefilled else len(self.req.prompt_ids)
+        """Tokens this request puts into its next step: the prompt (less its cached prefix), then one at a time."""
+        return 1 if self.prefilled else len(self.req.prompt_ids) - self.cached_tokens
 
 
 class LLMEngine:
@@ -111,6 +116,7 @@ class LLMEngine:
         self._reported_depth: Optional[tuple[int, int]] = None  # (running, waiting) last sent to the metrics
         self.tuner = None  # the ATMM tuner sidecar started at model load (vlora.atmm.tuner.start_at_load), if any
         self._decode = _fast_decode(tokenizer)
+        self.prefix_stats = {"queried_tokens": 0, "reused_tokens": 0, "evictions": 0}  # cache.prefix_caching
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
@@ -163,8 +169,9 @@ class LLMEngine:
             if s.prefilled:
                 inputs.append(SeqInput([s.output_ids[-1]], s.num_tokens - 1, s.blocks, plus, delora_slot=minus,
                                        rope_delta=req.rope_delta))
-            else:
-                inputs.append(SeqInput(req.prompt_ids, 0, s.blocks, plus, delora_slot=minus,
+            else:  # the prompt past its cached prefix; the runner takes the images' features that fall there
+                c = s.cached_tokens
+                inputs.append(SeqInput(req.prompt_ids[c:], c, s.blocks, plus, delora_slot=minus,
                                        pixel_values=req.pixel_values, image_keys=req.image_keys,
                                        image_grid_thw=req.image_grid_thw, mrope_positions=req.mrope_positions,
                                        rope_delta=req.rope_delta, video=req.video))
@@ -183,7 +190,12 @@ class LLMEngine:
         orch.observe_step(elapsed)
         now = orch.clock()
         n_prefill_reqs = sum(1 for s in batch if not s.prefilled)
-        n_prefill = sum(len(s.req.prompt_ids) for s in batch if not s.prefilled)
+        n_prefill = sum(s.step_tokens for s in batch if not s.prefilled)
+        alloc = self.runner.kv.allocator
+        for s in batch:  # the prompt's full blocks now hold its KV: the prefix cache may hand them out
+            if not s.prefilled:
+                for block, h in zip(s.blocks.blocks, s.prefix_hashes):
+                    alloc.register(block, h)
         self.last_step = {
             "request_ids": [s.req.request_id for s in batch],
             "num_prefill": n_prefill_reqs,
@@ -288,14 +300,63 @@ class LLMEngine:
             return False
         if slot is None:
             return False  # its adapter is being read or copied, or every slot is pinned: a later step
-        if need > self.runner.kv.allocator.num_free:
+        alloc = self.runner.kv.allocator
+        hit: list[int] = []
+        if self.config.cache.prefix_caching:
+            s.prefix_hashes = self._prefix_hashes(s, slot)
+            hit = alloc.lookup(s.prefix_hashes)
+            alloc.share(hit)  # held before the allocation below, which may evict other cached blocks
+        if need - len(hit) > alloc.num_free:
+            alloc.free(hit)
             self.loras.release(slot)
             return False
         self.waiting.remove(s)
         s.slot = slot
-        s.blocks = SequenceBlocks(self.runner.kv.allocator.allocate(need))
+        s.blocks = SequenceBlocks(hit + alloc.allocate(need - len(hit)))
+        s.cached_tokens = len(hit) * self.runner.kv.block_size
+        self.prefix_stats["queried_tokens"] += len(s.req.prompt_ids)
+        self.prefix_stats["reused_tokens"] += s.cached_tokens
+        evicted = alloc.evictions - self.prefix_stats["evictions"]
+        self.prefix_stats["evictions"] = alloc.evictions
+        self.metrics.prefix_cache(len(s.req.prompt_ids), s.cached_tokens, evicted)
         self.running.append(s)
         return True
+
+    def _prefix_hashes(self, s: Sequence, slot: int) -> list[bytes]:
+        """Chained hashes of the prompt's full blocks, leaving at least one token to run (its logits).
+
+        Block i's hash covers the weights that made the KV (the adapter's name and version, "" for the
+        base model), blocks 0..i's token ids, and the content hashes of the images (or video) whose
+        placeholder tokens start in blocks 0..i: a block is shared only by requests that would have
+        computed the same keys and values."""
+        bs = self.runner.kv.block_size
+        ids = s.req.prompt_ids
+        n_full = (len(ids) - 1) // bs
+        if n_full <= 0:
+            return []
+        starts: dict[int, list[bytes]] = {}  # block -> keys of the images starting there
+        req = s.req
+        if req.pixel_values is not None and len(req.image_keys):
+            loaded = self.runner.loaded
+            family = loaded.family
+            counts = family.item_tokens(loaded, req.pixel_values, req.image_grid_thw, req.video)
+            marker = family.placeholder_id(loaded, req.video)
+            positions = [i for i, t in enumerate(ids) if t == marker]
+            first = 0
+            for key, n in zip(req.image_keys, counts):
+                if first < len(positions):
+                    starts.setdefault(positions[first] // bs, []).append(key)
+                first += n
+        h = hashlib.sha256(b"vlora-prefix\0" + self.loras.slot_identity(slot).encode()).digest()
+        out = []
+        for i in range(n_full):
+            m = hashlib.sha256(h)
+            m.update(np.asarray(ids[i * bs:(i + 1) * bs], dtype=np.int64).tobytes())
+            for key in starts.get(i, ()):
+                m.update(key)
+            h = m.digest()
+            out.append(h)
+        return out
 
     # -- stopping and reporting ----------------------------------------------------------------
     def _advance(self, s: Sequence, tok: int) -> None:

@@ -7,6 +7,7 @@ out, is scratch: the padding rows of a captured decode step write their keys and
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,23 +16,80 @@ import torch
 
 
 class BlockAllocator:
-    """Free list of block ids. Not thread-safe: only the engine thread calls it."""
+    """Block ids with reference counts, and the prefix cache's index of full blocks by content hash.
+
+    A block is free, held by one or more sequences (its count), or cached: its count fell to 0 but its
+    hash still names it, so a later request with the same prefix can take it back (:meth:`lookup`,
+    :meth:`share`). Cached blocks are evicted least recently used when :meth:`allocate` runs out of free
+    ones. Not thread-safe: only the engine thread calls it.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._ref = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, count 0: oldest first
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_hash)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"KV cache: asked for {n} blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise MemoryError(f"KV cache: asked for {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:  # the least recently used cached block leaves the cache
+                b, _ = self._evictable.popitem(last=False)
+                del self._by_hash[self._hash_of.pop(b)]
+                self.evictions += 1
+            self._ref[b] = 1
+            out.append(b)
+        return out
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        for b in reversed(blocks):
+            self._ref[b] -= 1
+            if self._ref[b] > 0:
+                continue
+            if b in self._hash_of:
+                self._evictable[b] = None  # most recently used last
+            else:
+                self._free.append(b)
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of ``hashes`` (a chain: block i's hash covers 0..i)."""
+        out = []
+        for h in hashes:
+            b = self._by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def share(self, blocks: list[int]) -> None:
+        """Hold cached ``blocks`` for one more sequence."""
+        for b in blocks:
+            if self._ref[b] == 0:
+                del self._evictable[b]
+            self._ref[b] += 1
+
+    def register(self, block: int, h: bytes) -> None:
+        """``block`` (held, fully written) now holds the prefix whose hash is ``h``."""
+        if h in self._by_hash or block in self._hash_of:
+            return
+        self._by_hash[h] = block
+        self._hash_of[block] = h
 
 
 @dataclass

@@ -31,6 +31,10 @@ class EngineMetrics(Protocol):
     def adapters_resident(self, gpu: int, host: int) -> None:
         """How many adapters are in device slots and in host memory, sent when it changes."""
 
+    def prefix_cache(self, prompt_tokens: int, reused_tokens: int, evictions: int) -> None:
+        """One admitted request: its prompt's tokens, those whose KV came from the prefix cache, and the
+        cached blocks evicted since the last call."""
+
 
 class NullMetrics:
     """Records nothing."""
@@ -60,4 +64,7 @@ class NullMetrics:
         pass
 
     def adapters_resident(self, gpu: int, host: int) -> None:
+        pass
+
+    def prefix_cache(self, prompt_tokens: int, reused_tokens: int, evictions: int) -> None:
         pass

@@ -332,7 +332,7 @@ class ModelRunner:
         if not with_images:
             return 0
         family, loaded = self.loaded.family, self.loaded
-        order: list[tuple[bool, int]] = []  # (video, index among the distinct ones), in placeholder order
+        items: list[list[tuple[bool, int]]] = []  # per sequence: (video, index among the distinct ones), in order
         unique: dict[tuple[bool, bytes], int] = {}
         pixels: dict[bool, list[torch.Tensor]] = {False: [], True: []}
         grids: dict[bool, list[torch.Tensor]] = {False: [], True: []}
@@ -341,27 +341,35 @@ class ModelRunner:
             keys = s.image_keys or tuple(bytes([i]) + id(s).to_bytes(8, "little") for i in range(len(per_item)))
             if len(keys) != len(per_item):
                 raise RuntimeError(f"{len(keys)} image keys for {len(per_item)} images")
+            mine = []
             for i, (key, pv) in enumerate(zip(keys, per_item)):
                 if (s.video, key) not in unique:
                     unique[(s.video, key)] = len(pixels[s.video])
                     pixels[s.video].append(pv)
                     if s.image_grid_thw is not None:
                         grids[s.video].append(s.image_grid_thw[i])
-                order.append((s.video, unique[(s.video, key)]))
+                mine.append((s.video, unique[(s.video, key)]))
+            items.append(mine)
         feats = {video: family.encode_images(loaded, family.join(px), torch.stack(grids[video]) if grids[video] else None,
                                              video=video)
                  for video, px in pixels.items() if px}
-        feats = torch.cat([feats[video][i] for video, i in order]).to(hidden.dtype)
         # Placeholders are looked for only in the prompts that bring their images in this step: a decode
         # token that happens to be the image token id (a random model samples it now and then) is text,
-        # and must neither take an image's features nor fail the whole step.
+        # and must neither take an image's features nor fail the whole step. A prompt that continues a
+        # cached prefix holds only the last placeholders of its images: it takes their last features.
         mask = torch.zeros_like(ids, dtype=torch.bool)
-        off = 0
+        rows: list[torch.Tensor] = []
+        off, k = 0, 0
         for s in seqs:
             n = len(s.token_ids)
             if s.pixel_values is not None and len(s.pixel_values):
                 mask[off:off + n] = ids[off:off + n] == family.placeholder_id(loaded, s.video)
+                here = int(mask[off:off + n].sum())
+                if here:
+                    rows.append(torch.cat([feats[video][i] for video, i in items[k]])[-here:])
+                k += 1
             off += n
+        feats = torch.cat(rows).to(hidden.dtype) if rows else hidden.new_zeros(0, hidden.shape[-1])
         n_slots_img = int(mask.sum())
         if n_slots_img != feats.shape[0]:
             raise RuntimeError(f"image placeholders ({n_slots_img} tokens) do not match image features ({feats.shape[0]})")

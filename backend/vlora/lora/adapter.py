@@ -122,6 +122,9 @@ class AdapterWeights:
     target_modules: tuple[str, ...]
     config: Mapping[str, Any] = field(default_factory=dict, repr=False)
     heads: Mapping[str, Any] = field(default_factory=dict, repr=False)  # task -> vlora.heads.TaskHead
+    # Which files these weights were read from: (size, mtime, inode) of the config and weights files. A
+    # reload after the folder changed gives another version, so caches keyed on it never serve old results.
+    version: str = ""
 
     def scale(self, layer: int, module: str) -> float:
         return self.pairs[(layer, module)].scale
@@ -270,7 +273,8 @@ def load_adapter(
         ranks[module] = max(ranks.get(module, 0), pair.rank)
     targets = tuple(m for m in supported if m in ranks)
     heads = _load_heads(adir, root, where, hidden_size=module_dims["q_proj"][0]) if "q_proj" in module_dims else {}
-    return AdapterWeights(name=name, dir=adir, pairs=pairs, ranks=ranks, max_rank=max(ranks.values()),
+    version = "/".join(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}" for st in (config_path.stat(), weights_path.stat()))
+    return AdapterWeights(name=name, dir=adir, pairs=pairs, ranks=ranks, max_rank=max(ranks.values()), version=version,
                           target_modules=targets, config=config, heads=heads)
 
 

@@ -230,6 +230,7 @@ class LoraManager:
         # Engine thread only (_slot_of is also read under _lock by host-tier eviction, so it is written under it).
         self._slot_of: dict[str, int] = {}
         self._name_in: list[Optional[str]] = [None] * cfg.max_gpu_adapters
+        self._version_in: list[str] = [""] * cfg.max_gpu_adapters  # the weights' version in each slot
         self._pins = [0] * cfg.max_gpu_adapters
         self._slot_lru: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(cfg.max_gpu_adapters))
         self._heads_in: list[dict] = [{} for _ in range(cfg.max_gpu_adapters)]  # slot -> task -> TaskHead on the device
@@ -257,6 +258,12 @@ class LoraManager:
         with self._lock:
             in_memory = set(self._in_memory) | set(self._host)
         return sorted(set(self._on_disk()) | in_memory)
+
+    def slot_identity(self, slot: int) -> str:
+        """Which weights serve ``slot`` (-1: the base model): the adapter's name and version. Engine thread."""
+        if slot < 0:
+            return ""
+        return f"{self._name_in[slot]}@{self._version_in[slot]}"
 
     def adapter_id(self, name: str) -> Optional[int]:
         with self._lock:
@@ -589,6 +596,7 @@ class LoraManager:
         # Heads are small: copied on the compute stream, where they are read.
         self._heads_in[slot] = {t: (h.to(self.device) if self.device is not None else h) for t, h in w.heads.items()}
         self._name_in[slot] = name
+        self._version_in[slot] = w.version
         with self._lock:
             self._slot_of[name] = slot
         self._slot_lru.move_to_end(slot)

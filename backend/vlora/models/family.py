@@ -84,6 +84,11 @@ class ModelFamily:
         """Features of each image (or video), [tokens of that image, hidden], in order."""
         raise NotImplementedError
 
+    def item_tokens(self, loaded: LoadedModel, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
+                    video: bool = False) -> list[int]:
+        """Placeholder tokens of each image (or the video) of one request, in order."""
+        return [loaded.num_image_tokens] * len(pixel_values)
+
     def placeholder_id(self, loaded: LoadedModel, video: bool) -> int:
         """The token id the vision features replace."""
         return loaded.image_token_id

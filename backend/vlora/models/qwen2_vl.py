@@ -141,6 +141,10 @@ class Qwen2VLFamily(ModelFamily):
         out = encode(pixel_values.to(p.device, p.dtype), image_grid_thw.to(p.device))
         return list(out.pooler_output)
 
+    def item_tokens(self, loaded: LoadedModel, pixel_values, image_grid_thw, video: bool = False) -> list[int]:
+        merge = loaded.model.config.vision_config.spatial_merge_size
+        return (image_grid_thw.prod(-1) // merge ** 2).tolist()
+
     def placeholder_id(self, loaded: LoadedModel, video: bool) -> int:
         return int(loaded.model.config.video_token_id) if video else loaded.image_token_id
 

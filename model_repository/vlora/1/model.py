@@ -116,6 +116,9 @@ class TritonModelMetrics:
             "host_load": fam("vlora_adapter_host_loads_total", "Adapter reads into host memory, per adapter", fam.COUNTER),
             "host_eviction": fam("vlora_adapter_host_evictions_total", "Adapters leaving host memory (LRU or unloaded), per adapter", fam.COUNTER),
             "resident": fam("vlora_adapters_resident", "Adapters resident per tier (gpu: device slots, cpu: host memory)", fam.GAUGE),
+            "prefix_prompt": fam("vlora_prefix_cache_prompt_tokens_total", "Prompt tokens of admitted requests", fam.COUNTER),
+            "prefix_reused": fam("vlora_prefix_cache_reused_tokens_total", "Prompt tokens whose KV came from the prefix cache", fam.COUNTER),
+            "prefix_evictions": fam("vlora_prefix_cache_evictions_total", "Cached KV blocks evicted for new ones", fam.COUNTER),
         }
         f = self._families
         self._steps = f["steps"].Metric(labels=self._labels)
@@ -133,6 +136,7 @@ class TritonModelMetrics:
                            f["mode_active"].Metric(labels={**self._labels, "mode": m}))
                        for m in ("merge", "unmerge", "mixture")}
         self._tiers = {t: f["resident"].Metric(labels={**self._labels, "tier": t}) for t in ("gpu", "cpu")}
+        self._prefix = {k: f[k].Metric(labels=self._labels) for k in ("prefix_prompt", "prefix_reused", "prefix_evictions")}
         self._last_mode: Optional[str] = None
         self._adapter_gauges: dict[str, tuple[int, int]] = {}  # lora_name -> (running, waiting) last set
         self._per_label: dict[tuple[str, ...], Any] = {}  # touched only by the metrics thread
@@ -170,6 +174,9 @@ class TritonModelMetrics:
 
     def adapters_resident(self, gpu: int, host: int) -> None:
         self._queue.put(("resident", gpu, host))
+
+    def prefix_cache(self, prompt_tokens: int, reused_tokens: int, evictions: int) -> None:
+        self._queue.put(("prefix", prompt_tokens, reused_tokens, evictions))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -228,6 +235,10 @@ class TritonModelMetrics:
                     self._switch_hist.observe(item[1])
                 elif kind == "adapters":
                     self._set_adapter_gauges(item[1], item[2])
+                elif kind == "prefix":
+                    for key, value in zip(("prefix_prompt", "prefix_reused", "prefix_evictions"), item[1:]):
+                        if value:
+                            self._prefix[key].increment(value)
                 elif kind == "resident":
                     self._tiers["gpu"].set(item[1])
                     self._tiers["cpu"].set(item[2])
