@@ -288,15 +288,13 @@ def model_folder(args: argparse.Namespace, max_prompt: int, device) -> tuple[Pat
         from vlora.models.tiny import ensure_tiny_model
 
         return ensure_tiny_model(), time.perf_counter() - t0
-    import yaml
-
-    from vlora.models.random_init import make_random_llava
+    from vlora.models.random_init import load_preset, make_random_model
 
     preset = Path(args.preset) if Path(args.preset).is_absolute() else ROOT / args.preset
     work = Path(args.work)
-    base = make_random_llava(preset, work / preset.stem, device="cuda" if device.type == "cuda" else "cpu")
+    base = make_random_model(preset, work / preset.stem, device="cuda" if device.type == "cuda" else "cpu")
     free_memory(device)
-    have = yaml.safe_load(preset.read_text())["text"].get("max_position_embeddings", 0)
+    have = load_preset(preset).text.get("max_position_embeddings", 0)
     need = max_prompt + 64
     if have >= need:
         return base, time.perf_counter() - t0
@@ -311,7 +309,8 @@ def model_folder(args: argparse.Namespace, max_prompt: int, device) -> tuple[Pat
             if f.name != "config.json":
                 (tmp / f.name).symlink_to(f.resolve())
         cfg = json.loads((base / "config.json").read_text())
-        cfg.setdefault("text_config", {})["max_position_embeddings"] = ctx
+        # LLaVA nests the decoder's settings under text_config; the Hub's Qwen2-VL layout keeps them at the top
+        (cfg["text_config"] if "text_config" in cfg else cfg)["max_position_embeddings"] = ctx
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         tmp.rename(out)
     return out, time.perf_counter() - t0
@@ -338,11 +337,11 @@ def run_plain(model_dir: Path, device, dtype, dims: ModelDims, batches: list[int
     import torch
 
     from plain_decode import PlainDecoder, check_against_hf
-    from vlora.models.loader import load_llava
+    from vlora.models.family import load_model
 
     out: dict[str, Any] = {"points": {}, "weights": "the same model folder as the engine, loaded once more"}
     t0 = time.perf_counter()
-    loaded = load_llava(model_dir, dtype, device)
+    loaded = load_model(model_dir, dtype, device)
     out["load_s"] = time.perf_counter() - t0
     check = check_against_hf(loaded.model, batch=2, context=16)
     out["check"] = check

@@ -138,15 +138,17 @@ def main() -> None:
                           "max_rank": args.rank, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}}
     if args.preset:
         import torch
+        from transformers import AutoConfig
 
         from vlora.lora.demo import DemoAdapter, write_adapter
-        from vlora.models.random_init import make_random_llava
+        from vlora.models.random_init import make_random_model
 
         t = time.perf_counter()
-        model_dir = make_random_llava(args.preset, work / Path(args.preset).stem,
+        model_dir = make_random_model(args.preset, work / Path(args.preset).stem,
                                       device="cuda" if torch.cuda.is_available() else "cpu")
         print(f"model ready in {time.perf_counter() - t:.0f}s: {model_dir}", flush=True)
-        cfg = json.loads((model_dir / "config.json").read_text())["text_config"]
+        # the decoder's settings with transformers' defaults filled in, whatever the family's config.json layout
+        cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True).text_config.to_dict()
         adapters_dir = work / f"adapters-r{args.rank}"
         for i in range(args.num_adapters):  # random PEFT adapters in the demo adapters' format
             spec = DemoAdapter(f"r{args.rank}-{i:03d}", r=args.rank, alpha=2 * args.rank, seed=1000 + i,
