@@ -105,12 +105,16 @@ class CacheConfig:
     # Reuse the KV blocks of a prompt prefix computed before, by the same adapter and version, with the same
     # tokens and images (vlora.engine.kv_cache.BlockAllocator); YAML's on/off read as true/false.
     prefix_caching: bool = True
+    # Projected image features kept on the device, keyed by the image's content hash and the vision-side
+    # weights, LRU within this many MiB (0: off).
+    encoder_cache_mb: float = 256.0
 
     def __post_init__(self) -> None:
         _require(self.block_size in (8, 16, 32, 64, 128), "cache.block_size must be one of 8, 16, 32, 64, 128")
         _require(self.num_blocks is None or self.num_blocks >= 1, "cache.num_blocks must be >= 1")
         _require(0.05 <= self.gpu_memory_fraction <= 0.98, "cache.gpu_memory_fraction must be in [0.05, 0.98]")
         _require(isinstance(self.prefix_caching, bool), "cache.prefix_caching must be on or off")
+        _require(self.encoder_cache_mb >= 0, "cache.encoder_cache_mb must be >= 0 (0: off)")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from e2e_helpers import start_server
+from e2e_helpers import png_bytes, start_server
 from vlora_client import VloraClient, VloraClientError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # a safety net: nothing here may hang CI
@@ -73,6 +73,19 @@ def test_metrics_show_requests_per_adapter_and_batch_size(server):
         time.sleep(0.2)
     assert reused >= 64, reused
     assert sum(metric_values(server.metrics(), "vlora_prefix_cache_prompt_tokens_total").values()) > reused
+
+    # The encoder cache: the same frame twice is encoded once.
+    frame = png_bytes(77)
+    for question in ("Cars? ASSISTANT:", "Bikes? ASSISTANT:"):
+        client.generate("USER: <image>\n" + question, images=[frame], max_tokens=2)
+    deadline = time.monotonic() + 10
+    while True:
+        hits = sum(metric_values(server.metrics(), "vlora_encoder_cache_hits_total").values())
+        if hits >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert hits >= 1, hits
+    assert sum(metric_values(server.metrics(), "vlora_encoder_cache_bytes").values()) > 0
 
 
 def _labelled(text: str, name: str, adapter: str) -> float:

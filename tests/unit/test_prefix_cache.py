@@ -132,3 +132,26 @@ def test_an_adapter_reloaded_with_new_weights_never_reuses_old_blocks(tiny_model
     assert after["q3"][1] == 0  # the new version shares nothing with the old one's blocks
     assert after["q3"][0] == fresh["q4"][0]
     assert after["q3"][0] != first["q"][0]  # and the new weights do change the answer
+
+
+def test_encoder_cache_reuses_features_and_evicts_within_its_budget(tiny_model_dir, root):
+    """Repeated frames are encoded once (hits), outputs equal the cache off, and a tiny budget evicts."""
+    frames = [_png(20 + i) for i in range(3)]
+    specs = [(f"q{i}", "demo-r8-qv" if i % 2 else None, f"USER: <image>\nQuestion {i}? ASSISTANT:", [frames[i % 3]])
+             for i in range(6)]
+    cfg = lambda mb, prefix: EngineConfig().with_overrides({  # noqa: E731
+        "model.path": str(tiny_model_dir), "lora.adapter_root": str(root), "model.device": "cpu",
+        "model.dtype": "float32", "lora.max_rank": "32", "lora.max_gpu_adapters": "4",
+        "cache.encoder_cache_mb": str(mb), "cache.prefix_caching": prefix})
+    cached = build_engine(cfg(64, "off"))
+    plain = build_engine(cfg(0, "off"))
+    on, off = _run(cached, specs), _run(plain, specs)
+    assert {k: v[0] for k, v in on.items()} == {k: v[0] for k, v in off.items()}
+    stats = cached.runner.encoder_cache.stats()
+    assert stats["hits"] == 3 and stats["misses"] == 3 and stats["bytes"] > 0
+    assert plain.runner.encoder_cache is None
+    one = stats["bytes"] / 3  # one image's features
+    small = build_engine(cfg(1.5 * one / 2**20, "off"))
+    assert {k: v[0] for k, v in _run(small, specs).items()} == {k: v[0] for k, v in off.items()}
+    s = small.runner.encoder_cache.stats()
+    assert s["evictions"] > 0 and s["bytes"] <= 1.5 * one

@@ -1,12 +1,11 @@
 """Build an :class:`LLMEngine` from configuration: device, dtype, model, LoRA slots, KV cache, inputs."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -82,6 +81,7 @@ def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) 
                          max_rank=config.lora.max_rank, target_modules=config.lora.target_modules, loaded=loaded)
     runner.allocate_kv(config.cache.num_blocks, config.cache.block_size, config.cache.gpu_memory_fraction)
     runner.set_attention(config.engine.attention)
+    runner.set_encoder_cache(config.cache.encoder_cache_mb)
     loras = LoraManager(adapter_root, runner.lora_layers, runner.num_layers, runner.module_dims(), config.lora, metrics)
     engine = LLMEngine(config, runner, loras, loaded.tokenizer, max_model_len, eos_token_ids(loaded), metrics)
     engine.inputs = InputProcessor(loaded, config.limits, loras, max_model_len)
@@ -123,12 +123,12 @@ def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device,
     index = device.index if device.type == "cuda" and device.index is not None else 0
     # The sidecar profiles on its device 0: show it this engine's GPU only, and give each GPU its own
     # output (one Triton instance per GPU starts one sidecar each, at the same time).
-    with _child_sees_only(index if device.type == "cuda" else None):
-        return tuner.start_at_load(
-            default_kernels(), mode=cfg.tune_at_load, widths=widths, ranks=ranks,
-            max_tokens=config.scheduler.max_num_batched_tokens, segments=list(cfg.tune_segments),
-            dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype)), budget_s=cfg.tune_budget_s,
-            cache_dir=cache, work_dir=cache / "runs" / f"cuda{index}", device_name=name)
+    return tuner.start_at_load(
+        default_kernels(), mode=cfg.tune_at_load, widths=widths, ranks=ranks,
+        max_tokens=config.scheduler.max_num_batched_tokens, segments=list(cfg.tune_segments),
+        dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype)), budget_s=cfg.tune_budget_s,
+        cache_dir=cache, work_dir=cache / "runs" / f"cuda{index}", device_name=name,
+        env=child_env(index if device.type == "cuda" else None))
 
 
 def visible_devices_for_child(index: int, visible: Optional[str]) -> Optional[str]:
@@ -140,20 +140,13 @@ def visible_devices_for_child(index: int, visible: Optional[str]) -> Optional[st
     return entries[index] if 0 <= index < len(entries) else None
 
 
-@contextlib.contextmanager
-def _child_sees_only(index: Optional[int]):
-    """While starting a child process: CUDA_VISIBLE_DEVICES names this process's device ``index`` alone.
-    This process's CUDA is initialised already, so only children read the change."""
-    value = None if index is None else visible_devices_for_child(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+def child_env(index: Optional[int], environ: Optional[Mapping[str, str]] = None) -> Optional[dict[str, str]]:
+    """The environment for a child process (passed as ``env=``) that must see only this process's device
+    ``index``: a copy of ``environ`` (default this process's) with ``CUDA_VISIBLE_DEVICES`` naming it.
+    None (inherit unchanged) for a CPU engine (``index`` None) or when the device cannot be told.
+    This process's own environment is never changed."""
+    environ = os.environ if environ is None else environ
+    value = None if index is None else visible_devices_for_child(index, environ.get("CUDA_VISIBLE_DEVICES"))
     if value is None:
-        yield
-        return
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
+        return None
+    return {**environ, "CUDA_VISIBLE_DEVICES": value}

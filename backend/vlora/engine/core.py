@@ -117,6 +117,7 @@ class LLMEngine:
         self.tuner = None  # the ATMM tuner sidecar started at model load (vlora.atmm.tuner.start_at_load), if any
         self._decode = _fast_decode(tokenizer)
         self.prefix_stats = {"queried_tokens": 0, "reused_tokens": 0, "evictions": 0}  # cache.prefix_caching
+        self._encoder_reported: dict = {}  # the encoder cache's counters last sent to the metrics
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
@@ -220,6 +221,13 @@ class LLMEngine:
             s.prefilled = True
             s.output_ids.append(tok)
             self._advance(s, tok)
+        cache = self.runner.encoder_cache
+        if cache is not None and n_prefill_reqs:
+            now_stats = cache.stats()
+            last = self._encoder_reported
+            self.metrics.encoder_cache(*(now_stats[k] - last.get(k, 0) for k in ("hits", "misses", "evictions")),
+                                       now_stats["bytes"])
+            self._encoder_reported = now_stats
         self.metrics.step(len(batch), n_prefill, len(batch) - n_prefill_reqs, elapsed)
         self.metrics.mode_step(orch.mode, orch.merged, elapsed)
         self.metrics.queue_depth(len(self.running), len(self.waiting))

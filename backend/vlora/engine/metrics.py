@@ -35,6 +35,9 @@ class EngineMetrics(Protocol):
         """One admitted request: its prompt's tokens, those whose KV came from the prefix cache, and the
         cached blocks evicted since the last call."""
 
+    def encoder_cache(self, hits: int, misses: int, evictions: int, bytes_used: int) -> None:
+        """The image-feature cache since the last call (hits, misses, evictions) and its size now."""
+
 
 class NullMetrics:
     """Records nothing."""
@@ -67,4 +70,7 @@ class NullMetrics:
         pass
 
     def prefix_cache(self, prompt_tokens: int, reused_tokens: int, evictions: int) -> None:
+        pass
+
+    def encoder_cache(self, hits: int, misses: int, evictions: int, bytes_used: int) -> None:
         pass

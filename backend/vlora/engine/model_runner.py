@@ -13,6 +13,7 @@ layers only read it. Decode-only steps replay CUDA graphs captured per batch-siz
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -75,6 +76,40 @@ class SeqInput:
     mrope_positions: Optional[torch.Tensor] = None  # [3, prompt length] M-RoPE positions of the prompt
     rope_delta: int = 0  # tokens past the prompt sit at their index plus this (M-RoPE)
     video: bool = False  # pixel_values are one video's frames
+
+
+class EncoderCache:
+    """Projected vision features by (vision-side weights, video or image, content hash), least recently
+    used first out, within a byte budget. Engine thread only. Counters: hits, misses, evictions, bytes."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self._items: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key: tuple) -> Optional[torch.Tensor]:
+        f = self._items.get(key)
+        if f is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return f
+
+    def put(self, key: tuple, features: torch.Tensor) -> None:
+        size = features.numel() * features.element_size()
+        if key in self._items or size > self.budget:
+            return
+        self._items[key] = features
+        self.bytes += size
+        while self.bytes > self.budget:
+            _, old = self._items.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+            self.evictions += 1
+
+    def stats(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions, "bytes": self.bytes}
 
 
 @dataclass
@@ -147,6 +182,10 @@ class ModelRunner:
         self._attn_scale = float(getattr(self.lm.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.attention = get_attention_backend("auto", self.device)
         self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
+        self.encoder_cache: Optional[EncoderCache] = None  # set_encoder_cache()
+        # Which vision-side weights encode images: part of every encoder-cache key. The vision tower and
+        # projector take no adapter yet, so it names the base weights.
+        self.vision_identity = "base"
 
     # -- setup ---------------------------------------------------------------------------------
     def _wrap_lora(self, targets: tuple[str, ...], num_slots: int, max_rank: int) -> None:
@@ -235,6 +274,10 @@ class ModelRunner:
         return torch.stack(feats) if len({f.shape[0] for f in feats}) == 1 else torch.cat(feats)
 
     # -- the step ------------------------------------------------------------------------------
+    def set_encoder_cache(self, budget_mb: float) -> None:
+        """Keep projected image features on the device, LRU within ``budget_mb`` (0: no cache)."""
+        self.encoder_cache = EncoderCache(int(budget_mb * 2**20)) if budget_mb > 0 else None
+
     def set_attention(self, name: str) -> None:
         """Choose the paged attention backend by name (``auto``, ``triton``, ``torch``)."""
         self.attention = get_attention_backend(name, self.device)
@@ -332,10 +375,11 @@ class ModelRunner:
         if not with_images:
             return 0
         family, loaded = self.loaded.family, self.loaded
-        items: list[list[tuple[bool, int]]] = []  # per sequence: (video, index among the distinct ones), in order
-        unique: dict[tuple[bool, bytes], int] = {}
-        pixels: dict[bool, list[torch.Tensor]] = {False: [], True: []}
-        grids: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+        cache = self.encoder_cache
+        items: list[list[tuple[bool, bytes]]] = []  # per sequence: its images' (video, key), in order
+        feature_of: dict[tuple[bool, bytes], torch.Tensor] = {}
+        todo: dict[bool, list[tuple[bytes, torch.Tensor, Optional[torch.Tensor]]]] = {False: [], True: []}
+        cacheable: set[tuple[bool, bytes]] = set()
         for s in with_images:
             per_item = family.patches(s.pixel_values, s.image_grid_thw)
             keys = s.image_keys or tuple(bytes([i]) + id(s).to_bytes(8, "little") for i in range(len(per_item)))
@@ -343,16 +387,30 @@ class ModelRunner:
                 raise RuntimeError(f"{len(keys)} image keys for {len(per_item)} images")
             mine = []
             for i, (key, pv) in enumerate(zip(keys, per_item)):
-                if (s.video, key) not in unique:
-                    unique[(s.video, key)] = len(pixels[s.video])
-                    pixels[s.video].append(pv)
-                    if s.image_grid_thw is not None:
-                        grids[s.video].append(s.image_grid_thw[i])
-                mine.append((s.video, unique[(s.video, key)]))
+                item = (s.video, key)
+                mine.append(item)
+                if item in feature_of or any(k == key for k, _, _ in todo[s.video]):
+                    continue
+                hit = cache.get((self.vision_identity, *item)) if cache is not None and s.image_keys else None
+                if hit is not None:
+                    feature_of[item] = hit
+                    continue
+                todo[s.video].append((key, pv, None if s.image_grid_thw is None else s.image_grid_thw[i]))
+                if s.image_keys:  # content hashes only: the fallback keys name no content
+                    cacheable.add(item)
             items.append(mine)
-        feats = {video: family.encode_images(loaded, family.join(px), torch.stack(grids[video]) if grids[video] else None,
-                                             video=video)
-                 for video, px in pixels.items() if px}
+        encoded = 0
+        for video, work in todo.items():
+            if not work:
+                continue
+            grids = [g for _, _, g in work if g is not None]
+            out = family.encode_images(loaded, family.join([pv for _, pv, _ in work]),
+                                       torch.stack(grids) if grids else None, video=video)
+            encoded += len(work)
+            for (key, _, _), f in zip(work, out):
+                feature_of[(video, key)] = f
+                if cache is not None and (video, key) in cacheable:
+                    cache.put((self.vision_identity, video, key), f)
         # Placeholders are looked for only in the prompts that bring their images in this step: a decode
         # token that happens to be the image token id (a random model samples it now and then) is text,
         # and must neither take an image's features nor fail the whole step. A prompt that continues a
@@ -366,7 +424,7 @@ class ModelRunner:
                 mask[off:off + n] = ids[off:off + n] == family.placeholder_id(loaded, s.video)
                 here = int(mask[off:off + n].sum())
                 if here:
-                    rows.append(torch.cat([feats[video][i] for video, i in items[k]])[-here:])
+                    rows.append(torch.cat([feature_of[item] for item in items[k]])[-here:])
                 k += 1
             off += n
         feats = torch.cat(rows).to(hidden.dtype) if rows else hidden.new_zeros(0, hidden.shape[-1])
@@ -374,7 +432,7 @@ class ModelRunner:
         if n_slots_img != feats.shape[0]:
             raise RuntimeError(f"image placeholders ({n_slots_img} tokens) do not match image features ({feats.shape[0]})")
         hidden[mask] = feats
-        return sum(len(px) for px in pixels.values())
+        return encoded
 
     def _layer(self, li: int, layer: nn.Module, h: torch.Tensor, pending: Optional[torch.Tensor], cos: torch.Tensor,
                sin: torch.Tensor, slot_mapping: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:

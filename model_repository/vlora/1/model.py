@@ -119,6 +119,10 @@ class TritonModelMetrics:
             "prefix_prompt": fam("vlora_prefix_cache_prompt_tokens_total", "Prompt tokens of admitted requests", fam.COUNTER),
             "prefix_reused": fam("vlora_prefix_cache_reused_tokens_total", "Prompt tokens whose KV came from the prefix cache", fam.COUNTER),
             "prefix_evictions": fam("vlora_prefix_cache_evictions_total", "Cached KV blocks evicted for new ones", fam.COUNTER),
+            "encoder_hits": fam("vlora_encoder_cache_hits_total", "Images whose features came from the encoder cache", fam.COUNTER),
+            "encoder_misses": fam("vlora_encoder_cache_misses_total", "Images encoded (not in the encoder cache)", fam.COUNTER),
+            "encoder_evictions": fam("vlora_encoder_cache_evictions_total", "Features evicted from the encoder cache", fam.COUNTER),
+            "encoder_bytes": fam("vlora_encoder_cache_bytes", "Bytes of features in the encoder cache", fam.GAUGE),
         }
         f = self._families
         self._steps = f["steps"].Metric(labels=self._labels)
@@ -137,6 +141,8 @@ class TritonModelMetrics:
                        for m in ("merge", "unmerge", "mixture")}
         self._tiers = {t: f["resident"].Metric(labels={**self._labels, "tier": t}) for t in ("gpu", "cpu")}
         self._prefix = {k: f[k].Metric(labels=self._labels) for k in ("prefix_prompt", "prefix_reused", "prefix_evictions")}
+        self._encoder = {k: f[k].Metric(labels=self._labels)
+                         for k in ("encoder_hits", "encoder_misses", "encoder_evictions", "encoder_bytes")}
         self._last_mode: Optional[str] = None
         self._adapter_gauges: dict[str, tuple[int, int]] = {}  # lora_name -> (running, waiting) last set
         self._per_label: dict[tuple[str, ...], Any] = {}  # touched only by the metrics thread
@@ -177,6 +183,9 @@ class TritonModelMetrics:
 
     def prefix_cache(self, prompt_tokens: int, reused_tokens: int, evictions: int) -> None:
         self._queue.put(("prefix", prompt_tokens, reused_tokens, evictions))
+
+    def encoder_cache(self, hits: int, misses: int, evictions: int, bytes_used: int) -> None:
+        self._queue.put(("encoder", hits, misses, evictions, bytes_used))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -239,6 +248,11 @@ class TritonModelMetrics:
                     for key, value in zip(("prefix_prompt", "prefix_reused", "prefix_evictions"), item[1:]):
                         if value:
                             self._prefix[key].increment(value)
+                elif kind == "encoder":
+                    for key, value in zip(("encoder_hits", "encoder_misses", "encoder_evictions"), item[1:4]):
+                        if value:
+                            self._encoder[key].increment(value)
+                    self._encoder["encoder_bytes"].set(item[4])
                 elif kind == "resident":
                     self._tiers["gpu"].set(item[1])
                     self._tiers["cpu"].set(item[2])
