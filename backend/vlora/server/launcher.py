@@ -100,7 +100,7 @@ class ServeOptions:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", metavar="DIR", help="local Hugging Face LLaVA folder (default: the embedded tiny random model)")
+    parser.add_argument("--model", metavar="DIR", help="local Hugging Face folder of a supported family: LLaVA-1.5, Qwen2-VL, Qwen2.5-VL (default: the embedded tiny random LLaVA)")
     parser.add_argument("--adapters", metavar="DIR", help="adapter root: one PEFT folder per adapter (default: the demo adapters)")
     parser.add_argument("--config", metavar="YAML", help="engine configuration file (see configs/serve/default.yaml)")
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
