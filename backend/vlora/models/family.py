@@ -101,7 +101,8 @@ class ModelFamily:
         return torch.stack(per_image)
 
 
-def read_model_type(path: Path) -> str:
+def read_config(path: Path) -> dict[str, Any]:
+    """The folder's config.json; ModelLoadError naming the problem."""
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{str(path)!r} has no config.json; expected a Hugging Face model folder")
@@ -109,7 +110,29 @@ def read_model_type(path: Path) -> str:
         config = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{str(cfg_file)!r} is not valid JSON: {e}") from e
-    return str(config.get("model_type"))
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{str(cfg_file)!r} must hold a JSON object")
+    return config
+
+
+def read_model_type(path: Path) -> str:
+    return str(read_config(path).get("model_type"))
+
+
+def load_weights(cls: Any, path: Path, dtype: torch.dtype, device, **kwargs) -> Any:
+    """``cls.from_pretrained`` from the local folder, safetensors only, every weight present, eval mode,
+    no gradients, on ``device``; ModelLoadError naming what is wrong."""
+    try:
+        model, info = cls.from_pretrained(str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
+                                          output_loading_info=True, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load model weights from {str(path)!r}: {e}") from e
+    missing = [k for k in info.get("missing_keys", ()) if not k.endswith("position_ids")]
+    if missing:
+        raise ModelLoadError(f"{str(path)!r}: {len(missing)} weight(s) missing from the checkpoint, e.g. {missing[:3]}")
+    model.eval()
+    model.requires_grad_(False)
+    return model.to(device)
 
 
 def family_for(path: str | Path) -> ModelFamily:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from vlora.engine.api import InvalidRequest
-from vlora.models.family import LoadedModel, ModelFamily, ModelLoadError, Prompt
+from vlora.models.family import LoadedModel, ModelFamily, ModelLoadError, Prompt, load_weights, read_config
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +58,8 @@ def load_llava(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     config = _read_config(path)
     _check_safetensors_present(path)
 
-    kwargs: dict[str, Any] = dict(dtype=dtype, local_files_only=True, use_safetensors=True, output_loading_info=True)
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    try:
-        model, info = LlavaForConditionalGeneration.from_pretrained(str(path), **kwargs)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load model weights from {str(path)!r}: {e}") from e
-    missing = [k for k in info.get("missing_keys", ()) if not k.endswith("position_ids")]
-    if missing:
-        raise ModelLoadError(f"{str(path)!r}: {len(missing)} weight(s) missing from the checkpoint, e.g. {missing[:3]}")
-    model.eval()
-    model.requires_grad_(False)
-    model.to(device)
+    kwargs: dict[str, Any] = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = load_weights(LlavaForConditionalGeneration, path, dtype, device, **kwargs)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -160,13 +149,7 @@ def build_prompt_ids(loaded: LoadedModel, text: str, num_images: int, apply_chat
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ModelLoadError(f"{str(path)!r} has no config.json; expected a Hugging Face model folder")
-    try:
-        config = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{str(cfg_file)!r} is not valid JSON: {e}") from e
+    config = read_config(path)
     model_type = config.get("model_type")
     if model_type != "llava":
         raise ModelLoadError(f"{str(path)!r}: model_type {model_type!r} is not supported; vlora serves LLaVA "

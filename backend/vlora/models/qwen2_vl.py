@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from vlora.engine.api import InvalidRequest
-from vlora.models.family import LoadedModel, ModelFamily, ModelLoadError, Prompt
+from vlora.models.family import LoadedModel, ModelFamily, ModelLoadError, Prompt, load_weights, read_model_type
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ class Qwen2VLFamily(ModelFamily):
     def load(self, path: Path, dtype: torch.dtype, device) -> LoadedModel:
         import transformers
 
-        from vlora.models.family import read_model_type
         from vlora.models.loader import _check_safetensors_present
 
         path = Path(path)
@@ -48,18 +47,7 @@ class Qwen2VLFamily(ModelFamily):
             raise ModelLoadError(f"model folder {str(path)!r} does not exist or is not a directory")
         model_type = read_model_type(path)
         _check_safetensors_present(path)
-        cls = getattr(transformers, _CLASSES[model_type])
-        try:
-            model, info = cls.from_pretrained(str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
-                                              output_loading_info=True)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot load model weights from {str(path)!r}: {e}") from e
-        missing = [k for k in info.get("missing_keys", ()) if not k.endswith("position_ids")]
-        if missing:
-            raise ModelLoadError(f"{str(path)!r}: {len(missing)} weight(s) missing from the checkpoint, e.g. {missing[:3]}")
-        model.eval()
-        model.requires_grad_(False)
-        model.to(device)
+        model = load_weights(getattr(transformers, _CLASSES[model_type]), path, dtype, device)
         try:
             # AutoProcessor where torchvision is installed; composed from the same files where it is not.
             from vlora.models.qwen_processing import load_qwen_processor
