@@ -1,10 +1,7 @@
 """One Triton instance per GPU: the ATMM tuner sidecar an engine starts must profile that engine's GPU,
-not device 0 of the host (what a child process sees by default)."""
+not device 0 of the host (what a child process sees by default). The environment it is started with is
+tested in test_packaging.py (builder.child_env)."""
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -21,23 +18,3 @@ from vlora.engine import builder
 ])
 def test_visible_devices_for_child(index, visible, expected):
     assert builder.visible_devices_for_child(index, visible) == expected
-
-
-def _child_sees() -> str:
-    code = "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>'))"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-
-
-def test_child_started_inside_sees_only_the_engine_gpu_and_the_environment_is_restored(monkeypatch):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with builder._child_sees_only(1):
-        assert _child_sees() == "1"
-    assert "CUDA_VISIBLE_DEVICES" not in os.environ
-
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
-    with builder._child_sees_only(1):
-        assert _child_sees() == "5"
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,5"
-
-    with builder._child_sees_only(None):  # a CPU engine: nothing changes
-        assert _child_sees() == "2,5"

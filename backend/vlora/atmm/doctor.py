@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from vlora.atmm.dispatch import default_kernels
+from vlora.atmm.tiling import default_table_dir, shipped_tables, table_path
 
 
 def doctor_report() -> dict:
@@ -18,7 +19,13 @@ def doctor_report() -> dict:
         # The extension's kernels (streaming, CUTLASS, hand-written), chosen per shape by the table.
         "atmm_backend": "cuda-extension" if kernels.available and cuda else "pytorch-reference",
         "tiling_table": kernels.table_source if kernels.available else None,
+        # Where the tables are looked up, and which GPUs have one: answers "which table serves" on any machine.
+        "tiling_table_dir": str(default_table_dir()),
+        "tiling_tables_shipped": shipped_tables(),
     }
+    if cuda:
+        path = table_path(torch.cuda.get_device_name())
+        report["tiling_table_for_gpu"] = str(path) if path.exists() else f"none ({path.name} missing: the built-in default rule)"
     if kernels.available:
         report["extension_archs"] = kernels.ext.CUDA_ARCHS
         report["configs"] = kernels.config_names

@@ -1,5 +1,8 @@
 """The tiling table's data side: where ``configs/tiling/<gpu>.json`` lives and how it is read.
 
+The tables are package data in ``vlora/atmm/tables/`` so that a regular (non-editable) install
+serves them; ``configs/tiling`` of the checkout is a link to that folder, the one copy.
+
 The table itself (128-bit keys, nearest-key fallback, validation against the compiled kernels) is
 the C++ ``TilingTable`` of the extension; this module turns the JSON file into its entries.
 """
@@ -20,8 +23,13 @@ def gpu_slug(name: str) -> str:
 
 
 def default_table_dir() -> Path:
-    """``configs/tiling`` of the source tree this package was loaded from."""
-    return Path(__file__).resolve().parents[3] / "configs" / "tiling"
+    """The committed tables shipped with this package (``configs/tiling`` of a checkout links here)."""
+    return Path(__file__).resolve().parent / "tables"
+
+
+def shipped_tables(table_dir: Path | None = None) -> list[str]:
+    """The GPU slugs that have a table in ``table_dir`` (default: the shipped ones)."""
+    return sorted(p.stem for p in (table_dir or default_table_dir()).glob("*.json"))
 
 
 def table_path(gpu_name: str, table_dir: Path | None = None) -> Path:

@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -309,11 +309,13 @@ class TunerSidecar:
     only replaces the shapes it profiled. The child's progress goes to ``<out>.log``.
     """
 
-    def __init__(self, kernels: AtmmKernels, out: Path, tuner_args: list[str], base: Path | None = None) -> None:
+    def __init__(self, kernels: AtmmKernels, out: Path, tuner_args: list[str], base: Path | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
         self.kernels = kernels
         self.out = Path(out)
         self.args = tuner_args
         self.base = base
+        self.env = dict(env) if env is not None else None  # the child's whole environment; None: this process's
         self.log_path = self.out.with_suffix(".log")
         self.proc: subprocess.Popen | None = None
         self.swapped = False
@@ -324,7 +326,7 @@ class TunerSidecar:
         cmd = [sys.executable, "-m", "vlora.atmm.tuner", "--out", str(self.out), *self.args]
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")  # a pipe nobody reads would fill and stall the child
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True, env=self.env)
         log.info("atmm: tuner sidecar started (pid %d): %s; progress in %s", self.proc.pid, " ".join(cmd), self.log_path)
 
     def poll(self) -> bool:
@@ -376,11 +378,12 @@ class TunerSidecar:
 
 def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: list[int], max_tokens: int,
                   segments: list[int], dtype: str, budget_s: float, cache_dir: Path, work_dir: Path,
-                  device_name: str | None) -> TunerSidecar | None:
+                  device_name: str | None, env: Mapping[str, str] | None = None) -> TunerSidecar | None:
     """Start the tuner sidecar when the model loads (the engine calls this); None when nothing is tuned.
 
     ``mode`` is ``atmm.tune_at_load``: ``auto`` tunes only when the committed table for this GPU is
-    missing, is for another dtype, or lacks one of ``widths`` (other ranks take the nearest key)."""
+    missing, is for another dtype, or lacks one of ``widths`` (other ranks take the nearest key).
+    ``env`` is the sidecar's environment (None: this process's), e.g. one that shows it one GPU."""
     if mode == "never":
         return None
     if device_name is None:
@@ -405,7 +408,7 @@ def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: 
     args = ["--widths", ",".join(map(str, widths)), "--ranks", ",".join(map(str, ranks)), "--dtype", dtype,
             "--max-tokens", str(max_tokens), "--segments", ",".join(map(str, segments)),
             "--cache-dir", str(cache_dir), "--budget-s", str(budget_s)]
-    car = TunerSidecar(kernels, work_dir / f"{slug}.json", args, base=base)
+    car = TunerSidecar(kernels, work_dir / f"{slug}.json", args, base=base, env=env)
     car.start()
     return car
 
