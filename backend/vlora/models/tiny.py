@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -152,13 +152,19 @@ def ensure_tiny_model(cache_dir: Optional[Path] = None) -> Path:
     therefore always complete.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / tiny_model_dirname()
+    return build_atomically(root / tiny_model_dirname(), _generate)
+
+
+def build_atomically(final: Path, build: Callable[[Path], None]) -> Path:
+    """Run ``build`` into a temporary sibling folder and rename it to ``final`` (returned at once if it is
+    there). Each racing process builds its own copy; the loser of the rename discards it, so a folder at
+    ``final`` is always complete."""
     if final.is_dir():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        _generate(tmp)
+        build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared by the user's processes
         try:
             os.rename(tmp, final)

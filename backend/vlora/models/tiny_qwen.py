@@ -44,7 +44,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -52,7 +52,7 @@ from vlora.config import default_cache_dir
 from vlora.lora.adapter import ATTN_MODULES, CONFIG_FILE, WEIGHTS_FILE
 from vlora.lora.demo import STAMP_FILE, DemoAdapter
 from vlora.models.qwen_processing import QwenVideoProcessorPil, load_qwen_processor  # noqa: F401 (re-exported)
-from vlora.models.tiny import CLIP_MEAN, CLIP_STD, CORPUS
+from vlora.models.tiny import CLIP_MEAN, CLIP_STD, CORPUS, build_atomically
 
 # Bump when anything below changes what is generated; it is part of the folder's hash.
 GENERATOR_VERSION = 1
@@ -233,7 +233,7 @@ def ensure_tiny_qwen(cache_dir: Optional[Path] = None, variant: str = "qwen2_vl"
     generating it first if it is not there yet. Atomic, as :func:`vlora.models.tiny.ensure_tiny_model`."""
     v = _variant(variant)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return _build_atomically(root / tiny_qwen_dirname(v.name), lambda out: _generate(v, out))
+    return build_atomically(root / tiny_qwen_dirname(v.name), lambda out: _generate(v, out))
 
 
 def _variant(name: str) -> QwenVariant:
@@ -241,26 +241,6 @@ def _variant(name: str) -> QwenVariant:
         return VARIANTS[name]
     except KeyError:
         raise ValueError(f"unknown tiny Qwen variant {name!r}; supported: {', '.join(VARIANTS)}") from None
-
-
-def _build_atomically(final: Path, build: Callable[[Path], None]) -> Path:
-    """Build into a temporary sibling folder and rename it into place; a folder at ``final`` is complete."""
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        build(tmp)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def hub_config(variant: QwenVariant, tokenizer) -> dict[str, Any]:
@@ -533,7 +513,7 @@ def ensure_tiny_qwen_adapters(model_dir: Path, out_root: Path) -> Path:
             except FileNotFoundError:
                 pass
             shutil.rmtree(stale, ignore_errors=True)
-        _build_atomically(final, build)
+        build_atomically(final, build)
     return out_root
 
 
