@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from e2e_helpers import MODEL, http_status, post_json, start_server
+from vlora.server.launcher import child_processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # a safety net: nothing here may hang CI
 
@@ -267,19 +268,8 @@ def test_heavy_image_requests_delay_only_themselves(server):
 
 # -- the fail-safe engine: servers of their own (destructive) ----------------------------------------
 def _children(pid: int) -> list[tuple[int, str]]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        head, _, rest = stat.rpartition(")")
-        fields = rest.split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append((int(entry.name), head.partition("(")[2]))
-    return out
+    """(pid, name) of ``pid``'s living (not zombie) children."""
+    return [(child, name) for child, name, state in child_processes(pid) if state != "Z"]
 
 
 def _server_processes(launcher_pid: int) -> tuple[int, list[int], str]:

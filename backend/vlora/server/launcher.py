@@ -503,20 +503,7 @@ class TritonServer:
         """The Python backend stub processes of this server (its children named like the stub)."""
         if self._proc is None:
             return []
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            comm, _, rest = stat.rpartition(")")
-            fields = rest.split()
-            name = comm.partition("(")[2]
-            if name and len(fields) > 1 and int(fields[1]) == self._proc.pid and STUB_NAME.startswith(name):
-                pids.append(int(entry.name))
-        return pids
+        return [pid for pid, name, _ in child_processes(self._proc.pid) if name and STUB_NAME.startswith(name)]
 
     def _watch_engine(self) -> None:
         """Forward the model's ENGINE FAILED lines; notice a stub that died (engine_failure is set)."""
@@ -592,6 +579,24 @@ def _check_port_free(host: str, port: int) -> None:
             s.bind((host if host not in ("", "::") else "0.0.0.0", port))
         except OSError as e:
             raise LaunchError(f"port {port} on {host} is not free ({e.strerror}); choose another with the port flags") from None
+
+
+def child_processes(parent: int) -> list[tuple[int, str, str]]:
+    """(pid, name, state) of ``parent``'s child processes, read from /proc (state "Z": a zombie; the name is
+    the kernel's, cut to 15 characters)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm, _, rest = stat.rpartition(")")
+        fields = rest.split()
+        if len(fields) > 1 and int(fields[1]) == parent:
+            out.append((int(entry.name), comm.partition("(")[2], fields[0]))
+    return out
 
 
 def _alive(pid: int) -> bool:
