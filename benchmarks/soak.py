@@ -78,7 +78,7 @@ from vlora.loadtest.transport import (  # noqa: E402
     classify_error,
     finish_timings,
     job_payload,
-    judge,
+    record_grpc_result,
 )
 from vlora.server.launcher import STUB_NAME  # noqa: E402
 
@@ -332,17 +332,7 @@ class StreamGrpc(RequestKind):
         record.expected_output_tokens = spec.expected_output_tokens
         job = job_payload(spec, stream=True)
         job["timeout"] = ctx.request_timeout_s
-        res = ctx.grpc.send(job)
-        record.num_input_tokens, record.num_output_tokens = res["n_in"], res["n_out"]
-        record.finish_reason, record.text = res["finish_reason"], res["text"]
-        if res["error"]:
-            record.e2e_s = res["t_end"] - res["t_start"]
-            record.outcome = "timeout" if res.get("status") == "timeout" else classify_error(res["error"])
-            record.error = res["error"]
-            return record
-        finish_timings(record, res["t_start"], res["t_first"], res["t_end"])
-        judge(record)
-        return record
+        return record_grpc_result(record, ctx.grpc.send(job))
 
 
 class Head(RequestKind):
@@ -1160,7 +1150,7 @@ def soak(args, cfg: SoakConfig, target: Target, token: Optional[str], adapter_ro
         say(f"  {key}: {m['warmup_mb']} MB at {100 * cfg.warmup_fraction:.0f}% -> {m['end_mb']} MB at the end: "
             f"{m['growth_mb']:+.1f} MB ({m['growth_pct']:+.2f}%), peak after warm-up {m['peak_after_warmup_mb']} MB")
     say(memory_line(after) + " (after the drain)")
-    say(f"  the server's finished requests by reason during the soak: "
+    say("  the server's finished requests by reason during the soak: "
         + (", ".join(f"{k} {v}" for k, v in server_finished.items()) or "-"))
     say(f"  drained (running and waiting back to 0): {drained}; after the run: {health}; "
         f"server log: {n_errors} error lines")

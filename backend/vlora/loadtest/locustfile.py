@@ -40,11 +40,9 @@ from vlora.loadtest.summary import error_kind
 from vlora.loadtest.transport import (
     HttpTransport,
     RequestRecord,
-    classify_error,
-    finish_timings,
     job_payload,
-    judge,
     new_record,
+    record_grpc_result,
 )
 from vlora.loadtest.workload import Workload
 
@@ -121,16 +119,7 @@ class GrpcWorkerClient:
             record.outcome, record.error = "error", "the gRPC worker process exited"
             return record
         record.start_s = res["t_start"] - run_start
-        record.num_input_tokens, record.num_output_tokens = res["n_in"], res["n_out"]
-        record.finish_reason, record.text, record.response_bytes = res["finish_reason"], res["text"], res["response_bytes"]
-        if res["error"]:
-            record.e2e_s = res["t_end"] - res["t_start"]
-            record.outcome = "timeout" if res.get("status") == "timeout" else classify_error(res["error"])
-            record.error = res["error"]
-            return record
-        finish_timings(record, res["t_start"], res["t_first"], res["t_end"])
-        judge(record)
-        return record
+        return record_grpc_result(record, res)
 
     def close(self) -> None:
         try:

@@ -106,6 +106,22 @@ def judge(record: RequestRecord) -> None:
                         f"finish_reason={record.finish_reason or 'none'}")
 
 
+def record_grpc_result(record: RequestRecord, res: dict[str, Any]) -> RequestRecord:
+    """Fill ``record`` from one gRPC worker result (grpc_worker's dict): tokens, text, bytes, then the
+    error's outcome, or the timings and the ok / incomplete verdict."""
+    record.num_input_tokens, record.num_output_tokens = res["n_in"], res["n_out"]
+    record.finish_reason, record.text = res["finish_reason"], res["text"]
+    record.response_bytes = res.get("response_bytes", 0)
+    if res["error"]:
+        record.e2e_s = res["t_end"] - res["t_start"]
+        record.outcome = "timeout" if res.get("status") == "timeout" else classify_error(res["error"])
+        record.error = res["error"]
+        return record
+    finish_timings(record, res["t_start"], res["t_first"], res["t_end"])
+    judge(record)
+    return record
+
+
 def job_payload(spec, stream: bool) -> dict[str, Any]:
     """What the gRPC worker needs to send one request (JSON-serialisable)."""
     return {
