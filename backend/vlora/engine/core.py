@@ -86,6 +86,7 @@ class Sequence:
         return len(self.req.prompt_ids) + len(self.output_ids)
 
     prefix_hashes: list = field(default_factory=list)  # the prefix cache's hash of each full prompt block
+    prefix_identity: Optional[str] = None  # the adapter weights prefix_hashes were made for
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (a whole number of blocks)
 
     @property
@@ -311,7 +312,9 @@ class LLMEngine:
         alloc = self.runner.kv.allocator
         hit: list[int] = []
         if self.config.cache.prefix_caching:
-            s.prefix_hashes = self._prefix_hashes(s, slot)
+            identity = self.loras.slot_identity(slot)
+            if s.prefix_identity != identity:  # a request that waits for memory is tried again every step
+                s.prefix_hashes, s.prefix_identity = self._prefix_hashes(s, identity), identity
             hit = alloc.lookup(s.prefix_hashes)
             alloc.share(hit)  # held before the allocation below, which may evict other cached blocks
         if need - len(hit) > alloc.num_free:
@@ -330,10 +333,10 @@ class LLMEngine:
         self.running.append(s)
         return True
 
-    def _prefix_hashes(self, s: Sequence, slot: int) -> list[bytes]:
+    def _prefix_hashes(self, s: Sequence, identity: str) -> list[bytes]:
         """Chained hashes of the prompt's full blocks, leaving at least one token to run (its logits).
 
-        Block i's hash covers the weights that made the KV (the adapter's name and version, "" for the
+        Block i's hash covers the weights that made the KV (``identity``: the adapter's name and version, "" for the
         base model), blocks 0..i's token ids, and the content hashes of the images (or video) whose
         placeholder tokens start in blocks 0..i: a block is shared only by requests that would have
         computed the same keys and values."""
@@ -355,7 +358,7 @@ class LLMEngine:
                 if first < len(positions):
                     starts.setdefault(positions[first] // bs, []).append(key)
                 first += n
-        h = hashlib.sha256(b"vlora-prefix\0" + self.loras.slot_identity(slot).encode()).digest()
+        h = hashlib.sha256(b"vlora-prefix\0" + identity.encode()).digest()
         out = []
         for i in range(n_full):
             m = hashlib.sha256(h)
