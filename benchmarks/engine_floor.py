@@ -579,27 +579,8 @@ def vision_point(engine, images: int, reps: int) -> dict:
     return {"ms": 1e3 * (time.perf_counter() - t0) / reps, "reps": reps, "features": list(feats.shape)}
 
 
-def profile_decode(engine, batch: int, context: int, steps: int = 5, top: int = 15) -> dict:
-    """torch.profiler over ``steps`` base-model decode steps at ``batch``: the top kernels by device time,
-    kernels and launch calls per step, wall (CPU) and kernel (GPU) time per step."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = engine.runner.device.type == "cuda"
-    run = BatchRun(engine, batch, context, [None] * batch, batch + 3 * steps + 16, f"profile-{batch}")
-    try:
-        run.prefill()
-        run.steps(3)
-        run.sync()
-        plain_wall = statistics.mean(run.steps(steps))
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            run.steps(steps)
-            run.sync()
-            prof_wall = (time.perf_counter() - t0) / steps
-    finally:
-        run.close()
+def _kernel_table(prof, steps: int, top: int) -> dict:
+    """The top kernels by device time per step, kernels and launch calls per step, from a finished profile."""
     kernels, launches = [], {}
     launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch",
                     "cudaMemcpyAsync", "cudaMemsetAsync")
@@ -613,15 +594,63 @@ def profile_decode(engine, batch: int, context: int, steps: int = 5, top: int = 
         elif evt.key in launch_names:
             launches[evt.key] = evt.count / steps
     kernels.sort(key=lambda k: -k["us_per_step"])
-    gpu_ms = sum(k["us_per_step"] for k in kernels) / 1e3
-    return {"batch": batch, "context": context, "steps": steps, "cpu_wall_ms_per_step": 1e3 * plain_wall,
-            "profiled_wall_ms_per_step": 1e3 * prof_wall, "gpu_kernel_ms_per_step": gpu_ms,
+    return {"gpu_kernel_ms_per_step": sum(k["us_per_step"] for k in kernels) / 1e3,
             "kernels_per_step": sum(k["calls_per_step"] for k in kernels), "launch_calls_per_step": launches,
             "top_kernels": kernels[:top]}
 
 
+def _activities(engine) -> list:
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
+
+
+def profile_decode(engine, batch: int, context: int, steps: int = 5, top: int = 15) -> dict:
+    """torch.profiler over ``steps`` base-model decode steps at ``batch``: the top kernels by device time,
+    kernels and launch calls per step, wall (CPU) and kernel (GPU) time per step."""
+    from torch.profiler import profile
+
+    run = BatchRun(engine, batch, context, [None] * batch, batch + 3 * steps + 16, f"profile-{batch}")
+    try:
+        run.prefill()
+        run.steps(3)
+        run.sync()
+        plain_wall = statistics.mean(run.steps(steps))
+        with profile(activities=_activities(engine)) as prof:
+            t0 = time.perf_counter()
+            run.steps(steps)
+            run.sync()
+            prof_wall = (time.perf_counter() - t0) / steps
+    finally:
+        run.close()
+    return {"what": "decode", "batch": batch, "context": context, "steps": steps, "cpu_wall_ms_per_step": 1e3 * plain_wall,
+            "profiled_wall_ms_per_step": 1e3 * prof_wall, **_kernel_table(prof, steps, top)}
+
+
+def profile_prefill(engine, tokens: int, steps: int = 3, top: int = 15) -> dict:
+    """torch.profiler over ``steps`` steps that each prefill one prompt of ``tokens`` tokens (after one
+    unprofiled warm-up): the same table as :func:`profile_decode`."""
+    from torch.profiler import profile
+
+    plain_wall = prefill_point(engine, tokens, steps)["ms"]
+    walls = []
+    with profile(activities=_activities(engine)) as prof:
+        for i in range(steps):
+            run = BatchRun(engine, 1, tokens, [None], 1, f"profile-prefill-{tokens}-{i}", seed=100 + i)
+            try:
+                run.sync()
+                t0 = time.perf_counter()
+                engine.step()
+                run.sync()
+                walls.append(time.perf_counter() - t0)
+            finally:
+                run.close()
+    return {"what": "prefill", "batch": 1, "context": tokens, "steps": steps, "cpu_wall_ms_per_step": plain_wall,
+            "profiled_wall_ms_per_step": 1e3 * statistics.mean(walls), **_kernel_table(prof, steps, top)}
+
+
 def print_profile(p: dict) -> None:
-    print(f"\nprofile: base decode bs{p['batch']} ctx{p['context']}, {p['steps']} steps: wall {p['cpu_wall_ms_per_step']:.2f} ms/step "
+    print(f"\nprofile: base {p.get('what', 'decode')} bs{p['batch']} ctx{p['context']}, {p['steps']} steps: wall {p['cpu_wall_ms_per_step']:.2f} ms/step "
           f"unprofiled ({p['profiled_wall_ms_per_step']:.2f} profiled), GPU kernels {p['gpu_kernel_ms_per_step']:.2f} ms/step, "
           f"{p['kernels_per_step']:.0f} kernels/step; launch calls/step: "
           + ", ".join(f"{k} {v:.0f}" for k, v in sorted(p["launch_calls_per_step"].items())), flush=True)
@@ -676,6 +705,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip-plain", action="store_true", help="no plain PyTorch baseline")
     p.add_argument("--profile", action="store_true", help="torch.profiler over 5 base decode steps")
     p.add_argument("--profile-batch", type=int, default=32)
+    p.add_argument("--profile-prefill", type=int, help="also profile prefill steps of one prompt of this many tokens")
     p.add_argument("--deadline-s", type=float, help="start no point after this many seconds (the rest is marked skipped)")
     p.add_argument("--no-record", action="store_true", help="no line in RESULTS.md, no copy in benchmarks/results")
     p.add_argument("--cpu-threads", type=int, default=1)
@@ -854,6 +884,14 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
             result["profile"] = {"error": f"{type(e).__name__}: {e}"}
             engine.fail_all("cancelled", "profile failed")
             print(f"profile failed: {result['profile']['error']}", flush=True)
+    if args.profile_prefill:
+        try:
+            result["profile_prefill"] = profile_prefill(engine, args.profile_prefill)
+            print_profile(result["profile_prefill"])
+        except Exception as e:
+            result["profile_prefill"] = {"error": f"{type(e).__name__}: {e}"}
+            engine.fail_all("cancelled", "profile failed")
+            print(f"prefill profile failed: {result['profile_prefill']['error']}", flush=True)
 
     prefill_rows = result["prefill"]
     for t in prefills:
