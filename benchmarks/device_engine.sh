@@ -8,7 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" /tmp/site
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/backend:$PWD/client${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/backend:$PWD/client:$PWD/load${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 # shellcheck source=/dev/null
 source benchmarks/build_atmm.sh

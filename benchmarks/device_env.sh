@@ -15,12 +15,12 @@ if [ -n "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS || exit 1
 fi
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-export PYTHONPATH=$PWD/backend:$PWD/client:${PYTHONPATH:-}
+export PYTHONPATH=$PWD/backend:$PWD/client:$PWD/load:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 # The Python backend stub's interpreter ignores PYTHONPATH but reads site-packages: make this checkout
 # importable there (what `pip install -e .` does, without needing a build backend on this machine).
 SITE_PACKAGES=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-printf '%s\n%s\n' "$PWD/backend" "$PWD/client" > "$SITE_PACKAGES/vlora-checkout.pth"
+printf '%s\n%s\n%s\n' "$PWD/backend" "$PWD/client" "$PWD/load" > "$SITE_PACKAGES/vlora-checkout.pth"
 # The Python backend stub of Triton 2.51 (nvidia-pytriton 0.7, which requires numpy<2) dies in
 # deserialize_bytes_tensor under NumPy 2 (seen on this machine's image: "unpack_from requires a
 # buffer of at least 1330597715 bytes"). Where the machine's NumPy is 2.x, put a carried NumPy 1.26

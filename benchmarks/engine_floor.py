@@ -6,6 +6,7 @@ next to a plain PyTorch decode step captured in a CUDA graph (benchmarks/plain_d
     python benchmarks/engine_floor.py --quick                          # batch 1 and 32, context 700, prefill 600
     python benchmarks/engine_floor.py --quick --profile                # plus torch.profiler over 5 decode steps
     python benchmarks/engine_floor.py --device cpu --quick --no-record # the tiny model on a CPU (a smoke run)
+    python benchmarks/engine_floor.py --preset configs/models/qwen2-vl-7b.yaml --quick --deadline-s 200  # Qwen2-VL-7B
 
 The 7B model folder is written under ``--work`` on first use (random weights, the folder
 engine_decode.py uses). Points whose KV cache cannot fit are skipped and say so: on an 80 GB card, batch
@@ -21,7 +22,13 @@ What is measured (every point in this one process, on this one device):
   model folder, loaded once more and freed before the engine is built: the two with their KV caches do
   not fit in device memory at once). It is checked first against a transformers forward.
 - prefill: ms of the step that prefills one prompt of T tokens (the request asks for one output token).
-- vision: ms of ``runner.encode_images`` on 1 and 8 preprocessed images (random pixels).
+- vision: ms of ``runner.encode_images`` on 1 and 8 preprocessed images (random pixels; Qwen: 448x448
+  images through the processor, so 1,024 patches and 256 visual tokens each).
+- media (Qwen2-VL family; ``--media``, default one 448x448 image and a 16-frame 448x448 video): one request
+  of random-noise PNGs and a short text, asking for one token, prefilled alone in one step: ms of
+  ``inputs.prepare`` (PNG decode, the processor, M-RoPE positions), of the step (vision tower + merger,
+  the prompt's prefill, sampling; every repetition has new pixels, so the encoder cache never hits), and
+  TTFT (the two together); then the vision tower alone on the same pixels.
 
 Floors (rates measured in this run: a device-to-device copy, bytes read + written; an 8192^3 bf16 matmul):
 - decode = bytes / copy rate; bytes = decoder weights (every layer's projections and norms) + final norm
@@ -31,6 +38,11 @@ Floors (rates measured in this run: a device-to-device copy, bytes read + writte
   2 * 2 * layers * heads * head_dim * T^2 / 2 + the LM head for the last token only (2 * vocab * hidden).
 - vision = FLOPs / matmul rate: patch embedding, the encoder layers the feature layer needs (the
   last one is skipped by ``vision_feature_layer = -2``), attention over all patch tokens, the projector.
+  Qwen2-VL / Qwen2.5-VL (:class:`QwenVisionDims`): the Conv3d patch embedding, every ViT block's
+  projections and MLP, attention within each frame (Qwen2.5-VL: within 112 px windows but in its
+  full-attention blocks), the 2x2 patch merger.
+- media = vision floor of its pixels + prefill floor of its prompt tokens (TTFT floor; preprocessing
+  on the host has no floor).
 
 Targets (the project issue), each printed PASS/FAIL: base decode <= 1.3x floor at every batch and context,
 and faster than the plain graphed step (the faster of its two attention variants); unmerged LoRA <= 1.2x
@@ -39,7 +51,8 @@ its floor.
 
 Writes ``<out>/engine-floor-<device>.json`` (with ``<out>/engine-floor-<device>.results-line.md`` where
 ``--out`` is not benchmarks/results) and, unless ``--no-record``, results/engine-floor-<device>.json and
-one line in benchmarks/RESULTS.md. A point that fails is recorded with its error and the run goes on.
+one line in benchmarks/RESULTS.md. A Qwen2-VL model is named ``engine-floor-qwen`` (Qwen2.5-VL:
+``engine-floor-qwen2.5``) instead, so that its results sit beside LLaVA's. A point that fails is recorded with its error and the run goes on.
 Exits 1 when the plain step fails or does not match transformers, or the engine part stops early;
 targets missed do not change the exit status.
 """
@@ -48,6 +61,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import io
 import json
 import math
 import shutil
@@ -71,6 +85,7 @@ TARGETS = {"base_x_floor": 1.3, "lora_x_base_bs1": 1.2, "lora_x_base_bs32": 1.3,
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 FULL = dict(batches="1,8,32,64", contexts="700,2000", prefill="600,2300,8000", images="1,8")
 QUICK = dict(batches="1,32", contexts="700", prefill="600", images="1,8")
+QWEN_MEDIA = "image:448,video:16x448"  # --media auto on a Qwen2-VL-family model (none on LLaVA)
 CUDA_RESERVE = 8 * GIB  # activations, graphs and a first KV pool, beside the weights and the adapter slots
 PLAIN_MARGIN = 3 * GIB  # free memory the plain decoder leaves beside its cache (graph pool, activations)
 
@@ -158,6 +173,75 @@ class VisionDims:
         embed = 2 * patches * 3 * self.patch ** 2 * self.hidden
         proj = 2 * patches * (self.hidden * self.feature_layers * self.text_hidden + self.text_hidden ** 2)
         return enc + embed + proj
+
+
+QWEN_TYPES = {"qwen2_vl": "qwen", "qwen2_5_vl": "qwen2.5"}  # model_type -> the results' name suffix
+QWEN_IMAGE_SIDE = 448  # px: a multiple of 28 within the processors' bounds, so 32 x 32 patches, 256 tokens
+
+
+@dataclass(frozen=True)
+class QwenVisionDims:
+    """Qwen2-VL / Qwen2.5-VL's vision tower: a Conv3d patch embedding over temporal_patch x patch x patch
+    pixels, ``depth`` ViT blocks, and the patch merger (merge x merge patches -> one text-width token
+    through two linear layers). Attention runs within each frame (temporal slice of the grid); Qwen2.5-VL's
+    blocks other than ``full_blocks`` attend within windows of ``window`` x ``window`` merged tokens."""
+
+    model_type: str
+    depth: int
+    hidden: int
+    mlp_params: int  # per token: Qwen2-VL fc1 + fc2 (2 x d x mlp_ratio d), Qwen2.5-VL gate/up/down (3 x d x I)
+    patch: int
+    temporal_patch: int
+    merge: int
+    in_channels: int
+    text_hidden: int
+    window: int  # merged tokens per window side (0: no windowed attention)
+    full_blocks: int  # blocks with attention over the whole frame
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "QwenVisionDims":
+        v = cfg["vision_config"]
+        if cfg["model_type"] == "qwen2_5_vl":
+            d = v["hidden_size"]
+            return cls(model_type="qwen2_5_vl", depth=v["depth"], hidden=d, mlp_params=3 * d * v["intermediate_size"],
+                       patch=v["patch_size"], temporal_patch=v["temporal_patch_size"], merge=v["spatial_merge_size"],
+                       in_channels=v.get("in_channels", 3), text_hidden=v["out_hidden_size"],
+                       window=v["window_size"] // v["spatial_merge_size"] // v["patch_size"],
+                       full_blocks=len(v.get("fullatt_block_indexes") or ()))
+        d = v["embed_dim"]
+        return cls(model_type="qwen2_vl", depth=v["depth"], hidden=d, mlp_params=2 * d * int(d * v["mlp_ratio"]),
+                   patch=v["patch_size"], temporal_patch=v["temporal_patch_size"], merge=v["spatial_merge_size"],
+                   in_channels=v.get("in_channels", 3), text_hidden=v["hidden_size"], window=0, full_blocks=v["depth"])
+
+    def _windows_sq(self, h: int, w: int) -> int:
+        """Sum over one frame's windows of (patches in the window)^2; windows start at the top left corner."""
+        lh, lw, ws = h // self.merge, w // self.merge, self.window
+        rows = [min(ws, lh - i) for i in range(0, lh, ws)]
+        cols = [min(ws, lw - j) for j in range(0, lw, ws)]
+        return sum((r * c * self.merge ** 2) ** 2 for r in rows for c in cols)
+
+    def flops(self, grids: list) -> int:
+        """FLOPs of encoding items of grid (t, h, w) patches each (an image has t = 1)."""
+        d, total = self.hidden, 0
+        for t, h, w in grids:
+            n = t * h * w
+            embed = 2 * n * self.in_channels * self.temporal_patch * self.patch ** 2 * d
+            linear = 2 * n * (4 * d * d + self.mlp_params) * self.depth
+            full = 4 * d * t * (h * w) ** 2
+            windowed = 4 * d * t * self._windows_sq(h, w) if self.window else full
+            attn = self.full_blocks * full + (self.depth - self.full_blocks) * windowed
+            c = d * self.merge ** 2
+            merger = 2 * (n // self.merge ** 2) * (c * c + c * self.text_hidden)
+            total += embed + linear + attn + merger
+        return total
+
+    def flops_per_image(self, side: int = QWEN_IMAGE_SIDE) -> int:
+        return self.flops([(1, side // self.patch, side // self.patch)])
+
+
+def vision_dims(cfg: dict):
+    """The vision tower's dimensions of the checkpoint's family (LLaVA or Qwen2-VL)."""
+    return QwenVisionDims.from_config(cfg) if cfg.get("model_type") in QWEN_TYPES else VisionDims.from_config(cfg)
 
 
 def decode_floor(d: ModelDims, batch: int, context: int, bw_gbs: float, adapters: int = 0, rank: int = 0,
@@ -405,7 +489,11 @@ class Deadline:
         return self.seconds is not None and time.monotonic() - self.t0 > self.seconds
 
 
-def build(model_dir: Path, device, dtype_name: str, slots: int, rank: int, max_batch: int, budget_tokens: int):
+ATTENTION = "auto"  # engine.attention of the engine under test (--attention)
+
+
+def build(model_dir: Path, device, dtype_name: str, slots: int, rank: int, max_batch: int, budget_tokens: int,
+          max_images: int = 8):
     from vlora.config import EngineConfig
     from vlora.engine.builder import build_engine
 
@@ -414,7 +502,9 @@ def build(model_dir: Path, device, dtype_name: str, slots: int, rank: int, max_b
         "lora.max_gpu_adapters": slots, "lora.max_cpu_adapters": slots, "lora.max_rank": rank,
         "lora.target_modules": list(LORA_TARGETS), "scheduler.max_batch_size": max_batch,
         "scheduler.max_num_batched_tokens": budget_tokens, "orchestrator.policy": "unmerge-only",
-        "atmm.tune_at_load": "never"})  # no tuner sidecar sharing the GPU while we time
+        "limits.max_images": max(8, max_images),  # a video's frames are its images
+        "atmm.tune_at_load": "never",  # no tuner sidecar sharing the GPU while we time
+        "engine.attention": ATTENTION})
     return build_engine(cfg)
 
 
@@ -561,22 +651,141 @@ def prefill_point(engine, tokens: int, reps: int) -> dict:
     return {"ms": 1e3 * statistics.mean(times), "min_ms": 1e3 * min(times), "reps": reps}
 
 
+def vision_inputs(engine, images: int):
+    """(pixel_values on the device, image_grid_thw or None) of ``images`` random images: LLaVA's tower size
+    as random pixels; Qwen2-VL's 448x448 noise images through the model's processor."""
+    import torch
+
+    runner = engine.runner
+    loaded = getattr(runner, "loaded", None)
+    if loaded is None or loaded.model.config.model_type not in QWEN_TYPES:
+        size = runner.model.config.vision_config.image_size
+        return torch.randn(images, 3, size, size, device=runner.device, dtype=runner.dtype), None
+    from PIL import Image
+
+    pil = [Image.open(io.BytesIO(noise_png(1000 + i, QWEN_IMAGE_SIDE))).convert("RGB") for i in range(images)]
+    prompt = loaded.family.prompt(loaded, "Describe.", pil, False)
+    return prompt.pixel_values.to(runner.device, runner.dtype), prompt.image_grid_thw
+
+
 def vision_point(engine, images: int, reps: int) -> dict:
     import torch
 
     runner = engine.runner
-    size = runner.model.config.vision_config.image_size
-    px = torch.randn(images, 3, size, size, device=runner.device, dtype=runner.dtype)
+    px, grid = vision_inputs(engine, images)
     sync = sync_fn(runner.device)
     with torch.inference_mode():
         for _ in range(2):
-            runner.encode_images(px)
+            runner.encode_images(px, grid)
         sync()
         t0 = time.perf_counter()
         for _ in range(reps):
-            feats = runner.encode_images(px)
+            feats = runner.encode_images(px, grid)
         sync()
-    return {"ms": 1e3 * (time.perf_counter() - t0) / reps, "reps": reps, "features": list(feats.shape)}
+    return {"ms": 1e3 * (time.perf_counter() - t0) / reps, "reps": reps, "features": list(feats.shape),
+            **({"grid": grid.tolist()} if grid is not None else {})}
+
+
+def noise_png(seed: int, side: int) -> bytes:
+    """A side x side RGB PNG of uniform noise (every repetition its own pixels: no encoder-cache hit)."""
+    import numpy as np
+    from PIL import Image
+
+    arr = np.random.default_rng(seed).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def parse_media(text: str) -> list[dict]:
+    """``image:SIDE`` (one SIDE x SIDE image) and ``video:FRAMESxSIDE`` items, comma-separated."""
+    out = []
+    for item in (x.strip() for x in str(text).split(",") if x.strip()):
+        kind, _, spec = item.partition(":")
+        try:
+            if kind == "image":
+                out.append({"kind": "image", "images": 1, "side": int(spec or QWEN_IMAGE_SIDE)})
+                continue
+            if kind == "video":
+                frames, _, side = spec.partition("x")
+                out.append({"kind": "video", "images": int(frames), "side": int(side or QWEN_IMAGE_SIDE)})
+                continue
+        except ValueError:
+            pass
+        raise SystemExit(f"--media: {item!r} is not image:SIDE or video:FRAMESxSIDE")
+    return out
+
+
+def media_point(engine, m: dict, reps: int, seed0: int = 1) -> dict:
+    """TTFT of one image or video request asking for one token, prefilled alone (one warm-up, then
+    ``reps``, each with new pixels): ms of ``inputs.prepare`` and of the engine step, then of the vision
+    tower and merger alone on the last request's pixels."""
+    import torch
+
+    from vlora.engine.api import GenerationRequest, SamplingParams
+    from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER
+
+    runner = engine.runner
+    loaded = runner.loaded
+    family = loaded.family
+    video = m["kind"] == "video"
+    if video and loaded.model.config.model_type not in QWEN_TYPES:
+        raise RuntimeError("a video request needs the Qwen2-VL family (LLaVA takes frames as images)")
+    text = f"{VIDEO_PLACEHOLDER}What happens in this video?" if video else f"{family.image_placeholder}What is in this picture?"
+    sync = sync_fn(runner.device)
+    prep, step, errors = [], [], []
+    prepared = None
+    for i in range(reps + 1):
+        frames = [noise_png(1_000_003 * (seed0 + i) + j, m["side"]) for j in range(m["images"])]
+        req = GenerationRequest(f"media-{m['kind']}-{i}-{time.monotonic_ns()}", text, images=frames,
+                                sampling=SamplingParams(max_tokens=1))
+        sync()
+        t0 = time.perf_counter()
+        prepared = engine.inputs.prepare(req)
+        t1 = time.perf_counter()
+        engine.add_request(prepared, lambda out: errors.append(out.error) if out.finished and out.error else None)
+        ran = engine.step()
+        sync()
+        t2 = time.perf_counter()
+        last = engine.last_step or {}
+        if ran is None or last.get("num_prefill") != 1 or errors:
+            engine.fail_all("cancelled", "benchmark point failed")
+            raise RuntimeError(f"the {m['kind']} prefill step did not run alone ({last.get('num_prefill')} prefills, {errors[:1]})")
+        if engine.has_work():
+            engine.fail_all("cancelled", "benchmark point done")
+        if i:
+            prep.append(t1 - t0)
+            step.append(t2 - t1)
+    grid = prepared.image_grid_thw
+    pv = prepared.pixel_values.to(runner.device, runner.dtype)
+    with torch.inference_mode():
+        family.encode_images(loaded, pv, grid, video=video)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            family.encode_images(loaded, pv, grid, video=video)
+        sync()
+    vision_ms = 1e3 * (time.perf_counter() - t0) / reps
+    image_id = family.placeholder_id(loaded, video)
+    out = {"prepare_ms": 1e3 * statistics.mean(prep), "step_ms": 1e3 * statistics.mean(step),
+           "ttft_ms": 1e3 * (statistics.mean(prep) + statistics.mean(step)), "min_step_ms": 1e3 * min(step),
+           "vision_ms": vision_ms, "step_minus_vision_ms": 1e3 * statistics.mean(step) - vision_ms,
+           "prompt_tokens": len(prepared.prompt_ids),
+           "visual_tokens": sum(1 for t in prepared.prompt_ids if t == image_id), "reps": reps}
+    if grid is not None:
+        out["grid"] = grid.tolist()
+    return out
+
+
+def media_floor(dims: ModelDims, vdims, row: dict, tflops: float) -> dict:
+    """The vision tower's FLOPs on the row's pixels + the prefill's on its prompt, at the matmul rate."""
+    if isinstance(vdims, QwenVisionDims):
+        vision = vdims.flops([tuple(g) for g in row["grid"]])
+    else:
+        vision = row["images"] * vdims.flops_per_image()
+    pre = prefill_floor(dims, row["prompt_tokens"], tflops)
+    return {"vision_floor_ms": vision / (tflops * 1e12) * 1e3, "vision_flops": vision,
+            "prefill_floor_ms": pre["floor_ms"], "floor_ms": vision / (tflops * 1e12) * 1e3 + pre["floor_ms"]}
 
 
 def _kernel_table(prof, steps: int, top: int) -> dict:
@@ -696,6 +905,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--contexts", help=f"decode context lengths (default {FULL['contexts']})")
     p.add_argument("--prefill", help=f"prefill prompt lengths (default {FULL['prefill']})")
     p.add_argument("--images", help=f"vision tower batch sizes (default {FULL['images']})")
+    p.add_argument("--media", default="auto", help=f"image/video requests timed to their first token, e.g. "
+                                                   f"{QWEN_MEDIA!r} (auto: that on Qwen2-VL models, none on LLaVA)")
+    p.add_argument("--media-reps", type=int, default=3)
     p.add_argument("--variants", default="base,lora,merged")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--slots", type=int, help="adapter slots (default: the largest batch, as memory allows)")
@@ -705,6 +917,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip-plain", action="store_true", help="no plain PyTorch baseline")
     p.add_argument("--profile", action="store_true", help="torch.profiler over 5 base decode steps")
     p.add_argument("--profile-batch", type=int, default=32)
+    p.add_argument("--attention", default="auto", help="engine.attention: auto, flash, triton or torch")
     p.add_argument("--profile-prefill", type=int, help="also profile prefill steps of one prompt of this many tokens")
     p.add_argument("--deadline-s", type=float, help="start no point after this many seconds (the rest is marked skipped)")
     p.add_argument("--no-record", action="store_true", help="no line in RESULTS.md, no copy in benchmarks/results")
@@ -713,7 +926,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    global ATTENTION
     args = parse_args(argv)
+    ATTENTION = args.attention
     import torch
 
     from vlora.engine.builder import resolve_device
@@ -750,21 +965,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = read_config(model_dir)
     elt = torch.empty((), dtype=dtype).element_size()
     dims = ModelDims.from_config(cfg["text_config"], elt)
-    vdims = VisionDims.from_config(cfg)
+    vdims = vision_dims(cfg)
+    qwen = cfg.get("model_type") in QWEN_TYPES
+    media = parse_media(QWEN_MEDIA if args.media == "auto" and qwen else "" if args.media == "auto" else args.media)
     print(f"model: {model_dir} ({make_s:.0f} s to make), {dims.layers} layers, hidden {dims.hidden}, "
           f"{dims.linear_params / 1e9:.3g} B projection parameters", flush=True)
     result: dict[str, Any] = {
-        "benchmark": NAME, "device": device_name(), "commit": git_commit(), "model_dir": str(model_dir),
-        "preset": args.preset or "tiny", "dtype": dtype_name, "dims": dataclasses.asdict(dims),
-        "vision_dims": dataclasses.asdict(vdims), "rates": rates,
-        "settings": {"batches": batches, "contexts": contexts, "prefill": prefills, "images": images, "rank": args.rank,
-                     "steps": args.steps, "warmup": args.warmup, "variants": variants, "quick": args.quick},
+        "benchmark": f"{NAME}-{QWEN_TYPES[cfg['model_type']]}" if qwen else NAME, "device": device_name(),
+        "commit": git_commit(), "model_dir": str(model_dir), "model_type": cfg.get("model_type"), "model_make_s": make_s,
+        "preset": args.preset or ("tiny" if not args.model else Path(args.model).name), "dtype": dtype_name,
+        "dims": dataclasses.asdict(dims), "vision_dims": dataclasses.asdict(vdims), "rates": rates,
+        "settings": {"attention": args.attention, "batches": batches, "contexts": contexts, "prefill": prefills, "images": images, "rank": args.rank,
+                     "steps": args.steps, "warmup": args.warmup, "variants": variants, "quick": args.quick,
+                     "media": media},
         "floors": {"decode": "bytes / copy rate: decoder weights + final norm + LM head + KV read (B x context) + KV written "
                              "(B tokens) (+ distinct adapters' A and B for lora); embedding rows left out",
                    "prefill": "FLOPs / matmul rate: 2 x projection params x T + causal attention 2 x 2 x L x H x D x T^2 / 2 "
                               "+ LM head for the last token",
                    "vision": "FLOPs / matmul rate: patch embedding, the encoder layers up to the feature layer, "
-                             "attention over all tokens, the projector"}}
+                             "attention over all tokens, the projector (Qwen: every ViT block, attention within each "
+                             "frame or window, the patch merger)",
+                   "media": "vision floor of the request's pixels + prefill floor of its prompt tokens"}}
 
     # 1. The plain baseline, on its own copy of the weights, freed before the engine is built.
     plain: dict[str, Any] = {}
@@ -780,11 +1001,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             free_memory(device)
     result["plain"] = plain
 
-    result.update(decode=[], prefill=[], vision=[], targets=[], notes=notes)
+    result.update(decode=[], prefill=[], media=[], vision=[], targets=[], notes=notes)
     failed = None
     try:
         run_engine(args, device, dtype_name, model_dir, dims, vdims, rates, batches, contexts, prefills, images, variants,
-                   plain, deadline, result)
+                   plain, deadline, result, media)
     except Exception:  # what was measured so far is still written
         failed = traceback.format_exc()
         result["error"] = failed
@@ -801,7 +1022,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, vdims: VisionDims, rates: dict,
                batches: list[int], contexts: list[int], prefills: list[int], images: list[int], variants: list[str],
-               plain: dict, deadline: Deadline, result: dict) -> None:
+               plain: dict, deadline: Deadline, result: dict, media: Optional[list[dict]] = None) -> None:
     """Build the engine and measure every engine point into ``result``."""
     import torch
 
@@ -818,7 +1039,9 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
                          f"weights on this device: {slots} slots, so lora batches above {slots} share adapters")
             print("note:", notes[-1], flush=True)
     t0 = time.perf_counter()
-    engine = build(model_dir, device, dtype_name, slots, args.rank, max(batches), max(16384, max(prefills) + 16))
+    media = media or []
+    engine = build(model_dir, device, dtype_name, slots, args.rank, max(batches), max(16384, max(prefills) + 16),
+                   max_images=max([m["images"] for m in media], default=1))
     build_s = time.perf_counter() - t0
     from orchestrator import ensure_resident, register_adapters, set_policy
 
@@ -911,11 +1134,34 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
         print(f"prefill {t} tokens: " + (f"{row['ms']:.2f} ms (floor {row['floor_ms']:.2f}, {row['ms'] / row['floor_ms']:.2f}x)"
                                          if "ms" in row else row.get("skipped") or row.get("error")), flush=True)
 
+    for m in media:
+        row = dict(m)
+        if deadline.passed():
+            row["skipped"] = "deadline"
+        else:
+            try:
+                row.update(media_point(engine, m, args.media_reps))
+                row.update(media_floor(dims, vdims, row, rates["matmul_tflops"]))
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+                engine.fail_all("cancelled", "benchmark point failed")
+                free_memory(device)
+        result["media"].append(row)
+        print_media_row(row)
+
     vision_rows = result["vision"]
     for n in images:
         row = {"images": n, **vision_floor(vdims, n, rates["matmul_tflops"])}
+        if deadline.passed():
+            row["skipped"] = "deadline"
+            vision_rows.append(row)
+            print(f"vision {n} images: skipped (deadline)", flush=True)
+            continue
         try:
             row.update(vision_point(engine, n, 5))
+            if "grid" in row:  # Qwen: the floor of the grids the processor made (its pixel bounds may resize)
+                flops = vdims.flops([tuple(g) for g in row["grid"]])
+                row.update(floor_ms=flops / (rates["matmul_tflops"] * 1e12) * 1e3, flops=flops)
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"
             free_memory(device)
@@ -933,6 +1179,22 @@ def _f(x: Optional[float], spec: str = ".2f") -> str:
 def plain_best(plain: dict, b: int, c: int) -> Optional[float]:
     p = plain.get("points", {}).get(f"{b}x{c}", {})
     return min((p[k] for k in ("masked_ms", "exact_ms") if p.get(k) is not None), default=None)
+
+
+def media_label(r: dict) -> str:
+    return f"{r['side']}x{r['side']} image" if r["kind"] == "image" else f"{r['images']}-frame {r['side']}x{r['side']} video"
+
+
+def print_media_row(r: dict) -> None:
+    head = f"media {media_label(r)}:"
+    if r.get("ttft_ms") is None:
+        print(f"{head} {r.get('skipped') or r.get('error')}", flush=True)
+        return
+    print(f"{head} {r['prompt_tokens']} prompt tokens ({r['visual_tokens']} visual, grid {r.get('grid')}): "
+          f"TTFT {r['ttft_ms']:.1f} ms = prepare {r['prepare_ms']:.1f} + step {r['step_ms']:.1f} "
+          f"(vision {r['vision_ms']:.1f}, floor {r['vision_floor_ms']:.2f}; step - vision {r['step_minus_vision_ms']:.1f}, "
+          f"prefill floor {r['prefill_floor_ms']:.2f}); step {r['step_ms'] / r['floor_ms']:.2f}x its floor "
+          f"{r['floor_ms']:.2f} ms", flush=True)
 
 
 def print_decode_row(r: dict, plain: dict) -> None:
@@ -966,6 +1228,10 @@ def print_tables(res: dict) -> None:
     for r in res["prefill"]:
         print(f"  {r['tokens']:>6} tokens: {_f(r.get('ms')):>8} ms, floor {r['floor_ms']:.2f} ms "
               f"({_f(r['ms'] / r['floor_ms'] if r.get('ms') else None)}x) {r.get('skipped') or r.get('error') or ''}", flush=True)
+    if res.get("media"):
+        print("image / video requests to their first token", flush=True)
+        for r in res["media"]:
+            print_media_row(r)
     print("vision tower", flush=True)
     for r in res["vision"]:
         print(f"  {r['images']:>6} images: {_f(r.get('ms')):>8} ms, floor {r['floor_ms']:.2f} ms "
@@ -1001,6 +1267,11 @@ def summary_line(res: dict) -> str:
     vi = [f"{r['images']} img {r['ms']:.1f} ms" for r in res["vision"] if r.get("ms") is not None]
     if vi:
         parts.append("vision: " + ", ".join(vi))
+    me = [f"{media_label(r)} ({r['prompt_tokens']} tokens) TTFT {r['ttft_ms']:.1f} ms (prepare {r['prepare_ms']:.1f}, "
+          f"vision {r['vision_ms']:.1f}, step {r['step_ms']:.1f} = {r['step_ms'] / r['floor_ms']:.2f}x floor)"
+          for r in res.get("media", []) if r.get("ttft_ms") is not None]
+    if me:
+        parts.append("media: " + ", ".join(me))
     t = res["targets"]
     parts.append(f"targets {sum(1 for x in t if x['passed'])} pass / {sum(1 for x in t if x['passed'] is False)} fail / "
                  f"{sum(1 for x in t if x['passed'] is None)} skipped")
@@ -1011,17 +1282,18 @@ def summary_line(res: dict) -> str:
 
 def write_outputs(res: dict, out: Path, no_record: bool) -> Path:
     dev = res["device"]
+    name = res.get("benchmark", NAME)  # engine-floor, or engine-floor-qwen (-qwen2.5) for that family
     line = summary_line(res)
     res["summary"] = line
     if not no_record:
-        path = record_result(NAME, dev, res, line)
+        path = record_result(name, dev, res, line)
         if out.resolve() == path.parent.resolve():
             return path
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{NAME}-{dev}.json"
+    path = out / f"{name}-{dev}.json"
     path.write_text(json.dumps(res, indent=2) + "\n")
-    (out / f"{NAME}-{dev}.results-line.md").write_text(
-        f"| {time.strftime('%Y-%m-%d')} | {NAME} | {dev} | {res['commit']} | {line} |\n")
+    (out / f"{name}-{dev}.results-line.md").write_text(
+        f"| {time.strftime('%Y-%m-%d')} | {name} | {dev} | {res['commit']} | {line} |\n")
     print(f"wrote {path}", flush=True)
     return path
 

@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, device_name, git_commit, record_result  # noqa: E402
 
-from vlora.loadtest import cli  # noqa: E402
-from vlora.loadtest.heads import HeadPolicy  # noqa: E402
-from vlora.loadtest.runner import Point, Target, run_point, run_sweep, sweep_points, wait_idle  # noqa: E402
-from vlora.loadtest.summary import queue_built, read_records, window_stats  # noqa: E402
+from vlora_load import cli  # noqa: E402
+from vlora_load.heads import HeadPolicy  # noqa: E402
+from vlora_load.runner import Point, Target, run_point, run_sweep, sweep_points, wait_idle  # noqa: E402
+from vlora_load.summary import queue_built, read_records, window_stats  # noqa: E402
 
 CPU_DEFAULTS = ["--length-scale", "0.05", "--image-size", "64", "--device", "cpu",
                 "--serve-arg=--max-batch-size 8 --max-queue-size 8 --set scheduler.max_waiting=4"]

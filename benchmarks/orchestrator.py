@@ -1,7 +1,8 @@
-"""The orchestrator benchmark (issue 4): scheduling policies under an open-loop Poisson stream, and the
+"""The orchestrator benchmark (issues 4 and 21): scheduling policies under an open-loop Poisson stream, and the
 mode-switch time of the swift switcher against per-layer ``addmm``.
 
-For each policy (``vlora``: the V-LoRA paper's Algorithm 1; the baselines ``merge-only``,
+For each policy (``vlora``: the V-LoRA paper's Algorithm 1, deciding with the cost model measured at load;
+the baselines ``merge-only``,
 ``unmerge-only`` and ``dlora``), each skewness (share of requests that go to the most popular
 adapter) and each number of adapters, one *cell* drives the real engine in-process (``LLMEngine.step``
 on this thread, real wall clock, as the engine thread of the server does) with text-only requests that
@@ -10,6 +11,12 @@ arrive open-loop (Poisson) for ``--duration`` seconds, then drains. It reports t
 tok/s), end-to-end p50/p99, step time per inference mode, the number of mode switches and adapter swaps,
 and which LoRA compute path ran (the ATMM CUDA extension, its PyTorch reference, or dLoRA's padded einsum).
 Every policy sees the same arrival times and adapters for a given (skewness, adapters, rate).
+
+The cost model (:mod:`vlora.orchestrator.costs`: decode step by mode, batch size and distinct adapters, and
+the switch times) is measured when the engine is built (``--cost-model``, default ``auto``: cached per GPU
+under ``--work``/cost-model, else measured; ``measure`` on a CPU, where it takes a second) and printed; every
+cell records the step time per mode it measured, the switches, and the model's estimates at the cell's mean
+batch (base, unmerged, mixture step, switch), so that a missed target can be read off the costs.
 
 Adapters are rank ``--rank`` over q, k, v, o of every layer, registered in memory
 (``LoraManager.register``): ``--distinct-weights`` random weight sets shared by all the names (512
@@ -23,13 +30,15 @@ at its capacity, so the queue matters. Requests still running ``--drain`` second
 arrival are cancelled and counted as *censored*: their latency counts as (cutoff - arrival) with the
 full output length, a lower bound that flatters the policy that had them.
 
-GPU (LLaVA-1.5-7B dimensions, random weights; the model folder is written under --work on first use):
+GPU (LLaVA-1.5-7B dimensions, random weights; the model folder is written under --work on first use): the full
+grid in two device calls of under 9 minutes each (``benchmarks/device_orchestrator.sh``, ``ORCH_PART=1`` then
+``2``; 6 s of arrivals and at most 4 s of drain per cell, no cell started after ``--deadline-s``):
 
-    python benchmarks/orchestrator.py --preset configs/models/llava-1.5-7b.yaml --device cuda \\
-        --policies vlora,merge-only --json-out $OUT/orchestrator.json --no-record
-    # copy the first call's JSON into the working tree (e.g. orchestrator-part1.json) so that it travels, then:
-    python benchmarks/orchestrator.py --preset configs/models/llava-1.5-7b.yaml --device cuda \\
-        --policies unmerge-only,dlora --merge-into orchestrator-part1.json \\
+    python benchmarks/orchestrator.py --device cuda --require-atmm-ext --deadline-s 400 \\
+        --policies vlora,merge-only --json-out $OUT/orchestrator-part1.json --no-record
+    # copy the first call's JSON into the working tree (benchmarks/results/orchestrator-part1.json) so that it travels:
+    python benchmarks/orchestrator.py --device cuda --require-atmm-ext --deadline-s 400 \\
+        --policies unmerge-only,dlora --merge-into benchmarks/results/orchestrator-part1.json \\
         --json-out $OUT/orchestrator.json --no-record
     python benchmarks/orchestrator.py --report path/to/orchestrator.json   # here: verdicts, RESULTS.md line
 
@@ -76,7 +85,7 @@ MERGE_KEYS = ("model", "dtype", "rank", "prompt_tokens", "output_tokens", "max_b
 
 # Defaults per kind of run: a model of real width on a GPU, or the tiny model on a CPU.
 GPU_DEFAULTS = dict(preset="configs/models/llava-1.5-7b.yaml", rank=64, prompt_tokens=256, output_tokens=32,
-                    max_batch_size=32, slots=64, adapters="8,64,512", duration=8.0, drain=6.0, distinct_weights=8)
+                    max_batch_size=32, slots=64, adapters="8,64,512", duration=6.0, drain=4.0, distinct_weights=8)
 CPU_DEFAULTS = dict(preset=None, rank=8, prompt_tokens=48, output_tokens=8, max_batch_size=8, slots=16,
                     adapters="4,16,64", duration=2.0, drain=2.0, distinct_weights=4)
 QUICK = dict(skewness="0.1,0.9", gpu=dict(adapters="8,512", duration=4.0, drain=4.0),
@@ -105,6 +114,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, help="lora.max_gpu_adapters (GPU default 64; the ATMM extension takes <= 256)")
     p.add_argument("--distinct-weights", type=int, help="distinct random weight sets shared by the adapter names")
     p.add_argument("--theta", type=float, help="orchestrator.theta_s (default: the engine's)")
+    p.add_argument("--cost-model", default="auto",
+                   help="orchestrator.cost_model: auto (cached per GPU under --work/cost-model, else measured; measured "
+                        "on a CPU), measure, default, or a JSON file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--switch-repeats", type=int, default=7, help="switches of each kind timed per switcher")
     p.add_argument("--deadline-s", type=float, default=None,
@@ -156,6 +168,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "rates": csv(args.rate) if args.rate else None,
         "loads": csv(args.load),
         "theta_s": args.theta,
+        "cost_model": args.cost_model if args.cost_model != "auto" or gpu else "measure",
         "seed": args.seed,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
     }
@@ -201,7 +214,9 @@ def kv_blocks(s: dict[str, Any], block_size: int = 16) -> int:
     return per_request * (s["max_batch_size"] + 2) + 16
 
 
-def build(s: dict[str, Any], model_dir: Path):
+def build(s: dict[str, Any], model_dir: Path, work: Path):
+    """The engine, built as for the vlora policy: every graph variant captured (mixture too), and the cost
+    model measured or loaded (``s["cost_model"]``) before any adapter is in a slot."""
     from vlora.config import EngineConfig
     from vlora.engine.builder import build_engine
 
@@ -209,7 +224,8 @@ def build(s: dict[str, Any], model_dir: Path):
         "model.path": str(model_dir), "model.device": s["device"], "model.dtype": s["dtype"], "lora.adapter_root": None,
         "lora.max_gpu_adapters": s["slots"], "lora.max_cpu_adapters": s["slots"], "lora.max_rank": s["rank"],
         "lora.target_modules": list(s["target_modules"]), "scheduler.max_batch_size": s["max_batch_size"],
-        "cache.num_blocks": kv_blocks(s), "orchestrator.policy": "unmerge-only"}
+        "cache.num_blocks": kv_blocks(s), "orchestrator.policy": "vlora", "orchestrator.cost_model": s["cost_model"],
+        "orchestrator.cost_model_dir": str(work / "cost-model")}
     if s["theta_s"] is not None:
         overrides["orchestrator.theta_s"] = s["theta_s"]
     cfg = EngineConfig().with_overrides(overrides)
@@ -333,12 +349,16 @@ def set_policy(engine, policy: str) -> ComputeProbe:
         raise RuntimeError("set_policy: the engine still has requests")
     old = engine.orchestrator
     old.enter(UNMERGE, None)
+    old_costs = old.estimates.costs
     cfg = dataclasses.replace(engine.config.orchestrator, policy=policy)
     engine.config = dataclasses.replace(engine.config, orchestrator=cfg)
     engine.orchestrator = None
     del old
     engine.orchestrator = Orchestrator(cfg, engine.config.scheduler.max_batch_size, engine.runner, engine.loras,
-                                       engine.metrics)
+                                       engine.metrics, costs=old_costs)
+    graphs = engine.runner.graphs
+    if graphs is not None:  # a step of a timed cell never pays a capture
+        graphs.capture_missing()
     ctx = engine.runner.lora_ctx
     probe = ComputeProbe(ctx.backend)
     ctx.backend = probe
@@ -439,8 +459,8 @@ def calibrate(engine, s: dict[str, Any], prompt: str, names: list[str]) -> dict[
 def arrivals(s: dict[str, Any], n: int, skewness: float, rate: float, names: list[str]) -> tuple[list, float]:
     """Poisson arrival times and adapters from the load-test generators (same seed: same stream for
     every policy). Skewness below 1/n is raised to 1/n (uniform): returns the skewness used."""
-    from vlora.loadtest.generators import WorkloadGenerator
-    from vlora.loadtest.workload import Application, Arrivals, Popularity, Workload
+    from vlora_load.generators import WorkloadGenerator
+    from vlora_load.workload import Application, Arrivals, Popularity, Workload
 
     eff = max(skewness, 1.0 / n)
     seed = s["seed"] * 1_000_003 + int(round(skewness * 1000)) * 10_007 + n * 101 + int(round(rate * 1000))
@@ -467,7 +487,7 @@ def run_cell(engine, s: dict[str, Any], prompt: str, schedule: list, probe: Comp
     from vlora.orchestrator.policies import Estimates
 
     orch = engine.orchestrator
-    orch.estimates = Estimates(alpha=orch.cfg.ema)  # every cell starts with no measurements
+    orch.estimates = Estimates(alpha=orch.cfg.ema, costs=orch.estimates.costs)  # every cell starts with no measurements
     sw = orch.switcher
     before = {"mode_s": dict(orch.mode_seconds), "switches": orch.switches, "switch_s": sw.total_switch_s if sw else 0.0,
               "swaps": engine.loras.swaps_in}
@@ -549,7 +569,25 @@ def run_cell(engine, s: dict[str, Any], prompt: str, schedule: list, probe: Comp
         "switches": switches, "switch_s": switch_s, "switch_ms_mean": 1e3 * switch_s / switches if switches else 0.0,
         "adapter_swaps": engine.loras.swaps_in - before["swaps"],
         "compute_path": probe.summary(), "lora_compute_calls": probe.calls,
+        "costs": cell_costs(orch, dict(steps), mode_s, batch_total / max(sum(steps.values()), 1), switches, switch_s),
     }
+
+
+def cell_costs(orch, steps: dict[str, int], mode_s: dict[str, float], mean_batch: float, switches: int,
+               switch_s: float) -> dict[str, Any]:
+    """What the cell measured per step and switch, beside the cost model's estimates at its mean batch (ms): what
+    merging could save (unmerged - base), what mixing costs (mixture - base), and what a switch pair costs."""
+    est = orch.estimates
+    b = max(1, round(mean_batch))
+    d = max(1, min(b, 8))
+    out = {"measured_step_ms": {m: 1e3 * mode_s.get(m, 0.0) / n for m, n in steps.items() if n},
+           "measured_switch_ms": 1e3 * switch_s / switches if switches else None,
+           "mean_batch": mean_batch, "scale": dict(est.scale), "model": est.model.source,
+           "at_mean_batch_ms": {"base": 1e3 * est.decode(b), "unmerged_1_adapter": 1e3 * est.decode(b, b, 1),
+                                f"unmerged_{d}_adapters": 1e3 * est.decode(b, b, d),
+                                f"mixture_{d}_adapters": 1e3 * est.decode(b, b, d, b),
+                                "merge_plus_unmerge": 1e3 * (est.switch(None, "x") + est.switch("x", None))}}
+    return out
 
 
 def warm_policy(engine, prompt: str, names: list[str], bs: int) -> None:
@@ -582,7 +620,8 @@ def run_grid(engine, s: dict[str, Any], prompt: str, names: list[str], load_of: 
         switcher = cfg.resolved_switcher if policy != "unmerge-only" else None
         warm_policy(engine, prompt, names, s["max_batch_size"])
         print(f"policy {policy}: switcher {switcher}, unmerged LoRA compute {cfg.resolved_lora_compute} -> {probe.summary()}; "
-              f"theta {cfg.theta_s:g} s, merge_share {cfg.merge_share:g}", flush=True)
+              f"theta {cfg.theta_s:g} s" + (f", merge_share {cfg.merge_share:g}" if policy == "dlora" else "")
+              + (f", cost model {engine.orchestrator.costs.source}" if policy == "vlora" else ""), flush=True)
         paths = {probe.summary()}
         for n in s["adapters"]:
             for skew in s["skewness"]:
@@ -687,7 +726,19 @@ def miss_hint(v: dict[str, Any], c: dict[str, Any], baseline: str, cut: float) -
     unmerged = share.get("unmerge", 0.0)
     if baseline == "unmerge-only" and unmerged > 0.7:
         parts.append(f"vlora ran {100 * unmerged:.0f}% of its step time unmerged, the same ATMM path as unmerge-only "
-                     f"(merging needs the top adapter to fill more than merge_share x MaxBS of the queue)")
+                     f"(the cost model found no merge that repays its switches)")
+    costs = v.get("costs")
+    if costs:
+        at = costs["at_mean_batch_ms"]
+        base = at["base"]
+        lora = next((x for k, x in at.items() if k.startswith("unmerged_") and not k.endswith("_1_adapter")), base)
+        mix = next((x for k, x in at.items() if k.startswith("mixture_")), base)
+        pair = at["merge_plus_unmerge"]
+        saving = lora - base
+        parts.append(f"costs at batch {costs['mean_batch']:.1f}: base {base:.2f} ms, unmerged {lora:.2f} (merging saves at "
+                     f"most {saving:.2f} ms a step, {100 * saving / max(lora, 1e-9):.0f}%), mixture {mix:.2f}, a merge + "
+                     f"unmerge {pair:.2f} ms (repaid after {pair / max(saving, 1e-9):.1f} fully merged steps)"
+                     + "; measured steps " + ", ".join(f"{m} {x:.2f}" for m, x in costs["measured_step_ms"].items()) + " ms")
     if v["switches"] and v["switch_s"] > 0.05 * max(sum(v.get("mode_seconds", {}).values()), 1e-9):
         parts.append(f"vlora spent {v['switch_s']:.2f} s in {v['switches']} switches")
     if share.get("mixture", 0.0) > 0.2:
@@ -714,6 +765,13 @@ def print_report(result: dict[str, Any]) -> None:
         for k in ("merge", "swap", "unmerge"):
             print(f"  {k:8s} swift {sw['swift'][k]['median_ms']:8.2f} ms   per-layer addmm {sw['per-layer'][k]['median_ms']:8.2f} ms"
                   f"   ({sw['speedup'][k]:.2f}x)")
+    cm = result.get("cost_model")
+    if cm:
+        print(f"\ncost model ({cm['source']}): decode base " + "/".join(f"{x:.2f}" for x in cm["base_ms"])
+              + " ms, unmerged (one adapter per row) " + "/".join(f"{x:.2f}" for x in cm["unmerged_ms"])
+              + " ms, one adapter for all rows " + "/".join(f"{x:.2f}" for x in cm["unmerged_1_adapter_ms"])
+              + f" ms at batch {'/'.join(map(str, cm['batch']))}; deLoRA branch +{cm['mixture_extra_ms_at_max_batch']:.2f} ms; "
+              + "switch " + ", ".join(f"{k} {v:.2f} ms" for k, v in cm["switch_ms"].items()))
     policies = [p for p in POLICIES if any(c["policy"] == p for c in cells)]
     print("\naverage token latency, ms/token (throughput tok/s) [censored]:")
     print(f"{'skew':>5} {'n':>4} {'rate':>7} " + " ".join(f"{p:>22}" for p in policies))
@@ -727,6 +785,10 @@ def print_report(result: dict[str, Any]) -> None:
                 continue
             censored = f"[{c['censored']}]" if c["censored"] else "   "
             row.append(f"{c['avg_token_latency_ms']:9.1f} ({c['throughput_tok_s']:6.0f}){censored}")
+        print(f"{key[0]:5g} {key[1]:4d} {key[2]:7.2f} " + " ".join(f"{x:>22}" for x in row))
+    print("\nend-to-end p99, s:")
+    for key in sorted({k[1:] for k in by}):
+        row = [f"{by[(p,) + key]['e2e_p99_s']:.2f}" if (p,) + key in by else "-" for p in policies]
         print(f"{key[0]:5g} {key[1]:4d} {key[2]:7.2f} " + " ".join(f"{x:>22}" for x in row))
     print(f"\ntarget: vlora's average token latency >= {100 * TARGET_CUT:.0f}% below every baseline at every skewness")
     for skew, v in result["verdicts"].items():
@@ -752,6 +814,10 @@ def summary_line(result: dict[str, Any]) -> str:
     if sw:
         parts.append(f"switch swift {sw['swift']['merge']['median_ms']:.2f} ms merge / {sw['swift']['swap']['median_ms']:.2f} swap vs "
                      f"per-layer addmm {sw['per-layer']['merge']['median_ms']:.2f} / {sw['per-layer']['swap']['median_ms']:.2f}")
+    cm = result.get("cost_model")
+    if cm:
+        parts.append(f"cost model ({cm['source']}) at batch {cm['batch'][-1]}: base {cm['base_ms'][-1]:.2f} ms, unmerged "
+                     f"{cm['unmerged_ms'][-1]:.2f}, switch merge {cm['switch_ms']['merge']:.2f} / swap {cm['switch_ms']['swap']:.2f}")
     paths = result.get("compute_paths", {})
     if paths:
         parts.append("unmerged compute: " + ", ".join(f"{p} {v}" for p, v in paths.items()))
@@ -778,6 +844,7 @@ def estimate(s: dict[str, Any], n_rates: int, model_exists: bool) -> tuple[float
     cells = len(s["policies"]) * len(s["skewness"]) * len(s["adapters"]) * n_rates
     gpu = s["device"].startswith("cuda")
     setup = (100.0 if not model_exists else 50.0) if gpu else 5.0
+    setup += (10.0 if gpu else 2.0)  # the cost model, measured at build (seconds; cached per GPU after that)
     setup += (0.0 if s["rates"] else 10.0) + len(s["policies"]) * (5.0 if gpu else 0.5)
     per_cell = s["duration_s"] + 0.5
     return setup + cells * (per_cell + 0.4 * s["drain_s"]), setup + cells * (per_cell + s["drain_s"]), cells
@@ -828,8 +895,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     model_dir, t_model = model_folder(s, work)
     t0 = time.perf_counter()
-    engine = build(s, model_dir)
+    engine = build(s, model_dir, work)
     t_build = time.perf_counter() - t0
+    costs = engine.orchestrator.costs
+    print(f"cost model {costs.describe()}", flush=True)
     t0 = time.perf_counter()
     names = register_adapters(engine, max(s["adapters"]), s["distinct_weights"], s["rank"], s["seed"])
     t_adapters = time.perf_counter() - t0
@@ -878,10 +947,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {
         "benchmark": "orchestrator", "device": dev, "commit": git_commit(), "torch": torch.__version__,
         "atmm_extension": ext_state, "settings": settings, "calibration": calibration, "switch": sw,
-        "compute_paths": compute_paths, "cells": cells,
+        "compute_paths": compute_paths, "cells": cells, "cost_model": {**costs.summary(), "full": costs.to_dict()},
         "runs": [{"date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(), "policies": s["policies"],
                   "skewness": s["skewness"], "adapters": s["adapters"], "rates": s["rates"],
-                  "wall_s": time.perf_counter() - t_start}],
+                  "wall_s": time.perf_counter() - t_start, "cost_model": costs.summary()}],
         "notes": ["avg_token_latency_ms = sum of end-to-end latencies / total output tokens (V-LoRA's definition); "
                   "latency counts from the scheduled arrival",
                   "censored requests (unfinished at the drain limit) count (cutoff - arrival) with the full output length: "

@@ -1,7 +1,7 @@
 """Decode throughput of the real server: tokens/s at batch 1 and 32, base model and mixed LoRA batch.
 
 Starts ``vlora serve`` (the real tritonserver) on a model folder, streams requests through Triton's
-HTTP ``/generate_stream`` endpoint from client threads, and measures decode throughput in the window
+HTTP ``/generate_stream`` endpoint from client processes, and measures decode throughput in the window
 where every request of the batch is decoding (after the last first token, before the first finish).
 
     python benchmarks/serve_decode.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench
@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -56,22 +57,46 @@ def stream_request(url: str, body: dict, out: dict) -> None:
     out["times"], out["error"] = times, error
 
 
-def run_batch(base_url: str, model: str, n: int, max_tokens: int, adapters: list[str | None], measure: bool = True) -> dict:
-    results = [dict() for _ in range(n)]
-    threads = []
+ENGINE_SERIES = ("vlora_engine_steps_total", "vlora_decode_tokens_total", "vlora_step_duration_seconds_sum")
+
+
+def scrape(metrics_url: Optional[str]) -> dict:
+    """The engine's own counters from Triton's metrics endpoint, summed over their labels (empty: no URL)."""
+    if not metrics_url:
+        return {}
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    totals = dict.fromkeys(ENGINE_SERIES, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def _stream(job: tuple[str, dict]) -> dict:
+    out: dict = {}
+    stream_request(job[0], job[1], out)
+    return out
+
+
+def run_batch(base_url: str, model: str, n: int, max_tokens: int, adapters: list[str | None], measure: bool = True,
+              metrics_url: Optional[str] = None) -> dict:
+    """``n`` concurrent streams, each read by its own client process: Python threads would share one GIL,
+    and at thousands of token events a second their turns, not the server, would set the arrival times
+    (perf_counter is the system's monotonic clock, the same in every process)."""
     prompt = "Describe the scene in detail, listing every object you can see and where it is."
+    jobs = []
     for i in range(n):
         sp = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         body = {"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(sp)}
         if adapters[i % len(adapters)] is not None:
             body["lora_name"] = adapters[i % len(adapters)]
-        t = threading.Thread(target=stream_request, args=(f"{base_url}/v2/models/{model}/generate_stream", body, results[i]))
-        threads.append(t)
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        jobs.append((f"{base_url}/v2/models/{model}/generate_stream", body))
+    with multiprocessing.get_context("fork").Pool(n) as pool:  # the workers exist before t0
+        before = scrape(metrics_url) if measure else {}
+        t0 = time.perf_counter()
+        results = pool.map(_stream, jobs, chunksize=1)
+        after = scrape(metrics_url) if measure else {}
     errors = [r["error"] for r in results if r.get("error")]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
@@ -83,9 +108,16 @@ def run_batch(base_url: str, model: str, n: int, max_tokens: int, adapters: list
     tokens = sum(sum(1 for t in r["times"] if lo < t <= hi) for r in results)
     if hi <= lo or tokens == 0:
         raise RuntimeError("no window where the whole batch decodes; raise --max-tokens")
-    return {"batch": n, "decode_tokens_per_s": tokens / (hi - lo), "window_s": hi - lo,
-            "ttft_s_median": sorted(f - t0 for f in firsts)[n // 2], "wall_s": max(lasts) - t0,
-            "tokens_in_window": tokens}
+    row = {"batch": n, "decode_tokens_per_s": tokens / (hi - lo), "window_s": hi - lo,
+           "ttft_s_median": sorted(f - t0 for f in firsts)[n // 2], "wall_s": max(lasts) - t0,
+           "first_token_spread_s": max(firsts) - min(firsts), "tokens_in_window": tokens,
+           "tokens_per_s_overall": sum(len(r["times"]) for r in results) / (max(lasts) - t0)}
+    if before and after:  # what the engine itself did meanwhile: its decode tokens per second of step time
+        d = {k: after[k] - before[k] for k in ENGINE_SERIES}
+        row["engine_steps"] = d["vlora_engine_steps_total"]
+        row["engine_step_ms_mean"] = 1e3 * d["vlora_step_duration_seconds_sum"] / max(d["vlora_engine_steps_total"], 1)
+        row["engine_decode_tokens_per_step_s"] = d["vlora_decode_tokens_total"] / max(d["vlora_step_duration_seconds_sum"], 1e-9)
+    return row
 
 
 def image_ttft(base_url: str, model: str, n: int) -> dict:
@@ -197,7 +229,7 @@ def main() -> None:
         for n in batches:
             for label, names in (("base", [None]), ("lora", adapter_names)):
                 use = names if label == "base" else names[:n] if n > 1 else names[:1]
-                r = run_batch(base, "vlora", n, args.max_tokens, use)
+                r = run_batch(base, "vlora", n, args.max_tokens, use, metrics_url=f"http://127.0.0.1:{metrics}/metrics")
                 r |= {"workload": label, "distinct_adapters": 0 if label == "base" else len(set(use[:n]))}
                 print(json.dumps(r), flush=True)
                 rows.append(r)

@@ -67,12 +67,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import RESULTS, device_name, git_commit, record_result  # noqa: E402
 
-from vlora.loadtest.generators import RequestSpec  # noqa: E402
-from vlora.loadtest.grpc_worker import GrpcSender  # noqa: E402
-from vlora.loadtest.runner import Target, wait_idle  # noqa: E402
-from vlora.loadtest.scrape import parse_prometheus  # noqa: E402
-from vlora.loadtest.summary import percentile  # noqa: E402
-from vlora.loadtest.transport import (  # noqa: E402
+from vlora_load.generators import RequestSpec  # noqa: E402
+from vlora_load.grpc_worker import GrpcSender  # noqa: E402
+from vlora_load.runner import Target, wait_idle  # noqa: E402
+from vlora_load.scrape import parse_prometheus  # noqa: E402
+from vlora_load.summary import percentile  # noqa: E402
+from vlora_load.transport import (  # noqa: E402
     HttpTransport,
     RequestRecord,
     classify_error,

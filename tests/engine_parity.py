@@ -17,6 +17,7 @@ from PIL import Image
 from vlora.config import EngineConfig
 from vlora.engine.api import GenerationRequest, SamplingParams
 from vlora.engine.builder import build_engine
+from vlora.orchestrator.policies import MERGE, MIXTURE, Decision, Policy
 
 ADAPTERS = ("demo-r8-qv", "demo-r16-attn", "demo-r32-mlp")
 MAX_NEW = 6
@@ -138,3 +139,23 @@ def check_adapters_matter(engine, reference):
     for name in ADAPTERS:
         delta = (_ref_logits(reference, name, p.prompt_ids, None) - base).abs().max() / base.abs().max()
         assert delta > 1e-3, f"{name} barely changes the logits ({delta:.1e})"
+
+
+class ScriptedPolicy(Policy):
+    """Mode and merged adapter from a script, one entry per step, cycling (the graph-vs-eager parity tests
+    drive every inference mode this way); a merge step with no request of the merged adapter runs as a
+    mixture of everything."""
+
+    name = "scripted"
+
+    def __init__(self, script):
+        super().__init__(max_batch_size=16, theta_s=1e9)
+        self.script, self.i = script, 0
+
+    def decide(self, cands, now, mode, merged, est):
+        mode, merged = self.script[self.i % len(self.script)]
+        self.i += 1
+        batch = [c for c in cands if mode != MERGE or c.adapter == merged]
+        if not batch:
+            mode, batch = MIXTURE, list(cands)
+        return Decision(mode, merged, batch)

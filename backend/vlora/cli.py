@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("vlora.server.doctor", "report what this machine can run: Python, torch, CUDA, tritonserver, ATMM extension"),
     "train": ("vlora.fusion.train_cli", "train one LoRA adapter (PEFT), with or without task heads, on vision datasets"),
     "fuse": ("vlora.fusion.fuse_cli", "fuse vision datasets into the fewest adapters that keep every accuracy floor"),
-    "loadtest": ("vlora.loadtest.cli", "load a server with a workload through locust (headless) and write a report"),
+    "loadtest": ("vlora_load.cli", "load a server with a workload through locust (headless) and write a report"),
 }
 
 

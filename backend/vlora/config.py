@@ -7,6 +7,7 @@ Sources, in order: the defaults below, a YAML file (``configs/serve/*.yaml``), t
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,9 @@ class LoraConfig:
     max_cpu_adapters: int = 64  # host-memory LRU tier
     max_rank: int = 64
     target_modules: tuple[str, ...] = LORA_TARGETS
+    # LoRA on the vision tower and projector (or merger) too: slot buffers for every vision-side projection
+    # the model family lists (vlora.models.family); off: adapters that target them are refused at load.
+    vision_lora: bool = True
     load_timeout_s: float = 30.0  # an adapter read (on the loader threads) that takes longer is refused
     # An unload waits this long for the adapter's running and waiting requests to finish, then answers
     # with state "unloading" (the unload still completes when the last one finishes; 0: answer at once).
@@ -63,6 +67,7 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         _require(self.max_gpu_adapters >= 1, "lora.max_gpu_adapters must be >= 1")
+        _require(isinstance(self.vision_lora, bool), "lora.vision_lora must be on or off")
         _require(self.admin_token_file is None or (isinstance(self.admin_token_file, str) and self.admin_token_file),
                  "lora.admin_token_file must be a file path or null")
         _require(self.load_timeout_s > 0, "lora.load_timeout_s must be > 0")
@@ -160,19 +165,30 @@ POLICIES = ("vlora", "merge-only", "unmerge-only", "dlora")
 class OrchestratorConfig:
     """Inference modes and the scheduling policy (the V-LoRA paper's Algorithm 1 and its baselines).
 
-    ``vlora``: merge when one adapter has more than ``merge_share`` of MaxBS and nothing starves,
-    mixture (deLoRA) when some requests starve, unmerge when more than half of MaxBS starves.
-    ``merge-only``, ``unmerge-only`` and ``dlora`` (merge/unmerge by queue shape, per-layer addmm
-    switch, padded-einsum unmerged compute) are the baselines it is compared against.
+    ``vlora``: Algorithm 1's credits and starvation bound, with the merge decision taken from a cost
+    model measured on this GPU (:mod:`vlora.orchestrator.costs`): merge (or mix) the most requested
+    adapter when the unmerged cost it saves outweighs the switches and the deLoRA tax of the others,
+    unmerge when more than half of MaxBS starves. ``cost_model``: ``auto`` (the model cached for this
+    GPU, model and settings under ``cost_model_dir``, else measured at load on CUDA, else the default),
+    ``measure`` (measure at load, a few seconds, and cache), ``default`` (the H100 figures of
+    benchmarks/RESULTS.md) or the path of a cost-model JSON. Only ``vlora`` decides with it; other
+    policies measure it only when ``cost_model`` is ``measure``.
+    ``merge-only``, ``unmerge-only`` and ``dlora`` (merge when the top adapter has more than
+    ``merge_share`` of the queue, per-layer addmm switch, padded-einsum unmerged compute) are the
+    baselines it is compared against. ``theta_s`` bounds starvation: a request whose credit (waiting
+    time + estimated step + needed switch) passes it, or its own latency target (per request, or per
+    adapter in ``latency_targets``), runs in the next step.
     """
 
     policy: str = "unmerge-only"
     theta_s: float = 2.0  # a request starves when its credit (seconds) exceeds this, or its own latency target
-    merge_share: float = 0.5  # share of MaxBS the most requested adapter needs for merge mode
+    merge_share: float = 0.5  # dlora: share of the queue the most requested adapter needs for merge mode
     latency_targets: Mapping[str, float] = field(default_factory=dict)  # adapter name -> seconds (an application's SLO)
     switcher: str = "auto"  # swift (one call for all layers), per-layer (addmm per matrix); auto: per policy
     lora_compute: str = "auto"  # atmm, padded-einsum; auto: per policy
     ema: float = 0.2  # weight of the newest measurement in the step-time and switch-time estimates
+    cost_model: str = "auto"  # auto, measure, default, or a JSON file (vlora.orchestrator.costs)
+    cost_model_dir: Optional[str] = None  # the per-GPU cache of measured cost models; default ~/.cache/vlora/cost-model
 
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, f"orchestrator.policy must be one of {POLICIES}, got {self.policy!r}")
@@ -181,9 +197,14 @@ class OrchestratorConfig:
         _require(self.switcher in ("auto", "swift", "per-layer"), "orchestrator.switcher must be auto, swift or per-layer")
         _require(self.lora_compute in ("auto", "atmm", "padded-einsum"), "orchestrator.lora_compute must be auto, atmm or padded-einsum")
         _require(0.0 < self.ema <= 1.0, "orchestrator.ema must be in (0, 1]")
+        _require(isinstance(self.cost_model, str) and self.cost_model.strip() != "",
+                 "orchestrator.cost_model must be auto, measure, default or the path of a cost-model JSON file")
+        _require(self.cost_model_dir is None or (isinstance(self.cost_model_dir, str) and self.cost_model_dir),
+                 "orchestrator.cost_model_dir must be a folder path or null")
         _require(isinstance(self.latency_targets, Mapping) and all(
-            isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in self.latency_targets.items()),
-            "orchestrator.latency_targets maps adapter names to positive seconds")
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            for k, v in self.latency_targets.items()),
+            "orchestrator.latency_targets maps adapter names to positive, finite seconds")
 
     @property
     def resolved_switcher(self) -> str:
@@ -221,7 +242,7 @@ class AtmmConfig:
         _require(all(isinstance(x, int) and x >= 1 for x in self.tune_segments), "atmm.tune_segments are positive ints")
 
 
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "flash", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -232,8 +253,9 @@ class RunnerConfig:
     ``scheduler.max_batch_size``) as a CUDA graph at model load and replays it, padding a decode batch to
     the next captured size; steps that hold a prefill run eagerly. ``off`` runs every step eagerly. Only
     CUDA devices capture. ``attention``: the paged attention backend (``triton``: kernels that read the
-    KV cache in place; ``torch``: the SDPA reference, what CPUs run); ``auto`` picks triton on CUDA where
-    it imports.
+    KV cache in place; ``flash``: the same, but a prefill of long fresh prompts (4,096 tokens or more)
+    in fp16/bf16 runs PyTorch's FlashAttention-2 varlen kernel; ``torch``: the SDPA reference, what CPUs
+    run); ``auto`` picks flash on CUDA sm80+, else triton where it imports, else torch.
     """
 
     cuda_graphs: str = "auto"

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", metavar="NAME", help="answer with the adapter's vision task head NAME (one prefill): "
                    "prints the label and the score of every label")
     p.add_argument("--chat-template", action="store_true", help="wrap the prompt in the model's chat template (server side)")
+    p.add_argument("--latency-target", type=float, metavar="SECONDS",
+                   help="this request's latency target: the scheduler runs it before it waits longer")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
@@ -71,7 +73,7 @@ def _generate(parser: argparse.ArgumentParser, client: VloraClient, args) -> int
         parser.error("--prompt is required (or: adapters list|load NAME|unload NAME)")
     options = dict(images=args.image, lora_name=args.lora, max_tokens=args.max_tokens, temperature=args.temperature,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, apply_chat_template=args.chat_template,
-                   task=args.task)
+                   task=args.task, latency_target=args.latency_target)
     if args.stream and not args.json:
         finish = None
         scores = None

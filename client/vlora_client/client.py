@@ -78,8 +78,10 @@ def sampling_parameters(
     ignore_eos: bool = False,
     apply_chat_template: bool = False,
     task: Optional[str] = None,
+    latency_target: Optional[float] = None,
 ) -> dict:
-    """The ``sampling_parameters`` JSON object, with vLLM's names; unset values are left out."""
+    """The ``sampling_parameters`` JSON object, with vLLM's names; unset values are left out.
+    ``latency_target``: seconds, this request's latency target for the server's scheduler."""
     params: dict = {}
     for key, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed)):
         if value is not None:
@@ -94,6 +96,8 @@ def sampling_parameters(
         params["apply_chat_template"] = True
     if task:
         params["task"] = task
+    if latency_target is not None:
+        params["latency_target"] = latency_target
     return params
 
 
@@ -121,14 +125,15 @@ class VloraClient:
                  max_tokens: Optional[int] = None, temperature: Optional[float] = None, top_p: Optional[float] = None,
                  seed: Optional[int] = None, stop: Optional[Union[str, Sequence[str]]] = None,
                  ignore_eos: bool = False, apply_chat_template: bool = False,
-                 stream: bool = False, task: Optional[str] = None) -> GenerationResult:
+                 stream: bool = False, task: Optional[str] = None,
+                 latency_target: Optional[float] = None) -> GenerationResult:
         """One answer. ``stream=True`` asks the server to stream and joins the pieces here.
 
         ``apply_chat_template`` wraps the prompt in the model's chat template on the server. ``task`` asks
         the adapter's vision task head of that name: the result then has ``label`` and ``scores``.
         """
         params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos,
-                                     apply_chat_template, task)
+                                     apply_chat_template, task, latency_target)
         encoded = [encode_image(i) for i in images]
         if stream:
             return _join(self._stream(prompt, encoded, params, stream=True))
@@ -141,10 +146,10 @@ class VloraClient:
                         top_p: Optional[float] = None, seed: Optional[int] = None,
                         stop: Optional[Union[str, Sequence[str]]] = None,
                         ignore_eos: bool = False, apply_chat_template: bool = False,
-                        task: Optional[str] = None) -> Iterator[StreamDelta]:
+                        task: Optional[str] = None, latency_target: Optional[float] = None) -> Iterator[StreamDelta]:
         """Stream the answer as it is generated. Closing the iterator early cancels the request."""
         params = sampling_parameters(max_tokens, temperature, top_p, seed, stop, lora_name, ignore_eos,
-                                     apply_chat_template, task)
+                                     apply_chat_template, task, latency_target)
         return self._stream(prompt, [encode_image(i) for i in images], params, stream=True)
 
     # -- adapters ------------------------------------------------------------------------------

@@ -339,3 +339,108 @@ def test_errors_over_grpc_streaming(qwen_server):
         client.generate(GOOD, images=[b"\x89PNG\r\n\x1a\n broken"], max_tokens=3, stream=True)
     after = client.generate(f"{VP}{GOOD}", images=[qwen_png(26, 56, 56)], max_tokens=3, stream=True)
     assert after.num_output_tokens >= 1
+
+
+# -- a video, and Qwen2.5-VL ------------------------------------------------------------------------------
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"  # once in the text: the request's images are its frames
+FRAMES = [(40 + i, 64, 64) for i in range(4)]  # 4 frames: 2 temporal patches
+
+
+def reference_video_answer(reference, adapter, prompt: str, frames) -> tuple[str, int]:
+    """transformers + PEFT greedy continuation of a video request, through the processor's video path."""
+    import torch
+    from PIL import Image
+
+    model, processor = reference
+    pil = [Image.open(io.BytesIO(qwen_png(*spec))).convert("RGB") for spec in frames]
+    inputs = processor(text=[prompt], videos=[pil], return_tensors="pt")
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        else:
+            model.set_adapter(adapter)
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    eos = set(model.generation_config.eos_token_id or ())
+    n = next((k + 1 for k, t in enumerate(new) if t in eos), len(new))
+    return processor.tokenizer.decode(new, skip_special_tokens=True), n
+
+
+def test_video_request_as_readme_sends_it(qwen_server, reference):
+    """README's Qwen video curl: the video placeholder once, the frames as `image`, lora_name in
+    sampling_parameters; the answer is transformers + PEFT's on the same frames."""
+    prompt = f"{VIDEO}What happens in this clip?"
+    body = {"text_input": prompt, "image": [b64(qwen_png(*spec)) for spec in FRAMES],
+            "sampling_parameters": json.dumps({"max_tokens": MAX_TOKENS, "temperature": 0, "lora_name": "qwen-r16-attn"})}
+    status, payload = post_json(f"http://{qwen_server.http_url}/v2/models/{MODEL}/generate", body)
+    assert status == 200, payload
+    text, n = reference_video_answer(reference, "qwen-r16-attn", prompt, FRAMES)
+    assert (payload["text_output"], payload["num_output_tokens"]) == (text, n)
+    # Without the video placeholder the same frames are four images (4 tokens each), not one video (2 x 4).
+    as_images = VloraClient(qwen_server.http_url, protocol="http").generate(
+        "What happens in this clip?", images=[qwen_png(*spec) for spec in FRAMES], max_tokens=1)
+    assert as_images.num_input_tokens > payload["num_input_tokens"], (as_images, payload)
+
+
+Q25_CASES = [
+    ("q25-text-r32", "qwen-r32-mlp", "Count to ten, slowly, please.", []),
+    ("q25-two-img-r16", "qwen-r16-attn", f"Left {VP} and right {VP}: which is brighter?", [(2, 112, 56), (3, 56, 84)]),
+    ("q25-wide-img-first-base", None, "Describe this picture.", [(12, 168, 56)]),  # three vision windows
+    ("q25-video-r8", "qwen-r8-qv", f"{VIDEO}What happens in this clip?", FRAMES),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory, vlora_cache):
+    """`vlora serve` on a tiny random Qwen2.5-VL folder (windowed vision attention, second_per_grid_ts),
+    and transformers + PEFT on the same folder."""
+    import torch
+
+    peft = pytest.importorskip("peft")
+    model_dir = tiny_qwen.ensure_tiny_qwen(vlora_cache, variant="qwen2_5_vl")
+    adapter_root = tiny_qwen.ensure_tiny_qwen_adapters(model_dir, vlora_cache / "qwen2.5-vl-adapters")
+    srv = start_server(tmp_path_factory.mktemp("e2e-qwen25-server"), vlora_cache, extra_args=[
+        "--model", str(model_dir), "--adapters", str(adapter_root), "--dtype", "float32"])
+    names = tiny_qwen.QWEN_ADAPTER_NAMES
+    with torch.random.fork_rng(devices=[]):
+        model = peft.PeftModel.from_pretrained(tiny_qwen.load_tiny_qwen(model_dir, torch.float32),
+                                               adapter_root / names[0], adapter_name=names[0])
+        for name in names[1:]:
+            model.load_adapter(adapter_root / name, adapter_name=name)
+    yield srv, (model.eval(), tiny_qwen.load_qwen_processor(model_dir))
+    code = srv.stop()
+    assert code == 0, f"`vlora serve` did not stop cleanly (exit {code}):\n{srv.launcher_output()[-3000:]}"
+
+
+def test_qwen25_concurrent_http_and_grpc_equal_transformers_peft(qwen25):
+    """Qwen2.5-VL: all cases at once over HTTP generate and over gRPC streams; every answer is
+    transformers + PEFT's (images of different sizes, one wider than a vision window, and a video)."""
+    srv, reference = qwen25
+    want = {}
+    for case_id, adapter, prompt, images in Q25_CASES:
+        if VIDEO in prompt:
+            want[case_id] = reference_video_answer(reference, adapter, prompt, images)
+        else:
+            want[case_id] = reference_answer(reference, (case_id, adapter, prompt, images, False))
+    http = VloraClient(srv.http_url, protocol="http")
+    grpc = VloraClient(srv.grpc_url)
+
+    def ask(client, case, stream):
+        _, adapter, prompt, images = case
+        kwargs = dict(images=[qwen_png(*spec) for spec in images], lora_name=adapter, max_tokens=MAX_TOKENS,
+                      temperature=0.0)
+        if stream:
+            return "".join(p.text for p in client.generate_stream(prompt, **kwargs)), None
+        got = client.generate(prompt, **kwargs)
+        return got.text, got.num_output_tokens
+
+    jobs = [(http, c, False) for c in Q25_CASES] + [(grpc, c, True) for c in Q25_CASES]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: ask(*j), jobs))
+    assert len({w for w in want.values()}) > 1, "the tiny model answers everything alike"
+    for (client, case, stream), (text, n) in zip(jobs, results):
+        assert text == want[case[0]][0], (case[0], "grpc stream" if stream else "http")
+        if not stream:
+            assert n == want[case[0]][1], case[0]

@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 from vlora.config import EngineConfig  # noqa: E402
 from vlora.engine.api import GenerationRequest, SamplingParams  # noqa: E402
 from vlora.engine.builder import build_engine  # noqa: E402
-from vlora.orchestrator.policies import MERGE, MIXTURE, UNMERGE, Decision, Policy  # noqa: E402
+from vlora.orchestrator.policies import MERGE, MIXTURE, UNMERGE  # noqa: E402
+from engine_parity import ScriptedPolicy  # noqa: E402
 
 REQUESTS = {"a1": "demo-r8-qv", "a2": "demo-r8-qv", "b1": "demo-r32-mlp", "c1": "demo-r16-attn", "base": None}
 PROMPTS = {"a1": "Count the circles.", "a2": "Is there a red square in the corner?", "b1": "Describe the scene.",
@@ -31,22 +32,6 @@ SCRIPTS = {
 }
 
 
-class Scripted(Policy):
-    name = "scripted"
-
-    def __init__(self, script):
-        super().__init__(max_batch_size=16, theta_s=1e9)
-        self.script, self.i = script, 0
-
-    def decide(self, cands, now, mode, merged, est):
-        mode, merged = self.script[self.i % len(self.script)]
-        self.i += 1
-        batch = [c for c in cands if mode != MERGE or c.adapter == merged]
-        if not batch:
-            mode, batch = MIXTURE, list(cands)
-        return Decision(mode, merged, batch)
-
-
 def make(tiny_model_dir, demo_adapter_root, dtype: str, fast: bool):
     cfg = EngineConfig().with_overrides({
         "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
@@ -57,8 +42,8 @@ def make(tiny_model_dir, demo_adapter_root, dtype: str, fast: bool):
 
 
 def run(engine, script):
-    engine.orchestrator.policy = Scripted(script)
-    logits, seqs, graphed = {}, {}, 0
+    engine.orchestrator.policy = ScriptedPolicy(script)
+    logits, seqs = {}, {}
     for rid, adapter in REQUESTS.items():
         req = GenerationRequest(rid, PROMPTS[rid], lora_name=adapter,
                                 sampling=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
@@ -114,3 +99,29 @@ def test_padding_rows_leave_real_caches_alone(tiny_model_dir, demo_adapter_root)
         engine.step()
     after = kv.k[0].view(kv.num_blocks + 1, kv.block_size, -1)[free]
     assert torch.equal(before, after)
+
+
+def test_merged_and_mixture_steps_replay_graphs(tiny_model_dir, demo_adapter_root):
+    """Merged decode steps replay the base model's graphs and mixture steps the mixture graphs; no decode
+    step of any mode runs eagerly (a decode-only step planned eagerly would show in ``plan``)."""
+    engine = make(tiny_model_dir, demo_adapter_root, "bfloat16", fast=True)
+    graphs, runner = engine.runner.graphs, engine.runner
+    eager_decodes = []
+    plan = runner.plan
+
+    def spy(seqs):
+        if all(len(s.token_ids) == 1 for s in seqs):
+            eager_decodes.append(len(seqs))
+        return plan(seqs)
+
+    runner.plan = spy
+
+    def replays(variant):
+        return sum(n for (_, v), n in graphs.replays.items() if v == variant)
+
+    for name, variant in (("merge", "base"), ("mixture", "mixture"), ("unmerge", "lora")):
+        before = replays(variant)
+        run(engine, SCRIPTS[name])
+        # merge: a1 and a2 merged (base graphs) until they finish; the rest then runs as a mixture
+        assert replays(variant) - before >= MAX_NEW - 1, (name, dict(graphs.replays))
+    assert not eager_decodes, eager_decodes

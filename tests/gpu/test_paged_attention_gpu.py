@@ -155,6 +155,42 @@ def test_prefill(dtype, n_kv, mix):
     check(out, prefill_oracle(q, cache.k, cache.v, cache.tables, q_lens, seq_lens), dtype, f"prefill {mix} Hkv={n_kv}")
 
 
+def fresh_rows(tables: list[list[int]], q_lens: list[int]) -> torch.Tensor:
+    """The pool row of every new token of fresh prompts (position p at table[p // BS] * BS + p % BS)."""
+    rows = [t[p // BS] * BS + p % BS for t, n in zip(tables, q_lens) for p in range(n)]
+    return torch.tensor(rows, dtype=torch.long, device=DEV)
+
+
+@pytest.mark.skipif(not attn.flash_available(DEV), reason="no FlashAttention-2 kernel on this GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_kv", KV_HEADS)
+@pytest.mark.parametrize("q_lens", [pytest.param([1], id="one"), pytest.param([600], id="600"),
+                                    pytest.param([37, 1, 16, 300, 2048], id="mixed")])
+def test_flash_prefill_fresh(dtype, n_kv, q_lens):
+    """The flash backend on fresh prompts against the fp32 reference; continued prompts and fp32 fall
+    back to the Triton kernel (same result as paged_prefill)."""
+    cache = Cache(q_lens, n_kv, dtype, seed=sum(q_lens) + n_kv)
+    meta = AttentionMetadata.for_prefill(cache.tables, q_lens, q_lens, DEV)
+    meta.fresh_rows = fresh_rows(cache.tables, q_lens)
+    q = torch.randn(sum(q_lens), H, D, device=DEV).to(dtype)
+    backend = attn.get_attention_backend("flash", DEV)
+    backend.min_tokens = 1  # every length through FlashAttention-2 here
+    out = backend.prefill(q, cache.k, cache.v, meta, SCALE, BS)
+    check(out, prefill_oracle(q, cache.k, cache.v, cache.tables, q_lens, q_lens), dtype, f"flash prefill {q_lens} Hkv={n_kv}")
+
+
+@pytest.mark.skipif(not attn.flash_available(DEV), reason="no FlashAttention-2 kernel on this GPU")
+def test_flash_backend_falls_back_for_continued_prompts():
+    seq_lens, q_lens = [300, 1000, 5], [300, 200, 5]
+    cache = Cache(seq_lens, 8, torch.bfloat16, seed=11)
+    meta = AttentionMetadata.for_prefill(cache.tables, q_lens, seq_lens, DEV)  # fresh_rows None: not fresh
+    q = torch.randn(sum(q_lens), H, D, device=DEV).to(torch.bfloat16)
+    out = attn.get_attention_backend("flash", DEV).prefill(q, cache.k, cache.v, meta, SCALE, BS)
+    want = attn.paged_prefill(q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_q_len,
+                              SCALE, BS)
+    assert torch.equal(out, want)
+
+
 def test_prefill_fp32():
     seq_lens, q_lens = [300, 1000, 5], [300, 200, 5]
     cache = Cache(seq_lens, 8, torch.float32, seed=9)

@@ -133,3 +133,53 @@ def test_results_line_is_recorded(ef, tmp_path, monkeypatch):
     assert json.loads(path.read_text())["summary"].startswith("tiny float32")
     line = (tmp_path / "benchmarks" / "RESULTS.md").read_text().splitlines()[-1]
     assert line.startswith("| ") and "| engine-floor | cpu | abc1234 | " in line and "bs1/ctx12 2.0 (2.00x)" in line
+
+
+def test_qwen_vision_floor_arithmetic(ef):
+    """The Qwen2-VL-7B and Qwen2.5-VL-7B vision towers (configs/models/qwen2*-vl-7b.yaml) at 448x448."""
+    v2 = ef.QwenVisionDims.from_config({"model_type": "qwen2_vl", "vision_config": dict(
+        depth=32, embed_dim=1280, mlp_ratio=4, hidden_size=3584, patch_size=14, temporal_patch_size=2,
+        spatial_merge_size=2, in_channels=3)})
+    n, d, c = 32 * 32, 1280, 4 * 1280  # patches of a 448x448 image, the ViT width, the merger's width
+    embed = 2 * n * (3 * 2 * 14 * 14) * d
+    linear = 2 * n * (4 * d * d + 2 * d * 4 * d) * 32
+    merger = 2 * (n // 4) * (c * c + c * 3584)
+    assert v2.flops_per_image() == embed + linear + 32 * 4 * d * n * n + merger
+    assert v2.flops([(8, 32, 32)]) == 8 * (embed + linear + merger) + 32 * 4 * d * 8 * n * n  # attention per frame
+    v25 = ef.QwenVisionDims.from_config({"model_type": "qwen2_5_vl", "vision_config": dict(
+        depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=3584, patch_size=14, temporal_patch_size=2,
+        spatial_merge_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])})
+    assert v25.window == 4 and v25.full_blocks == 4  # 112 px windows: 4 x 4 merged tokens, 64 patches
+    assert v25._windows_sq(32, 32) == 16 * 64 ** 2
+    assert v25._windows_sq(36, 36) == sum((r * c * 4) ** 2 for r in (4, 4, 4, 4, 2) for c in (4, 4, 4, 4, 2))
+    linear25 = 2 * n * (4 * d * d + 3 * d * 3420) * 32
+    assert v25.flops_per_image() == embed + linear25 + 4 * 4 * d * n * n + 28 * 4 * d * 16 * 64 ** 2 + merger
+    assert ef.parse_media("image:448,video:16x448") == [{"kind": "image", "images": 1, "side": 448},
+                                                         {"kind": "video", "images": 16, "side": 448}]
+    with pytest.raises(SystemExit, match="--media"):
+        ef.parse_media("video:sixteen")
+
+
+def test_whole_run_on_tiny_qwen(ef, vlora_cache, tmp_path):
+    """The run at Qwen2.5-VL's layout: the plain step (q/k/v biases) against transformers, decode, and an
+    image and a video request to their first token with their floors; results named engine-floor-qwen2.5."""
+    from vlora.models.tiny_qwen import ensure_tiny_qwen
+
+    model_dir = ensure_tiny_qwen(vlora_cache, variant="qwen2_5_vl")
+    torch.manual_seed(0)
+    rc = ef.main(["--device", "cpu", "--model", str(model_dir), "--batches", "1,2", "--contexts", "12",
+                  "--prefill", "20", "--images", "1", "--rank", "8", "--steps", "2", "--warmup", "1", "--prefill-reps", "1",
+                  "--media-reps", "1", "--variants", "base,lora", "--no-record", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "engine-floor-qwen2.5-cpu.json").read_text())
+    assert res["benchmark"] == "engine-floor-qwen2.5" and res["model_type"] == "qwen2_5_vl"
+    assert res["plain"]["check"]["passed"]
+    assert all(r.get("ms", 0) > 0 for r in res["decode"]), res["decode"]
+    image, video = res["media"]
+    assert (image["kind"], video["kind"], video["images"]) == ("image", "video", 16)  # --media auto on Qwen
+    assert video["grid"][0][0] == 8 and video["visual_tokens"] > image["visual_tokens"] > 0  # 16 frames: 8 temporal patches
+    for r in (image, video):
+        assert r["ttft_ms"] == pytest.approx(r["prepare_ms"] + r["step_ms"]) and r["vision_ms"] > 0
+        assert r["floor_ms"] == pytest.approx(r["vision_floor_ms"] + r["prefill_floor_ms"]) and r["vision_flops"] > 0
+    assert res["vision"][0]["ms"] > 0 and res["vision"][0]["grid"]
+    assert "media: 448x448 image" in res["summary"]

@@ -1,19 +1,14 @@
 """The trained demo adapters: committed for the current tiny model, loadable with their heads, better
-than chance, and copied (not retrained) into the demo adapter root."""
+than chance, and copied (never trained) into the demo adapter root."""
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 
-from vlora.fusion.demo import (
-    COMMITTED_DIR,
-    STAMP_FILE,
-    TRAINED_DEMOS,
-    _stamp,
-    ensure_trained_demo_adapters,
-    example_request,
-    model_fingerprint,
-)
+from vlora.fusion.demo import TRAINED_DEMOS, _stamp, example_request
 from vlora.lora.adapter import decoder_module_dims, load_adapter
+from vlora.lora.demo import COMMITTED_DIR, STAMP_FILE, install_committed_demos, model_fingerprint
 
 
 def test_committed_demo_adapters_match_the_tiny_model(tiny_model_dir):
@@ -26,8 +21,9 @@ def test_committed_demo_adapters_match_the_tiny_model(tiny_model_dir):
 
 
 def test_demo_adapters_load_with_heads_that_beat_chance(tiny_model_dir, tmp_path):
-    present = ensure_trained_demo_adapters(tiny_model_dir, tmp_path, train_missing=False)
+    present = install_committed_demos(tiny_model_dir, tmp_path)
     assert present == [s.name for s in TRAINED_DEMOS]
+    assert sorted(p.name for p in COMMITTED_DIR.iterdir()) == sorted(present)  # nothing committed that no spec makes
     text = json.loads((tiny_model_dir / "config.json").read_text())["text_config"]
     for spec in TRAINED_DEMOS:
         w = load_adapter(tmp_path, spec.name, num_layers=text["num_hidden_layers"], module_dims=decoder_module_dims(text),
@@ -36,6 +32,20 @@ def test_demo_adapters_load_with_heads_that_beat_chance(tiny_model_dir, tmp_path
         acc = json.loads((tmp_path / spec.name / "vlora_demo_accuracy.json").read_text())
         for task in spec.tasks:
             assert acc["test_accuracy"][task] > acc["chance"][task] + 0.08, (task, acc)
+
+
+def test_demo_adapters_of_another_model_are_left_out_not_trained(tiny_model_dir, tmp_path, caplog):
+    """Serving never trains: a model the committed demos were not trained on gets none of them, with a warning
+    that names the command that retrains them."""
+    other = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["text_config"]["num_hidden_layers"] += 1
+    (other / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="vlora.lora.demo"):
+        present = install_committed_demos(other, tmp_path / "adapters")
+    assert present == [] and not (tmp_path / "adapters").exists()
+    assert "--write-committed" in caplog.text and all(s.name in caplog.text for s in TRAINED_DEMOS)
 
 
 def test_example_request_is_a_head_request():

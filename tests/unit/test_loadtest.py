@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from vlora.config import ConfigError
-from vlora.loadtest.generators import WorkloadGenerator
-from vlora.loadtest.heads import HeadPolicy
-from vlora.loadtest.scrape import build_timeline, current_mode, parse_prometheus, Snapshot
-from vlora.loadtest.summary import percentile, queue_built, summarize
-from vlora.loadtest.transport import RequestRecord, classify_error
-from vlora.loadtest.workload import LengthDistribution, Popularity, Workload, resolve_workload, workloads_dir
+from vlora_load.generators import WorkloadGenerator
+from vlora_load.heads import HeadPolicy
+from vlora_load.scrape import build_timeline, current_mode, parse_prometheus, Snapshot
+from vlora_load.summary import percentile, queue_built, summarize
+from vlora_load.transport import RequestRecord, classify_error
+from vlora_load.workload import LengthDistribution, Popularity, Workload, resolve_workload, workloads_dir
 
 ADAPTERS = tuple(f"a{i}" for i in range(1000))
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from vlora.loadtest.summary import window_stats
-from vlora.loadtest.transport import RequestRecord
+from vlora_load.summary import window_stats
+from vlora_load.transport import RequestRecord
 
 
 def rec(start, ttft, e2e, tokens, outcome="ok"):

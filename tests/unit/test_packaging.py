@@ -21,7 +21,7 @@ from vlora.engine import builder
 REPO = Path(__file__).resolve().parents[2]
 H100 = "NVIDIA H100 80GB HBM3"
 # What a wheel is built from: the project file, its readme, the packages and the data-files source.
-BUILD_INPUTS = ("pyproject.toml", "README.md", "backend", "client", "model_repository")
+BUILD_INPUTS = ("pyproject.toml", "README.md", "backend", "client", "load", "model_repository")
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -116,6 +116,10 @@ def test_a_wheel_installed_into_a_fresh_venv_serves_its_own_tiling_tables(tmp_pa
     names = set(zipfile.ZipFile(wheel).namelist())
     for slug in shipped_tables():
         assert f"vlora/atmm/tables/{slug}.json" in names
+    # The trained demo adapters, the Triton model's server modules and the load tests with their workloads.
+    for name in ("vlora/lora/demo_adapters/demo-shapes/adapter_model.safetensors", "vlora/server/wire.py",
+                 "vlora_load/cli.py", "vlora_load/workloads/smoke.yaml"):
+        assert name in names, name
 
     # A bare venv: pip installs into it from outside (--python), before it can see any other vlora.
     venv = tmp_path / "venv"
@@ -133,9 +137,9 @@ def test_a_wheel_installed_into_a_fresh_venv_serves_its_own_tiling_tables(tmp_pa
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU answer on any machine
-    code = ("import json, vlora, vlora.atmm.tiling as t; "
+    code = ("import json, vlora, vlora.atmm.tiling as t, vlora_load.workload as w; "
             f"print(json.dumps({{'package': vlora.__file__, 'table': str(t.table_path({H100!r})), "
-            "'shipped': t.shipped_tables()}))")
+            "'shipped': t.shipped_tables(), 'smoke': str(w.resolve_workload('smoke'))}))")
     asked = _run([str(python), "-c", code], cwd=tmp_path, env=env)
     assert asked.returncode == 0, asked.stderr
     answer = json.loads(asked.stdout)
@@ -143,6 +147,7 @@ def test_a_wheel_installed_into_a_fresh_venv_serves_its_own_tiling_tables(tmp_pa
     table = Path(answer["table"])
     assert table.is_relative_to(purelib / "vlora" / "atmm" / "tables") and table.is_file(), answer
     assert answer["shipped"] == shipped_tables()
+    assert Path(answer["smoke"]).is_relative_to(purelib / "vlora_load" / "workloads"), answer
 
     doctor = _run([str(venv / "bin" / "vlora"), "doctor"], cwd=tmp_path, env=env)
     # rc 1 only says some row is missing (tritonserver, tritonclient): that is this machine, not the install.

@@ -188,8 +188,10 @@ def test_backend_choice_on_cpu():
     assert get_attention_backend("torch", cpu).name == "torch"
     with pytest.raises(RuntimeError, match="'triton' is not available on cpu"):
         get_attention_backend("triton", cpu)
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(RuntimeError, match="'flash' is not available on cpu"):
         get_attention_backend("flash", cpu)
+    with pytest.raises(ValueError, match="unknown"):
+        get_attention_backend("flashinfer", cpu)
 
 
 def test_torch_backend_runs_metadata():

@@ -146,3 +146,20 @@ def test_a_video_is_one_item_with_its_own_key(setup):
     assert len(video.image_keys) == 1 and video.image_keys[0] != first_frame.image_keys[0]
     with pytest.raises(InvalidRequest, match="video"):
         engine.inputs.prepare(GenerationRequest("w", f"{VIDEO_PLACEHOLDER}{VIDEO_PLACEHOLDER}", images=frames))
+
+
+def test_qwen2_qkv_biases_ride_in_the_fused_group(setup):
+    """The engine runs q/k/v as one GEMM over concatenated weights: Qwen2's q/k/v biases are concatenated
+    the same way (and each projection's bias is a view of that row), o_proj keeps none."""
+    engine, ref, _ = setup
+    runner = engine.runner
+    group = runner.groups["qkv"]
+    assert group.bias is not None and group.bias.abs().max() > 0
+    hf_layers = ref.get_base_model().model.language_model.layers
+    for li, (ours, theirs) in enumerate(zip(runner.lm.layers, hf_layers)):
+        biases = [getattr(getattr(theirs.self_attn, m), "base_layer", getattr(theirs.self_attn, m)).bias
+                  for m in ("q_proj", "k_proj", "v_proj")]
+        assert torch.equal(group.bias[li], torch.cat(biases)), f"layer {li}"
+        q = ours.self_attn.q_proj
+        assert getattr(q, "base", q).bias.data_ptr() == group.bias[li].data_ptr()
+    assert runner.groups["o"].bias is None

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from vlora.config import ConfigError, EngineConfig
 from vlora.server import launcher
@@ -50,6 +52,17 @@ def test_config_file_then_flags(tmp_path):
 def test_default_serve_config_is_the_defaults():
     path = Path(__file__).resolve().parents[2] / "configs" / "serve" / "default.yaml"
     assert EngineConfig.from_yaml(path) == EngineConfig()
+
+
+def test_default_serve_config_names_every_setting():
+    """The README says default.yaml lists every engine setting with its default: a new field must appear there."""
+    path = Path(__file__).resolve().parents[2] / "configs" / "serve" / "default.yaml"
+    data = yaml.safe_load(path.read_text())
+    defaults = EngineConfig()
+    assert set(data) == {f.name for f in dataclasses.fields(defaults)}
+    for section in dataclasses.fields(defaults):
+        names = {f.name for f in dataclasses.fields(getattr(defaults, section.name))}
+        assert set(data[section.name] or {}) == names, f"configs/serve/default.yaml, section {section.name}"
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -41,7 +41,7 @@ def test_soak_runs_every_kind_and_passes(tmp_path, vlora_cache, demo_adapter_roo
 
 def test_outcomes_and_flatness_are_computed_as_documented():
     soak = _soak_module()
-    from vlora.loadtest.transport import RequestRecord
+    from vlora_load.transport import RequestRecord
 
     refused = RequestRecord(index=1, application="soak", task="text", adapter="demo-r4-pattern", protocol="http",
                             outcome="error", error="adapter 'demo-r4-pattern' is being unloaded: it takes no new requests")

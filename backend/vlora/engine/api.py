@@ -6,24 +6,15 @@ The Triton-facing names follow the Triton vLLM backend: ``text_input``, ``image`
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses before queueing it. The message is shown to the client as is."""
-
-
-class EngineOverloaded(RuntimeError):
-    """The engine could not admit the request within the admission timeout."""
-
-
-class EngineDead(EngineOverloaded):
-    """The engine thread died or stopped making progress: this instance serves nothing more. The
-    message says why. (A kind of EngineOverloaded, so callers answer it as "unavailable".)"""
+# The error types live in vlora.errors; they are part of this contract too, so they are named here as well.
+from vlora.errors import EngineDead, EngineOverloaded, InvalidRequest  # noqa: F401
 
 
 # Limits on sampling_parameters, checked before a request is queued (see SamplingParams).
@@ -36,6 +27,7 @@ MAX_STOP_CHARS = 256
 MAX_NUMBER_CHARS = 32  # a number sent as a string ("16"); int() of a long digit string is slow or refused
 MAX_SAMPLING_JSON_BYTES = 64 * 1024
 MAX_SAMPLING_JSON_DEPTH = 8  # the object, the stop list, and room to spare
+MAX_LATENCY_TARGET_S = 86400.0  # a latency target beyond a day is a unit mistake (milliseconds sent as seconds)
 
 
 @dataclass(frozen=True)
@@ -47,6 +39,10 @@ class SamplingParams:
     - ``top_p``: a number in [MIN_TOP_P, 1] = [0.001, 1].
     - ``seed``: an integer in [0, 2**64); without one, a sampled request gets a random seed.
     - ``stop``: at most 16 non-empty strings of at most 256 characters each.
+    - ``latency_target``: seconds, a positive finite number up to 86400: this request's latency target
+      (its application's SLO). The scheduler counts a request as starving once its credit (time waited
+      since it last ran + the estimated step + any switch it needs) passes it, and then runs it in the
+      next step; without one, the adapter's ``orchestrator.latency_targets`` entry or ``theta_s`` applies.
     """
 
     max_tokens: int = 16
@@ -55,7 +51,10 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    latency_target: Optional[float] = None
 
+    # The fields above, as keys of ``sampling_parameters`` (and of the request parameters).
+    KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "latency_target")
     # Keys accepted in ``sampling_parameters`` besides the fields above.
     EXTRA_KEYS = ("lora_name", "task", "apply_chat_template")
 
@@ -76,13 +75,17 @@ class SamplingParams:
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise InvalidRequest(f"each stop string may have at most {MAX_STOP_CHARS} characters, "
                                  f"got one of {max(len(s) for s in self.stop)}")
+        if self.latency_target is not None and (not _is_number(self.latency_target)
+                                                or not 0.0 < self.latency_target <= MAX_LATENCY_TARGET_S):
+            raise InvalidRequest(f"latency_target must be a positive number of seconds, at most {MAX_LATENCY_TARGET_S:g}, "
+                                 f"got {_shown(self.latency_target)}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
         """Build from a parsed ``sampling_parameters`` dict; unknown keys are an error, not ignored."""
         if not isinstance(d, dict):
             raise InvalidRequest("sampling_parameters must be a JSON object")
-        known = {"max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos"}
+        known = set(cls.KEYS)
         unknown = sorted(set(d) - known - set(cls.EXTRA_KEYS))
         if unknown:
             raise InvalidRequest(f"sampling_parameters: unknown key(s) {unknown}; accepted: {sorted(known | set(cls.EXTRA_KEYS))}")
@@ -93,7 +96,8 @@ class SamplingParams:
             if not isinstance(kw["stop"], tuple):
                 raise InvalidRequest("stop must be a string or a list of strings")
         # JSON clients often send numbers as strings (Triton parameters are strings); accept clean ones.
-        for k, conv in (("max_tokens", int), ("seed", int), ("temperature", float), ("top_p", float)):
+        for k, conv in (("max_tokens", int), ("seed", int), ("temperature", float), ("top_p", float),
+                        ("latency_target", float)):
             if isinstance(kw.get(k), str):
                 if len(kw[k]) > MAX_NUMBER_CHARS:
                     raise InvalidRequest(f"{k} must be a number; got a string of {len(kw[k])} characters "
@@ -102,7 +106,7 @@ class SamplingParams:
                     kw[k] = conv(kw[k])
                 except ValueError:
                     raise InvalidRequest(f"{k} must be a number, got {_shown(kw[k])}") from None
-        for k in ("temperature", "top_p"):
+        for k in ("temperature", "top_p", "latency_target"):
             if _is_int(kw.get(k)):
                 try:
                     kw[k] = float(kw[k])
@@ -220,6 +224,37 @@ class GenerationOutput:
     num_output_tokens: int = 0
     error: Optional[str] = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def then(self, later: "GenerationOutput") -> Optional["GenerationOutput"]:
+        """This event and the next one of the same request as one event (a sender that fell behind sends
+        both at once: the text deltas joined, the rest from ``later``), or None where they must stay two:
+        this one is final, or ``later`` carries an error or a cancellation, which are sent alone."""
+        if (later.request_id != self.request_id or self.finished
+                or later.error is not None or later.finish_reason in ("error", "cancelled")):
+            return None
+        return dataclasses.replace(later, text_delta=self.text_delta + later.text_delta)
+
+
+def coalesce(events: list) -> list:
+    """Merge consecutive :class:`GenerationOutput` events of each request in ``events`` (a queue's
+    backlog, in order) with :meth:`GenerationOutput.then`; anything else in the list (control items)
+    stays where it is and keeps every event queued before it ahead of it. A request's events keep their
+    order, so a streaming client gets the same text in fewer, larger pieces."""
+    out: list = []
+    pending: dict[str, int] = {}  # request id -> index in out of its latest event since the last control item
+    for item in events:
+        if not isinstance(item, GenerationOutput):
+            out.append(item)
+            pending.clear()
+            continue
+        i = pending.get(item.request_id)
+        merged = out[i].then(item) if i is not None else None
+        if merged is not None:
+            out[i] = merged
+        else:
+            pending[item.request_id] = len(out)
+            out.append(item)
+    return out
 
 
 OutputCallback = Callable[[GenerationOutput], None]

@@ -78,17 +78,20 @@ def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) 
     loaded = load_model(model_dir, dtype, device)
     max_model_len = min(config.model.max_model_len or loaded.max_model_len, loaded.max_model_len)
     runner = ModelRunner(loaded.model, image_token_id=loaded.image_token_id, num_slots=config.lora.max_gpu_adapters,
-                         max_rank=config.lora.max_rank, target_modules=config.lora.target_modules, loaded=loaded)
+                         max_rank=config.lora.max_rank, target_modules=config.lora.target_modules, loaded=loaded,
+                         vision_lora=config.lora.vision_lora)
     runner.allocate_kv(config.cache.num_blocks, config.cache.block_size, config.cache.gpu_memory_fraction)
     runner.set_attention(config.engine.attention)
     runner.set_encoder_cache(config.cache.encoder_cache_mb)
-    loras = LoraManager(adapter_root, runner.lora_layers, runner.num_layers, runner.module_dims(), config.lora, metrics)
+    loras = LoraManager(adapter_root, runner.lora_wrappers, runner.num_layers, runner.module_dims(), config.lora, metrics,
+                        vision=runner.vision_lora_sites())
     engine = LLMEngine(config, runner, loras, loaded.tokenizer, max_model_len, eos_token_ids(loaded), metrics)
     engine.inputs = InputProcessor(loaded, config.limits, loras, max_model_len)
     engine.model_info = {"name": loaded.name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
                          "max_model_len": max_model_len, "model_dir": str(model_dir),
                          "adapter_root": str(adapter_root) if adapter_root else None}
     capture_graphs(config, runner, max_model_len, engine)
+    resolve_cost_model(config, engine)
     engine.tuner = start_tuner(config, runner, device, dtype)
     log.info("engine ready: %s on %s/%s in %.1fs, adapters at %s", loaded.name, device, dtype, time.perf_counter() - t0, adapter_root)
     return engine
@@ -107,6 +110,26 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int
     runner.graphs.capture_all(VARIANTS if config.orchestrator.policy == "vlora" else ("base", "lora"))
     engine.model_info["cuda_graphs"] = {"batch_sizes": list(runner.graphs.sizes), "capture_s": round(runner.graphs.capture_s, 2),
                                         "memory_mib": round(runner.graphs.memory_bytes / 2**20, 1)}
+
+
+def resolve_cost_model(config: EngineConfig, engine: LLMEngine) -> None:
+    """Give the orchestrator the cost model ``orchestrator.cost_model`` names (after the graphs are captured:
+    a measurement replays them). Policies other than vlora only measure one when asked to (``measure``)."""
+    from vlora.orchestrator import costs
+    from vlora.orchestrator.switcher import SWITCHERS
+
+    cfg = config.orchestrator
+    if cfg.policy != "vlora" and cfg.cost_model == "auto":
+        return
+    runner = engine.runner
+    key = costs.model_key(runner, dtype=str(runner.dtype).removeprefix("torch."), max_rank=config.lora.max_rank,
+                          targets=config.lora.target_modules, max_batch_size=config.scheduler.max_batch_size,
+                          lora_backend=cfg.resolved_lora_compute, switcher=cfg.resolved_switcher)
+    cache = Path(cfg.cost_model_dir) if cfg.cost_model_dir else default_cache_dir() / "cost-model"
+    model = costs.resolve(cfg.cost_model, runner, cache_dir=cache, key=key, max_batch_size=config.scheduler.max_batch_size,
+                          switcher_cls=SWITCHERS[cfg.resolved_switcher], loras=engine.loras)
+    engine.orchestrator.set_costs(model)
+    engine.model_info["cost_model"] = model.summary()
 
 
 def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device, dtype: torch.dtype):

@@ -125,7 +125,8 @@ class LLMEngine:
         max_len = min(self.max_model_len, len(req.prompt_ids) + (1 if req.task else req.sampling.max_tokens))
         seq = Sequence(req=req, callback=callback, max_len=max_len, seed=make_seed(req.sampling))
         seq.candidate = Candidate(req.request_id, req.lora_name, self.orchestrator.clock(),
-                                  self.orchestrator.latency_target(req.lora_name, req.latency_target))
+                                  self.orchestrator.latency_target(req.lora_name, req.latency_target),
+                                  remaining=max_len - len(req.prompt_ids))
         self.waiting.append(seq)
         self.metrics.request_admitted(req.lora_name)
 
@@ -173,10 +174,13 @@ class LLMEngine:
                                        rope_delta=req.rope_delta))
             else:  # the prompt past its cached prefix; the runner takes the images' features that fall there
                 c = s.cached_tokens
+                # The vision side is never merged: the images go through the adapter's own slot, whatever the mode.
+                vision_slot, vision_identity = self.loras.vision_side(s.slot)
                 inputs.append(SeqInput(req.prompt_ids[c:], c, s.blocks, plus, delora_slot=minus,
                                        pixel_values=req.pixel_values, image_keys=req.image_keys,
                                        image_grid_thw=req.image_grid_thw, mrope_positions=req.mrope_positions,
-                                       rope_delta=req.rope_delta, video=req.video))
+                                       rope_delta=req.rope_delta, video=req.video, vision_slot=vision_slot,
+                                       vision_identity=vision_identity))
         try:
             # The copies into the slots this step reads were issued on the side stream: order them first.
             self.loras.wait_ready([s.slot for s in batch] + [orch.merged_slot if orch.merged_slot is not None else -1])
@@ -189,7 +193,7 @@ class LLMEngine:
                 self._finish(s, "error", error=f"internal error during inference: {e}")
             return None
         elapsed = time.perf_counter() - t0
-        orch.observe_step(elapsed)
+        orch.observe_step(elapsed, inputs)
         now = orch.clock()
         n_prefill_reqs = sum(1 for s in batch if not s.prefilled)
         n_prefill = sum(s.step_tokens for s in batch if not s.prefilled)
@@ -211,6 +215,7 @@ class LLMEngine:
         bad = set(sampled.bad_rows)
         for i, (s, tok) in enumerate(zip(batch, sampled.tokens)):
             s.candidate.last_served = now
+            s.candidate.remaining = s.max_len - s.num_tokens - 1  # after this step's token
             if s.req.task is not None and not s.prefilled:
                 self._answer_with_head(s, result.hidden[i])
                 continue
@@ -331,6 +336,7 @@ class LLMEngine:
         self.prefix_stats["evictions"] = alloc.evictions
         self.metrics.prefix_cache(len(s.req.prompt_ids), s.cached_tokens, evicted)
         self.running.append(s)
+        s.candidate.running = True
         return True
 
     def _prefix_hashes(self, s: Sequence, identity: str) -> list[bytes]:

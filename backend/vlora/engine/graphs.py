@@ -7,9 +7,11 @@ rows' adapter slots and block tables, filled from pinned host memory with one co
 weights, the LoRA slot buffers and the KV pools are allocated once. Padding rows read nothing (context
 length 0), write their keys and values to the cache's scratch block, and use no adapter.
 
-Three variants per bucket: ``base`` (no LoRA kernels at all: merged mode and base requests),
-``lora`` (every row's adapter through the LoRA backend's graph-safe ``rows`` path) and ``mixture``
-(also the merged adapter taken out again for the rows of other adapters). Capture happens at model load
+Three variants per bucket, chosen per step by :meth:`DecodeGraphs.variant` from the rows' slots: ``base``
+(no LoRA kernels at all: merged mode, a mixture step whose rows are all the merged adapter's, and base
+requests), ``lora`` (every row's adapter through the LoRA backend's graph-safe ``rows`` path: unmerged
+mode) and ``mixture`` (also the merged adapter taken out again for the rows of other adapters).
+``replays`` counts the replays per (bucket, variant). Capture happens at model load
 (:meth:`DecodeGraphs.capture_all`, with progress in the log); a variant not captured then (mixture
 under a policy that never mixes) is captured when a step first needs it. Merges change the weights in
 place (the runner's weight groups), so the graphs stay valid.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -63,6 +66,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.memory_bytes = 0
         self.capture_s = 0.0
+        self.replays: Counter = Counter()  # (bucket, variant) -> replays
 
     def field(self, i: int, n: int) -> torch.Tensor:
         return self.buf[i * self.max_batch:i * self.max_batch + n]
@@ -93,7 +97,7 @@ class DecodeGraphs:
     def capture_all(self, variants: tuple[str, ...] = VARIANTS) -> None:
         dev = self.runner.device
         torch.cuda.synchronize(dev)
-        free0 = torch.cuda.mem_get_info(dev)[0]
+        free0, reserved0 = torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev)
         t0 = time.perf_counter()
         total = len(self.sizes) * len(variants)
         done = 0
@@ -104,9 +108,21 @@ class DecodeGraphs:
             log.info("CUDA graphs: captured batch %d (%d/%d graphs, %.1f s)", b, done, total, time.perf_counter() - t0)
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
-        self.memory_bytes = max(0, free0 - torch.cuda.mem_get_info(dev)[0])
+        # The graphs' private pool grows the allocator's reservation; blocks it had cached before can
+        # hide that from the device's free memory, so take the larger of the two measures.
+        self.memory_bytes = max(0, free0 - torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev) - reserved0)
         log.info("CUDA graphs: %d decode graphs (batch sizes %s, variants %s) in %.1f s, %.0f MiB of device memory",
                  total, list(self.sizes), list(variants), self.capture_s, self.memory_bytes / 2**20)
+
+    def capture_missing(self, variants: tuple[str, ...] = VARIANTS) -> int:
+        """Capture the graphs of ``variants`` not captured yet (a policy that mixes, set after load), so
+        that no step of a timed run pays a capture. Returns how many were captured."""
+        todo = [(b, v) for b in reversed(self.sizes) for v in variants if (b, v) not in self.graphs]
+        for b, v in todo:
+            self._capture(b, v)
+        if todo:
+            log.info("CUDA graphs: captured %d more (variants %s)", len(todo), sorted({v for _, v in todo}))
+        return len(todo)
 
     def _dummy_fill(self, b: int) -> None:
         """A valid step for capture: every row one token at the scratch slot, no adapter."""
@@ -197,4 +213,5 @@ class DecodeGraphs:
         self.buf.copy_(self.host, non_blocking=True)
         self._copied.record()
         g.replay()
+        self.replays[(b, variant)] += 1
         return StepResult(logits=logits[:n], hidden=hidden[:n])

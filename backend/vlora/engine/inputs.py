@@ -95,4 +95,5 @@ class InputProcessor:
         return PreparedRequest(request_id=req.request_id, prompt_ids=ids, sampling=req.sampling, lora_name=req.lora_name,
                                stream=req.stream, pixel_values=prompt.pixel_values, image_keys=keys, task=req.task,
                                image_grid_thw=prompt.image_grid_thw, mrope_positions=prompt.mrope_positions,
-                               rope_delta=prompt.rope_delta, video=prompt.video)
+                               rope_delta=prompt.rope_delta, video=prompt.video,
+                               latency_target=req.sampling.latency_target)

@@ -4,6 +4,8 @@ It reuses the Hugging Face modules of the loaded model (embeddings, RMSNorm, rot
 projections, the MLP, the LM head); only the attention is ours, so that it can read a paged KV cache
 in place and serve sequences of different lengths without padding the whole batch. LoRA projections
 are :class:`~vlora.lora.layers.LoraLinear` wrappers driven by the step's :class:`LoraBatchMapping`.
+The vision tower and projector take LoRA the same way (:class:`VisionLora`): the images of a step are
+encoded in one forward, each image's rows in the segment of its adapter's slot.
 
 Each step is described once by a :class:`StepPlan` (token ids, positions, KV slot mapping, block
 tables, lengths, LoRA segments), built on the host and copied to the device in two transfers; the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -26,6 +29,8 @@ from vlora.atmm.mapping import LoraBatchMapping
 from vlora.engine.attention import AttentionMetadata, get_attention_backend
 from vlora.engine.fused_ops import add_rms_norm, rms_norm, rotary_and_cache, silu_mul
 from vlora.engine.kv_cache import PagedKVCache, SequenceBlocks
+from vlora.lora.adapter import VisionSites
+from vlora.lora.backends import LoraBackend
 from vlora.lora.layers import LoraContext, LoraLinear
 
 log = logging.getLogger(__name__)
@@ -52,6 +57,7 @@ class WeightGroup:
     bias: Optional[torch.Tensor]
     modules: tuple[tuple[str, int, int], ...]
     lora: list[tuple[tuple[int, int, LoraLinear], ...]]
+    slots: Optional["GroupSlots"] = None  # the LoRA slot buffers of its wrapped modules, all layers
 
     def forward(self, li: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, d_in] -> [T, sum of d_out]: one GEMM, then each module's LoRA into its columns."""
@@ -59,6 +65,25 @@ class WeightGroup:
         for off, d, wrapper in self.lora[li]:
             wrapper.add_lora(x, y[:, off:off + d])
         return y
+
+
+@dataclass
+class GroupSlots:
+    """The LoRA slot buffers of one weight group's wrapped modules, every layer's in one stack per operand.
+
+    Each layer's :class:`LoraLinear` reads a contiguous view ``a[layer, k]`` [S, r, d_in] and
+    ``b_parts[k][layer]`` [S, d_out, r] (what the ATMM kernels take), while one slot's A and B of every
+    layer are one strided slice, ``a[:, :, slot]`` [L, M, r, d_in]: the swift switcher merges from it
+    without gathering per-layer buffers.
+
+    Shape: a [L, M, S, r, d_in]; b [L, M, S, d_out, r] when the M modules share d_out, else None;
+    b_parts: per module [L, S, d_out_k, r] (views of b when it exists); modules: the wrapped modules' names.
+    """
+
+    modules: tuple[str, ...]
+    a: torch.Tensor
+    b: Optional[torch.Tensor]
+    b_parts: tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -76,11 +101,14 @@ class SeqInput:
     mrope_positions: Optional[torch.Tensor] = None  # [3, prompt length] M-RoPE positions of the prompt
     rope_delta: int = 0  # tokens past the prompt sit at their index plus this (M-RoPE)
     video: bool = False  # pixel_values are one video's frames
+    vision_slot: int = -1  # adapter slot whose vision-side delta encodes the images, -1: the plain encoder
+    vision_identity: str = ""  # the vision-side weights: the adapter's name@version, "" for the base model's
 
 
 class EncoderCache:
-    """Projected vision features by (vision-side weights, video or image, content hash), least recently
-    used first out, within a byte budget. Engine thread only. Counters: hits, misses, evictions, bytes."""
+    """Projected vision features by (vision-side weights: the adapter's name@version or "" for the base
+    model's, video or image, content hash), least recently used first out, within a byte budget. Engine
+    thread only. Counters: hits, misses, evictions, bytes."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
@@ -110,6 +138,36 @@ class EncoderCache:
 
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions, "bytes": self.bytes}
+
+
+class VisionLora:
+    """LoRA on the vision tower and projector (or merger): the wrappers and one :class:`LoraContext` per
+    stage, each stage with its own per-image segments (its rows per image differ, see
+    :data:`vlora.models.family.VISION_STAGE`). The decoder's LoRA backend computes them, and an adapter's
+    slot index is the same here as in the decoder's wrappers (one slot holds both sides of an adapter)."""
+
+    def __init__(self, model: nn.Module, sites, num_slots: int, max_rank: int) -> None:
+        self.contexts: dict[str, LoraContext] = {}
+        self.layers: dict[tuple[int, str], LoraLinear] = {}  # (block, target) -> wrapper
+        for site in sites:
+            parent_path, _, attr = site.path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            ctx = self.contexts.setdefault(site.stage, LoraContext())
+            wrapper = LoraLinear(getattr(parent, attr), ctx, num_slots, max_rank)
+            setattr(parent, attr, wrapper)
+            self.layers[(site.layer, site.target)] = wrapper
+
+    @contextmanager
+    def bind(self, rows: dict[str, list[int]], slots: list[int], backend: LoraBackend, device: torch.device):
+        """Drive the wrappers for one encoder forward: item i's rows of each stage use ``slots[i]``."""
+        for stage, ctx in self.contexts.items():
+            ctx.backend = backend
+            ctx.mapping = LoraBatchMapping.from_token_slots(rows[stage], slots, device)
+        try:
+            yield
+        finally:
+            for ctx in self.contexts.values():
+                ctx.mapping = None
 
 
 @dataclass
@@ -152,7 +210,7 @@ class ModelRunner:
     """Owns the model on its device, the LoRA slot buffers inside it, and the KV cache."""
 
     def __init__(self, model: nn.Module, *, image_token_id: int, num_slots: int, max_rank: int,
-                 target_modules: tuple[str, ...], loaded=None) -> None:
+                 target_modules: tuple[str, ...], loaded=None, vision_lora: bool = False) -> None:
         self.model = model
         self.loaded = loaded  # the LoadedModel: its family encodes images (vlora.models.family)
         if loaded is not None and loaded.family is None:
@@ -174,7 +232,8 @@ class ModelRunner:
         self.lora_ctx = LoraContext()
         self.lora_layers: dict[tuple[int, str], LoraLinear] = {}
         self._wrap_lora(target_modules, num_slots, max_rank)
-        self.groups: dict[str, WeightGroup] = {name: self._stack(name, mods) for name, mods in WEIGHT_GROUPS}
+        joint = self._attention_buffer()
+        self.groups: dict[str, WeightGroup] = {name: self._stack(name, mods, joint.get(name)) for name, mods in WEIGHT_GROUPS}
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.intermediate = self.groups["gate_up"].modules[0][2]
@@ -183,25 +242,64 @@ class ModelRunner:
         self.attention = get_attention_backend("auto", self.device)
         self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
         self.encoder_cache: Optional[EncoderCache] = None  # set_encoder_cache()
-        # Which vision-side weights encode images: part of every encoder-cache key. The vision tower and
-        # projector take no adapter yet, so it names the base weights.
-        self.vision_identity = "base"
+        # The family's vision-side projections that adapters may target; wrapped for LoRA with ``vision_lora``.
+        self.vision_sites = loaded.family.vision_lora_sites(loaded) if loaded is not None else []
+        self.vision_lora = VisionLora(model, self.vision_sites, num_slots, max_rank) if vision_lora and self.vision_sites else None
 
     # -- setup ---------------------------------------------------------------------------------
     def _wrap_lora(self, targets: tuple[str, ...], num_slots: int, max_rank: int) -> None:
+        """Wrap the targeted projections; their slot buffers are views of one stack per weight group
+        (:class:`GroupSlots`, in ``self.slot_stacks``)."""
+        L = len(self.lm.layers)
+        self.slot_stacks: dict[str, GroupSlots] = {}
+        views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> (A [L, S, r, d_in], B [L, S, d_out, r])
+        for group, modules in WEIGHT_GROUPS:
+            mods = tuple(m for m in modules if m in targets)
+            if not mods:
+                continue
+            first = [getattr(self.lm.layers[0].self_attn if m in ATTN_TARGETS else self.lm.layers[0].mlp, m) for m in mods]
+            bad = [(m, type(x).__name__) for m, x in zip(mods, first) if not isinstance(x, nn.Linear)]
+            if bad:
+                raise TypeError(f"layer 0: {bad[0][0]} is {bad[0][1]}, not nn.Linear")
+            w, d_in = first[0].weight, first[0].in_features
+            outs = [x.out_features for x in first]
+            a = torch.zeros(L, len(mods), num_slots, max_rank, d_in, dtype=w.dtype, device=w.device)
+            b = (torch.zeros(L, len(mods), num_slots, outs[0], max_rank, dtype=w.dtype, device=w.device)
+                 if len(set(outs)) == 1 else None)
+            parts = tuple(b[:, k] if b is not None else torch.zeros(L, num_slots, d, max_rank, dtype=w.dtype, device=w.device)
+                          for k, d in enumerate(outs))
+            self.slot_stacks[group] = GroupSlots(mods, a, b, parts)
+            views.update({m: (a[:, k], parts[k]) for k, m in enumerate(mods)})
         for i, layer in enumerate(self.lm.layers):
             for name in targets:
                 parent = layer.self_attn if name in ATTN_TARGETS else layer.mlp
                 base = getattr(parent, name)
                 if not isinstance(base, nn.Linear):
                     raise TypeError(f"layer {i}: {name} is {type(base).__name__}, not nn.Linear")
-                wrapper = LoraLinear(base, self.lora_ctx, num_slots, max_rank)
+                a, b = views[name]
+                wrapper = LoraLinear(base, self.lora_ctx, num_slots, max_rank, lora_a=a[i], lora_b=b[i])
                 setattr(parent, name, wrapper)
                 self.lora_layers[(i, name)] = wrapper
 
-    def _stack(self, name: str, modules: tuple[str, ...]) -> WeightGroup:
+    def _attention_buffer(self) -> dict[str, torch.Tensor]:
+        """Where q/k/v and o are square and of one width (no GQA), their stacks share one buffer [4L, d, d],
+        q/k/v's layers first: the swift switcher merges all four projections of every layer in one call."""
+        layer = self.lm.layers[0]
+        lins = [getattr(layer.self_attn, m) for m in ATTN_TARGETS]
+        lins = [x.base if isinstance(x, LoraLinear) else x for x in lins]
+        if not all(isinstance(x, nn.Linear) for x in lins):
+            return {}
+        d = lins[0].in_features
+        if any(x.in_features != d or x.out_features != d for x in lins):
+            return {}
+        L, w = self.num_layers, lins[0].weight
+        buf = torch.empty(4 * L, d, d, dtype=w.dtype, device=w.device)
+        return {"qkv": buf[:3 * L].view(L, 3 * d, d), "o": buf[3 * L:]}
+
+    def _stack(self, name: str, modules: tuple[str, ...], stack: Optional[torch.Tensor] = None) -> WeightGroup:
         """Move ``modules``' weights of every layer into one contiguous stack (one layer at a time: peak
-        memory grows by the stack, and each old weight is freed as its module takes a view)."""
+        memory grows by the stack, and each old weight is freed as its module takes a view). ``stack``: a
+        preallocated one [L, sum of d_out, d_in] (see ``_attention_buffer``)."""
         def linear(li: int, m: str) -> nn.Linear:
             layer = self.lm.layers[li]
             mod = getattr(layer.self_attn if m in ATTN_TARGETS else layer.mlp, m)
@@ -219,7 +317,11 @@ class ModelRunner:
             offsets.append((m, off, lin.out_features))
             off += lin.out_features
         w0 = first[0].weight
-        stack = torch.empty(self.num_layers, off, d_in, dtype=w0.dtype, device=w0.device)
+        if stack is None:
+            stack = torch.empty(self.num_layers, off, d_in, dtype=w0.dtype, device=w0.device)
+        elif tuple(stack.shape) != (self.num_layers, off, d_in) or stack.dtype != w0.dtype:
+            raise ValueError(f"{name}: preallocated stack {tuple(stack.shape)} {stack.dtype}, needs "
+                             f"{(self.num_layers, off, d_in)} {w0.dtype}")
         bias = torch.empty(self.num_layers, off, dtype=w0.dtype, device=w0.device) if has_bias[0] else None
         lora = []
         for li in range(self.num_layers):
@@ -235,7 +337,7 @@ class ModelRunner:
                 if wrapper is not None:
                     wrappers.append((o, d, wrapper))
             lora.append(tuple(wrappers))
-        return WeightGroup(name, stack, bias, tuple(offsets), lora)
+        return WeightGroup(name, stack, bias, tuple(offsets), lora, self.slot_stacks.get(name))
 
     def allocate_kv(self, num_blocks: Optional[int], block_size: int, memory_fraction: float) -> PagedKVCache:
         """Allocate the KV pool. ``num_blocks=None``: 4096 blocks on CPU; on CUDA, whatever keeps the
@@ -256,7 +358,7 @@ class ModelRunner:
         return self.kv
 
     def module_dims(self) -> dict[str, tuple[int, int]]:
-        """(d_in, d_out) of every LoRA-targetable projection."""
+        """(d_in, d_out) of every LoRA-targetable projection: the decoder's, and the vision side's by target."""
         layer = self.lm.layers[0]
         dims = {}
         for name in ATTN_TARGETS + MLP_TARGETS:
@@ -264,14 +366,47 @@ class ModelRunner:
             m = getattr(parent, name)
             m = m.base if isinstance(m, LoraLinear) else m
             dims[name] = (m.in_features, m.out_features)
+        for site in self.vision_sites:
+            m = self.model.get_submodule(site.path)
+            m = m.base if isinstance(m, LoraLinear) else m
+            if dims.setdefault(site.target, (m.in_features, m.out_features)) != (m.in_features, m.out_features):
+                raise TypeError(f"{site.path}: {m.in_features} -> {m.out_features}, but other blocks' {site.target} "
+                                f"is {dims[site.target][0]} -> {dims[site.target][1]}")
         return dims
 
+    @property
+    def lora_wrappers(self) -> dict[tuple[int, str], LoraLinear]:
+        """Every LoRA wrapper by (layer, target): the decoder's and the vision side's (what an adapter slot fills)."""
+        return {**self.lora_layers, **(self.vision_lora.layers if self.vision_lora is not None else {})}
+
+    def vision_lora_sites(self) -> VisionSites:
+        """The vision-side projections an adapter's keys may name (whether or not vision LoRA is on here)."""
+        family = self.loaded.family if self.loaded is not None else None
+        return VisionSites(paths={s.path: (s.layer, s.target) for s in self.vision_sites},
+                           aliases=family.vision_lora_aliases if family is not None else ())
+
     # -- vision --------------------------------------------------------------------------------
-    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor] = None,
+                      vision_slots: Optional[list[int]] = None) -> torch.Tensor:
         """The model family's vision tower and projector: each image's features, joined (LLaVA
-        [n, tokens, hidden]; Qwen2-VL [all tokens, hidden])."""
-        feats = self.loaded.family.encode_images(self.loaded, pixel_values, image_grid_thw)
+        [n, tokens, hidden]; Qwen2-VL [all tokens, hidden]). ``vision_slots``: see :meth:`encode`."""
+        feats = self.encode(pixel_values, image_grid_thw, vision_slots)
         return torch.stack(feats) if len({f.shape[0] for f in feats}) == 1 else torch.cat(feats)
+
+    def encode(self, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor] = None,
+               vision_slots: Optional[list[int]] = None, video: bool = False) -> list[torch.Tensor]:
+        """Each image's (or video's) features, [tokens, hidden], from one forward of the vision tower and
+        projector, as the family's ``encode_images``. ``vision_slots[i]``: the adapter slot whose
+        vision-side LoRA encodes item i (-1 or None: the plain encoder); items of one slot should be
+        neighbours (one LoRA segment each run). No LoRA work when no item has a slot."""
+        family, loaded = self.loaded.family, self.loaded
+        if vision_slots is None or all(s < 0 for s in vision_slots):
+            return family.encode_images(loaded, pixel_values, image_grid_thw, video=video)
+        if self.vision_lora is None:
+            raise RuntimeError("vision-side LoRA is off on this runner, but an image asks for an adapter slot")
+        rows = family.vision_lora_rows(loaded, pixel_values, image_grid_thw, video)
+        with self.vision_lora.bind(rows, vision_slots, self.lora_ctx.backend, self.device):
+            return family.encode_images(loaded, pixel_values, image_grid_thw, video=video)
 
     # -- the step ------------------------------------------------------------------------------
     def set_encoder_cache(self, budget_mb: float) -> None:
@@ -322,8 +457,10 @@ class ModelRunner:
         delora = (LoraBatchMapping.from_token_slots(lengths, [s.delora_slot for s in seqs], dev)
                   if any(s.delora_slot >= 0 for s in seqs) else None)
         decode_only = max(lengths) == 1
+        fresh = not decode_only and all(s.start_pos == 0 for s in seqs)
         attn = AttentionMetadata(block_tables=meta[2 * S + 1:].view(S, width), seq_lens=meta[S + 1:2 * S + 1],
-                                 cu_seqlens_q=None if decode_only else meta[:S + 1], max_q_len=max(lengths))
+                                 cu_seqlens_q=None if decode_only else meta[:S + 1], max_q_len=max(lengths),
+                                 fresh_rows=host[2 * T:3 * T] if fresh else None)
         pos = host[T:2 * T] if not mrope else torch.cat(axes, dim=1).to(dev, non_blocking=True)
         return StepPlan(ids=host[:T], positions=pos, slot_mapping=host[2 * T:3 * T], last_index=host[3 * T:],
                         attn=attn, decode_only=decode_only, lora=lora, delora=delora)
@@ -356,7 +493,11 @@ class ModelRunner:
         Each residual add is fused with the RMSNorm after it (:mod:`vlora.engine.fused_ops`: one kernel
         on CUDA, the eager ops elsewhere, the same bits either way), so a layer hands the next its MLP
         output still to be added."""
-        # [T] (1-D) or [3, T] (M-RoPE); the model's rotary embedding takes a batch of one.
+        # [T] (1-D) or [3, T] (M-RoPE); the model's rotary embedding takes a batch of one. An M-RoPE
+        # embedding (``mrope_section``) gets 1-D positions (text prompts, every decode step and its CUDA
+        # graph) as three equal axes: transformers before 5.2x indexes its position ids as [3, batch, T].
+        if positions.dim() == 1 and hasattr(self.lm.rotary_emb, "mrope_section"):
+            positions = positions.expand(3, -1)
         cos, sin = self.lm.rotary_emb(hidden[None], positions[None] if positions.dim() == 1 else positions[:, None])
         cos, sin = cos[0], sin[0]
         pending = None
@@ -376,10 +517,13 @@ class ModelRunner:
             return 0
         family, loaded = self.loaded.family, self.loaded
         cache = self.encoder_cache
-        items: list[list[tuple[bool, bytes]]] = []  # per sequence: its images' (video, key), in order
-        feature_of: dict[tuple[bool, bytes], torch.Tensor] = {}
-        todo: dict[bool, list[tuple[bytes, torch.Tensor, Optional[torch.Tensor]]]] = {False: [], True: []}
-        cacheable: set[tuple[bool, bytes]] = set()
+        # An item is (vision-side weights, video, content hash): the encoder-cache key. One image asked about
+        # through two vision-side adapters is two items; through language-only adapters, the base one.
+        items: list[list[tuple[str, bool, bytes]]] = []  # per sequence: its items, in order
+        feature_of: dict[tuple[str, bool, bytes], torch.Tensor] = {}
+        todo: dict[bool, list[tuple[tuple[str, bool, bytes], torch.Tensor, Optional[torch.Tensor], int]]] = {False: [], True: []}
+        queued: set[tuple[str, bool, bytes]] = set()
+        cacheable: set[tuple[str, bool, bytes]] = set()
         for s in with_images:
             per_item = family.patches(s.pixel_values, s.image_grid_thw)
             keys = s.image_keys or tuple(bytes([i]) + id(s).to_bytes(8, "little") for i in range(len(per_item)))
@@ -387,15 +531,16 @@ class ModelRunner:
                 raise RuntimeError(f"{len(keys)} image keys for {len(per_item)} images")
             mine = []
             for i, (key, pv) in enumerate(zip(keys, per_item)):
-                item = (s.video, key)
+                item = (s.vision_identity, s.video, key)
                 mine.append(item)
-                if item in feature_of or any(k == key for k, _, _ in todo[s.video]):
+                if item in feature_of or item in queued:
                     continue
-                hit = cache.get((self.vision_identity, *item)) if cache is not None and s.image_keys else None
+                hit = cache.get(item) if cache is not None and s.image_keys else None
                 if hit is not None:
                     feature_of[item] = hit
                     continue
-                todo[s.video].append((key, pv, None if s.image_grid_thw is None else s.image_grid_thw[i]))
+                queued.add(item)
+                todo[s.video].append((item, pv, None if s.image_grid_thw is None else s.image_grid_thw[i], s.vision_slot))
                 if s.image_keys:  # content hashes only: the fallback keys name no content
                     cacheable.add(item)
             items.append(mine)
@@ -403,14 +548,15 @@ class ModelRunner:
         for video, work in todo.items():
             if not work:
                 continue
-            grids = [g for _, _, g in work if g is not None]
-            out = family.encode_images(loaded, family.join([pv for _, pv, _ in work]),
-                                       torch.stack(grids) if grids else None, video=video)
+            work.sort(key=lambda w: w[3])  # the items of one vision-side adapter together: one LoRA segment
+            grids = [g for _, _, g, _ in work if g is not None]
+            out = self.encode(family.join([pv for _, pv, _, _ in work]), torch.stack(grids) if grids else None,
+                              [slot for _, _, _, slot in work], video=video)
             encoded += len(work)
-            for (key, _, _), f in zip(work, out):
-                feature_of[(video, key)] = f
-                if cache is not None and (video, key) in cacheable:
-                    cache.put((self.vision_identity, video, key), f)
+            for (item, _, _, _), f in zip(work, out):
+                feature_of[item] = f
+                if cache is not None and item in cacheable:
+                    cache.put(item, f)
         # Placeholders are looked for only in the prompts that bring their images in this step: a decode
         # token that happens to be the image token id (a random model samples it now and then) is text,
         # and must neither take an image's features nor fail the whole step. A prompt that continues a

@@ -6,11 +6,10 @@
 | demo-shapes          | color, shape, presence-red-triangle     | the three generated datasets, jointly   |
 
 They are trained by the same path as ``vlora train`` (``AdapterTrainer``), from fixed seeds, and are
-committed in ``demo_adapters/`` (about 100 KB each) together with a stamp naming the model they were
-trained on. :func:`ensure_trained_demo_adapters` copies them into the demo adapter root when the stamp
-matches the model; for any other model folder (the tiny model's generator changed, say) it trains
-them there, which takes a few minutes on a CPU and needs PEFT (the ``train`` extra). To refresh the
-committed copies after such a change::
+committed as data in ``vlora/lora/demo_adapters/`` (about 100 KB each) together with a stamp naming the
+model they were trained on. Serving copies them (:func:`vlora.lora.demo.install_committed_demos`) and
+never trains: when the tiny model's generator changes, they are left out with a warning until the
+committed copies are retrained (a few minutes on a CPU; needs PEFT, the ``train`` extra)::
 
     python -m vlora.fusion.demo --write-committed
 
@@ -24,20 +23,16 @@ import argparse
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from vlora.fusion.train import TrainConfig
+from vlora.lora.demo import COMMITTED_DIR, STAMP_FILE, install, model_fingerprint
 
 log = logging.getLogger(__name__)
 
 TRAINED_DEMO_VERSION = 1
-STAMP_FILE = "vlora_demo.json"
-COMMITTED_DIR = Path(__file__).parent / "demo_adapters"
 
 
 @dataclass(frozen=True)
@@ -58,98 +53,10 @@ TRAINED_DEMOS = (
 TRAINED_DEMO_NAMES = tuple(d.name for d in TRAINED_DEMOS)
 
 
-def model_fingerprint(model_dir: Path) -> str:
-    """What the demo weights depend on: the model's config and weights files. The config is hashed
-    without its "transformers_version" (save_pretrained writes the installed version there): a newer
-    transformers that generates the same tiny model bit for bit must not make the committed demos stale."""
-    h = hashlib.sha256()
-    for name in sorted(p.name for p in Path(model_dir).iterdir() if p.name == "config.json" or p.suffix == ".safetensors"):
-        if name == "config.json":
-            config = json.loads((Path(model_dir) / name).read_text(encoding="utf-8"))
-            config.pop("transformers_version", None)
-            h.update(json.dumps(config, sort_keys=True).encode())
-            continue
-        with open(Path(model_dir) / name, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
-
-
 def _stamp(spec: TrainedDemo, fingerprint: str) -> dict:
     blob = json.dumps({"version": TRAINED_DEMO_VERSION, "spec": repr(spec)}, sort_keys=True)
     return {"trained_demo_version": TRAINED_DEMO_VERSION, "spec_sha256": hashlib.sha256(blob.encode()).hexdigest(),
             "model": fingerprint}
-
-
-def _read_stamp(d: Path):
-    try:
-        return json.loads((d / STAMP_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def ensure_trained_demo_adapters(model_dir: Path, out_root: Path, *, train_missing: bool = True) -> list[str]:
-    """Put the trained demo adapters for ``model_dir`` under ``out_root``; return the names now there.
-
-    Each is kept if its stamp matches, copied from the committed copy if that matches, else trained
-    (unless ``train_missing`` is false, or PEFT is missing: then it is left out, with a warning).
-    Written to a temporary folder and renamed into place, as the random demo adapters are.
-    """
-    model_dir, out_root = Path(model_dir), Path(out_root)
-    out_root.mkdir(parents=True, exist_ok=True)
-    fingerprint = model_fingerprint(model_dir)
-    present = []
-    for spec in TRAINED_DEMOS:
-        final = out_root / spec.name
-        stamp = _stamp(spec, fingerprint)
-        if _read_stamp(final) == stamp:
-            present.append(spec.name)
-            continue
-        committed = COMMITTED_DIR / spec.name
-        if _read_stamp(committed) == stamp:
-            _install(final, lambda tmp, c=committed: shutil.copytree(c, tmp, dirs_exist_ok=True))
-            present.append(spec.name)
-            continue
-        if not train_missing:
-            continue
-        try:
-            import peft  # noqa: F401
-        except ImportError:
-            log.warning("demo adapter %s is not built for %s: training it needs PEFT (pip install 'vlora[train]')",
-                        spec.name, model_dir)
-            continue
-        log.warning("training demo adapter %s for %s (first run only; a few minutes on a CPU)", spec.name, model_dir)
-
-        def build(tmp: Path, spec=spec, stamp=stamp) -> None:
-            train_demo(spec, model_dir, tmp)
-            (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
-
-        _install(final, build)
-        present.append(spec.name)
-    return present
-
-
-def _install(final: Path, build) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    old = None
-    try:
-        build(tmp)
-        os.chmod(tmp, 0o755)
-        if final.exists() or final.is_symlink():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=final.parent))
-            try:
-                os.rename(final, old / "adapter")
-            except FileNotFoundError:
-                pass
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        for d in (tmp, old):
-            if d is not None and d.exists():
-                shutil.rmtree(d, ignore_errors=True)
 
 
 def train_demo(spec: TrainedDemo, model_dir: Path, out: Path, progress=None) -> dict[str, float]:
@@ -197,7 +104,7 @@ def write_committed(model_dir: Optional[Path] = None, names: Optional[list[str]]
             (tmp / STAMP_FILE).write_text(json.dumps(_stamp(spec, fingerprint), indent=2) + "\n")
             print(f"{spec.name}: test accuracy {acc}")
 
-        _install(final, build)
+        install(final, build)
 
 
 def example_request(task: str = "count-circles", seed: int = 1, url: str = "localhost:8000") -> str:
@@ -227,7 +134,7 @@ def main() -> None:
                    help="print a curl command asking the demo head TASK (default count-circles) about a generated image")
     p.add_argument("--seed", type=int, default=1, help="which generated image --example sends")
     p.add_argument("--url", default="localhost:8000", help="the server's HTTP address for --example")
-    p.add_argument("--write-committed", action="store_true", help="retrain the copies committed in vlora/fusion/demo_adapters")
+    p.add_argument("--write-committed", action="store_true", help="retrain the copies committed in vlora/lora/demo_adapters")
     p.add_argument("--only", action="append", help="only this demo adapter (repeatable)")
     args = p.parse_args()
     if args.example:

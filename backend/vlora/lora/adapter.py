@@ -8,8 +8,12 @@ An adapter is a folder ``<root>/<name>/`` holding ``adapter_config.json`` and
 Key names. PEFT saves ``base_model.model.<module path>.lora_{A,B}.weight``. For
 ``LlavaForConditionalGeneration`` under transformers 5 the module path of a decoder projection is
 ``model.language_model.layers.N.{self_attn,mlp}.X_proj``; adapters trained under transformers 4
-(before the LLaVA refactor) use ``language_model.model.layers.N...``. Both are read. Every other key
-(vision tower, projector, embeddings, lm_head, DoRA magnitudes, biases) is refused by name.
+(before the LLaVA refactor) use ``language_model.model.layers.N...``. Both are read. Vision-side
+projections (the vision tower's blocks, the projector or merger) are read where the server describes
+them (:class:`VisionSites`, built by the model family from the loaded model's own module names); they
+are kept as (layer, target) pairs like the decoder's, the target a family-given name such as
+``vision.self_attn.q_proj`` or ``projector.linear_1``. Every other key (embeddings, lm_head, the patch
+embedding, DoRA magnitudes, biases, a module the served model does not have) is refused by name.
 
 Scale (as PEFT's LoraLayer): ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``,
 where ``r`` and ``lora_alpha`` come from ``rank_pattern`` / ``alpha_pattern`` when a pattern matches
@@ -40,7 +44,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from vlora.engine.api import InvalidRequest
+from vlora.errors import InvalidRequest
 
 try:  # the parser behind re, used to vet regex keys of rank_pattern / alpha_pattern before running them
     from re import _constants as _sre_constants, _parser as _sre_parse
@@ -63,10 +67,12 @@ MAX_PATTERN_REPEATS = 2  # quantifiers in one regex key: matching costs up to ~n
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
-# base_model.model. + one of the two LLaVA decoder prefixes + layers.N.<block>.<proj>.lora_A|B.weight
-_KEY = re.compile(
-    r"^base_model\.model\.(?P<prefix>model\.language_model|language_model\.model)\.layers\.(?P<layer>\d{1,6})\."
-    r"(?P<block>self_attn|mlp)\.(?P<module>[A-Za-z0-9_]+)\.lora_(?P<ab>[AB])\.weight$"
+# base_model.model.<module path>.lora_A|B.weight
+_KEY = re.compile(r"^base_model\.model\.(?P<path>[A-Za-z0-9_.]+)\.lora_(?P<ab>[AB])\.weight$")
+# A decoder projection's module path: one of the two LLaVA decoder prefixes + layers.N.<block>.<proj>
+_DECODER_PATH = re.compile(
+    r"^(?P<prefix>model\.language_model|language_model\.model)\.layers\.(?P<layer>\d{1,6})\."
+    r"(?P<block>self_attn|mlp)\.(?P<module>[A-Za-z0-9_]+)$"
 )
 
 # Config fields that change what the weights mean; an adapter using them is refused, not misread.
@@ -88,6 +94,36 @@ _UNSUPPORTED_PRESENT = {
 
 class AdapterError(InvalidRequest):
     """An adapter that cannot be served; the message names the adapter and the problem."""
+
+
+@dataclass(frozen=True)
+class VisionSites:
+    """The vision-side projections of the served model that an adapter may target.
+
+    ``paths`` maps each projection's module path, as the loaded model names it
+    (``model.vision_tower.encoder.layers.3.self_attn.q_proj``), to its (layer, target) pair; the target
+    names the projection in every layer (``vision.self_attn.q_proj``; the projector's or merger's have
+    layer 0). ``aliases`` are (older prefix, current prefix) pairs: a PEFT key carries the module path of
+    the transformers version the adapter was trained with, which the first alias that turns it into a
+    path of ``paths`` rewrites.
+    """
+
+    paths: Mapping[str, tuple[int, str]]
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(sorted({t for _, t in self.paths.values()}))
+
+    def resolve(self, path: str) -> Optional[tuple[str, int, str]]:
+        """(current module path, layer, target) of a key's module path, or None if it names no site."""
+        if path in self.paths:
+            return (path, *self.paths[path])
+        for old, new in self.aliases:
+            if path.startswith(old) and new + path[len(old):] in self.paths:
+                current = new + path[len(old):]
+                return (current, *self.paths[current])
+        return None
 
 
 @dataclass(frozen=True)
@@ -122,6 +158,7 @@ class AdapterWeights:
     target_modules: tuple[str, ...]
     config: Mapping[str, Any] = field(default_factory=dict, repr=False)
     heads: Mapping[str, Any] = field(default_factory=dict, repr=False)  # task -> vlora.heads.TaskHead
+    vision_targets: tuple[str, ...] = ()  # the targets of target_modules on the vision tower and projector
     # Which files these weights were read from: (size, mtime, inode) of the config and weights files. A
     # reload after the folder changed gives another version, so caches keyed on it never serve old results.
     version: str = ""
@@ -188,12 +225,15 @@ def load_adapter(
     module_dims: Mapping[str, tuple[int, int]],
     max_rank: int,
     supported_modules: Iterable[str],
+    vision: Optional[VisionSites] = None,
 ) -> AdapterWeights:
     """Read and check adapter ``name`` under ``root`` against the served model.
 
-    ``module_dims`` maps each decoder projection ("q_proj", ...) to its (d_in, d_out);
-    ``supported_modules`` are the projections the server can apply LoRA to; ``max_rank`` is the
-    largest rank a slot holds. Raises AdapterError naming the key, shape or setting at fault.
+    ``module_dims`` maps each target (decoder projections "q_proj", ...; vision-side targets of
+    ``vision``) to its (d_in, d_out); ``supported_modules`` are the targets the server can apply LoRA
+    to; ``vision`` describes the model's vision-side projections (None: none are known, so keys naming
+    them are refused); ``max_rank`` is the largest rank a slot holds. Raises AdapterError naming the
+    key, module, shape or setting at fault.
     """
     from safetensors import safe_open
 
@@ -221,29 +261,22 @@ def load_adapter(
         keys = list(f.keys())
         if not keys:
             raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no tensors")
-        found: dict[tuple[int, str], dict[str, tuple[str, str]]] = {}
+        found: dict[tuple[int, str], dict[str, tuple[str, tuple[str, str]]]] = {}
         for key in keys:
             m = _KEY.match(key)
             if m is None:
                 raise AdapterError(f"{where}: unsupported target module or weight {key!r}: only LoRA A/B weights "
-                                   f"of the language model's decoder projections {list(supported)} are served "
-                                   f"(not the vision tower, projector, embeddings, lm_head, biases or DoRA)")
-            layer, block, module = int(m["layer"]), m["block"], m["module"]
-            expected_block = "self_attn" if module in ATTN_MODULES else "mlp" if module in MLP_MODULES else None
-            if expected_block != block or module not in supported:
-                raise AdapterError(f"{where}: unsupported target module {block}.{module} in {key!r}; "
-                                   f"supported: {list(supported)}")
-            if layer >= num_layers:
-                raise AdapterError(f"{where}: {key!r} names layer {layer}, but the model has {num_layers} layers")
-            module_name = key[len("base_model.model."):key.index(".lora_")]
-            found.setdefault((layer, module), {})[m["ab"]] = (key, module_name)
+                                   f"of the projections {list(supported)} are served "
+                                   f"(not embeddings, lm_head, biases or DoRA)")
+            layer, module, names = _target_of(m["path"], key, where, supported, num_layers, vision)
+            found.setdefault((layer, module), {})[m["ab"]] = (key, names)
 
         pairs: dict[tuple[int, str], LoraPair] = {}
         for (layer, module), ab in sorted(found.items()):
             if set(ab) != {"A", "B"}:
                 have, miss = next(iter(ab)), ({"A", "B"} - set(ab)).pop()
                 raise AdapterError(f"{where}: {ab[have][0]!r} has no matching lora_{miss} weight")
-            key_a, module_name = ab["A"]
+            key_a, (module_name, current) = ab["A"]
             key_b = ab["B"][0]
             if module not in module_dims:
                 raise AdapterError(f"{where}: the served model has no dimensions for module {module!r}")
@@ -258,10 +291,10 @@ def load_adapter(
             if shape_b != (d_out, r):
                 raise AdapterError(f"{where}: {key_b!r} has shape {list(shape_b)}, expected [{d_out}, {r}] "
                                    f"(lora_A is {list(shape_a)})")
-            cfg_r = _pattern_value(rank_pattern, module_name, base_r)
+            cfg_r = _pattern_value(rank_pattern, module_name, base_r, current)
             if cfg_r != r:
                 raise AdapterError(f"{where}: {key_a!r} has rank {r}, but adapter_config.json gives r={cfg_r}")
-            alpha = _pattern_value(alpha_pattern, module_name, base_alpha)
+            alpha = _pattern_value(alpha_pattern, module_name, base_alpha, current)
             scale = float(alpha / math.sqrt(r) if use_rslora else alpha / r)
             a = _tensor(f, key_a, where)
             b = _tensor(f, key_b, where)
@@ -272,10 +305,39 @@ def load_adapter(
     for (_, module), pair in pairs.items():
         ranks[module] = max(ranks.get(module, 0), pair.rank)
     targets = tuple(m for m in supported if m in ranks)
+    on_vision = set(vision.targets) if vision is not None else set()
+    vision_targets = tuple(m for m in targets if m in on_vision)
     heads = _load_heads(adir, root, where, hidden_size=module_dims["q_proj"][0]) if "q_proj" in module_dims else {}
     version = "/".join(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}" for st in (config_path.stat(), weights_path.stat()))
     return AdapterWeights(name=name, dir=adir, pairs=pairs, ranks=ranks, max_rank=max(ranks.values()), version=version,
-                          target_modules=targets, config=config, heads=heads)
+                          target_modules=targets, config=config, heads=heads, vision_targets=vision_targets)
+
+
+def _target_of(path: str, key: str, where: str, supported: tuple[str, ...], num_layers: int,
+               vision: Optional[VisionSites]) -> tuple[int, str, tuple[str, str]]:
+    """(layer, target, module names) of the module path of ``key``; the names are the path as the adapter
+    spells it and as the served model does, which rank_pattern / alpha_pattern keys are matched against.
+    Raises AdapterError naming the module when the server cannot apply LoRA there."""
+    m = _DECODER_PATH.match(path)
+    if m is not None:
+        layer, block, module = int(m["layer"]), m["block"], m["module"]
+        expected_block = "self_attn" if module in ATTN_MODULES else "mlp" if module in MLP_MODULES else None
+        if expected_block != block or module not in supported:
+            raise AdapterError(f"{where}: unsupported target module {block}.{module} in {key!r}; "
+                               f"supported: {list(supported)}")
+        if layer >= num_layers:
+            raise AdapterError(f"{where}: {key!r} names layer {layer}, but the model has {num_layers} layers")
+        return layer, module, (path, _modern_name(path))
+    site = vision.resolve(path) if vision is not None else None
+    if site is None:
+        raise AdapterError(f"{where}: unsupported target module {path} in {key!r}: the served model has no such "
+                           f"LoRA-targetable projection; supported: {list(supported)}")
+    current, layer, target = site
+    if target not in supported:
+        raise AdapterError(f"{where}: unsupported target module {target} ({path}) in {key!r}: this server applies "
+                           f"no LoRA to the vision tower or projector (lora.vision_lora is off); "
+                           f"supported: {list(supported)}")
+    return layer, target, (path, current)
 
 
 def _load_heads(adir: Path, root: Path, where: str, hidden_size: int) -> dict[str, Any]:
@@ -435,15 +497,16 @@ def _slow_regex(parsed) -> Optional[str]:
     return walk(parsed, False)
 
 
-def _pattern_value(pattern: tuple[_PatternKey, ...], module_name: str, default):
+def _pattern_value(pattern: tuple[_PatternKey, ...], module_name: str, default, current: Optional[str] = None):
     """PEFT's get_pattern_key: the value of the first key that matches a dotted suffix of the module's name.
 
-    Tried on the name as the adapter spells it and on the transformers-5 spelling, so that a pattern
-    written for either naming applies.
+    Tried on the name as the adapter spells it and as the served model (transformers 5) does, ``current``
+    (default: the decoder's transformers-5 spelling of ``module_name``), so that a pattern written for
+    either naming applies.
     """
     if not pattern:
         return default
-    names = (module_name, _modern_name(module_name))
+    names = (module_name, current if current is not None else _modern_name(module_name))
     for key in pattern:
         if any(key.matches(n) for n in names):
             return key.value

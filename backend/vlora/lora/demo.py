@@ -14,25 +14,34 @@ model's output; they are scaled so that activations stay finite. ``target_module
 to the language model, so that PEFT does not also wrap the CLIP tower's q_proj/k_proj/v_proj. Key
 names are those PEFT writes for LlavaForConditionalGeneration under transformers 5.
 PEFT itself is not needed to write or read them.
+
+Beside them, the demo adapters with vision task heads (``demo-count-circles``, ``demo-shapes``) ship as
+data: trained once by :mod:`vlora.fusion.demo` and committed in ``demo_adapters/`` with a stamp naming
+the model they were trained on (:func:`model_fingerprint`). They are copied, never trained, here, so
+serving imports no training code; for another model they are left out with a warning.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from vlora.lora.adapter import ATTN_MODULES, CONFIG_FILE, WEIGHTS_FILE, decoder_module_dims
 
+log = logging.getLogger(__name__)
+
 DEMO_VERSION = 1
 STAMP_FILE = "vlora_demo.json"
+COMMITTED_DIR = Path(__file__).parent / "demo_adapters"  # the trained demo adapters (package data)
 TARGET_DELTA = 0.2  # typical size of one LoRA delta entry for a unit-RMS input (base projections give ~0.2)
 
 
@@ -73,8 +82,8 @@ def ensure_demo_adapters(model_dir: Path, out_root: Path, *, trained: bool = Tru
     as it is. Otherwise it is built in a temporary folder and renamed into place, so a reader never
     sees a half-written adapter, and concurrent callers do not clash.
 
-    With ``trained``, the adapters with vision task heads of :mod:`vlora.fusion.demo` are added too
-    (copied from the committed ones when they were trained on this model, else trained here).
+    With ``trained``, the committed adapters with vision task heads are added too (see
+    :func:`install_committed_demos`).
     """
     model_dir, out_root = Path(model_dir), Path(out_root)
     text_config = _text_config(model_dir)
@@ -82,10 +91,45 @@ def ensure_demo_adapters(model_dir: Path, out_root: Path, *, trained: bool = Tru
     for spec in DEMO_ADAPTERS:
         _ensure_one(spec, model_dir, text_config, out_root)
     if trained:
-        from vlora.fusion.demo import ensure_trained_demo_adapters
-
-        ensure_trained_demo_adapters(model_dir, out_root)
+        install_committed_demos(model_dir, out_root)
     return out_root
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """What the trained demo weights depend on: the model's config and weights files. The config is hashed
+    without its "transformers_version" (save_pretrained writes the installed version there): a newer
+    transformers that generates the same tiny model bit for bit must not make the committed demos stale."""
+    h = hashlib.sha256()
+    for name in sorted(p.name for p in Path(model_dir).iterdir() if p.name == "config.json" or p.suffix == ".safetensors"):
+        if name == "config.json":
+            config = json.loads((Path(model_dir) / name).read_text(encoding="utf-8"))
+            config.pop("transformers_version", None)
+            h.update(json.dumps(config, sort_keys=True).encode())
+            continue
+        with open(Path(model_dir) / name, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def install_committed_demos(model_dir: Path, out_root: Path) -> list[str]:
+    """Copy the committed trained demo adapters that were trained on ``model_dir`` into ``out_root``; return
+    the names now there. One already there with the committed stamp is kept; one trained on another model
+    is left out with a warning (``python -m vlora.fusion.demo --write-committed`` retrains them)."""
+    model_dir, out_root = Path(model_dir), Path(out_root)
+    fingerprint = model_fingerprint(model_dir)
+    present = []
+    for committed in sorted(p for p in COMMITTED_DIR.iterdir() if p.is_dir()):
+        stamp = read_stamp(committed)
+        if not isinstance(stamp, dict) or stamp.get("model") != fingerprint:
+            log.warning("demo adapter %s was trained on another model than %s; left out (retrain the committed "
+                        "copies with `python -m vlora.fusion.demo --write-committed`)", committed.name, model_dir)
+            continue
+        final = out_root / committed.name
+        if read_stamp(final) != stamp:
+            install(final, lambda tmp, c=committed: shutil.copytree(c, tmp, dirs_exist_ok=True))
+        present.append(committed.name)
+    return present
 
 
 def _text_config(model_dir: Path) -> dict[str, Any]:
@@ -105,26 +149,26 @@ def _stamp(spec: DemoAdapter, text_config: dict[str, Any]) -> dict[str, Any]:
     return {"demo_version": DEMO_VERSION, "spec_sha256": hashlib.sha256(blob.encode()).hexdigest()}
 
 
-def _read_stamp(d: Path) -> Any:
+def read_stamp(d: Path) -> Any:
+    """The stamp of the adapter folder ``d`` (what it was built from), or None."""
     try:
         return json.loads((d / STAMP_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
 
-def _ensure_one(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any], out_root: Path) -> None:
-    final = out_root / spec.name
-    stamp = _stamp(spec, text_config)
-    if _read_stamp(final) == stamp:
-        return
-    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=out_root))
+def install(final: Path, build: Callable[[Path], None]) -> None:
+    """Build an adapter folder with ``build(tmp)`` in a temporary folder beside ``final``, then rename it
+    into place, so a reader never sees a half-written adapter and concurrent callers do not clash. ``build``
+    writes the stamp too: losing the rename to another writer of the same stamp is fine."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     old = None
     try:
-        write_adapter(spec, model_dir, text_config, tmp)
-        (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
+        build(tmp)
         os.chmod(tmp, 0o755)
         if final.exists() or final.is_symlink():
-            old = Path(tempfile.mkdtemp(prefix=f".{spec.name}.old.", dir=out_root))
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=final.parent))
             try:
                 os.rename(final, old / "adapter")
             except FileNotFoundError:
@@ -132,12 +176,25 @@ def _ensure_one(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any],
         try:
             os.rename(tmp, final)
         except OSError:
-            if _read_stamp(final) != stamp:  # lost a race against a writer of the same spec: fine
+            if read_stamp(final) != read_stamp(tmp):  # lost a race against a writer of the same build: fine
                 raise
     finally:
         for d in (tmp, old):
             if d is not None and d.exists():
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _ensure_one(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any], out_root: Path) -> None:
+    final = out_root / spec.name
+    stamp = _stamp(spec, text_config)
+    if read_stamp(final) == stamp:
+        return
+
+    def build(tmp: Path) -> None:
+        write_adapter(spec, model_dir, text_config, tmp)
+        (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
+
+    install(final, build)
 
 
 def write_adapter(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any], out: Path) -> None:

@@ -41,15 +41,26 @@ class LoraLinear(nn.Module):
     this projection have rank 0 here and cost nothing in eager steps.
     """
 
-    def __init__(self, base: nn.Linear, ctx: LoraContext, num_slots: int, max_rank: int) -> None:
+    def __init__(self, base: nn.Linear, ctx: LoraContext, num_slots: int, max_rank: int,
+                 lora_a: Optional[torch.Tensor] = None, lora_b: Optional[torch.Tensor] = None) -> None:
+        """``lora_a`` [num_slots, max_rank, d_in] and ``lora_b`` [num_slots, d_out, max_rank], contiguous: slot
+        buffers owned by someone else (the model runner keeps every layer's in one stack per weight group,
+        which the swift switcher merges from without a gather); None: allocated here."""
         super().__init__()
         self.base = base
         self.ctx = ctx
         w = base.weight
         self.in_features = base.in_features
         self.out_features = base.out_features
-        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, self.in_features, dtype=w.dtype, device=w.device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(num_slots, self.out_features, max_rank, dtype=w.dtype, device=w.device), persistent=False)
+        if lora_a is None or lora_b is None:
+            lora_a = torch.zeros(num_slots, max_rank, self.in_features, dtype=w.dtype, device=w.device)
+            lora_b = torch.zeros(num_slots, self.out_features, max_rank, dtype=w.dtype, device=w.device)
+        want_a, want_b = (num_slots, max_rank, self.in_features), (num_slots, self.out_features, max_rank)
+        if tuple(lora_a.shape) != want_a or tuple(lora_b.shape) != want_b or not (lora_a.is_contiguous() and lora_b.is_contiguous()):
+            raise ValueError(f"LoraLinear: slot buffers A{tuple(lora_a.shape)} B{tuple(lora_b.shape)} must be contiguous "
+                             f"A{want_a} B{want_b}")
+        self.register_buffer("lora_a", lora_a, persistent=False)
+        self.register_buffer("lora_b", lora_b, persistent=False)
         self.ranks: list[int] = [0] * num_slots
         self.scales: list[float] = [0.0] * num_slots  # each slot's adapter scale (already folded into lora_b)
         self._ranks_t: tuple[int, ...] = tuple(self.ranks)

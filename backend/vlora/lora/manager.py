@@ -3,7 +3,8 @@ slots that the LoRA layers read.
 
 Tiers: disk (PEFT folders under the adapter root, or weights registered in memory) -> host (an LRU of
 ``max_cpu_adapters`` checked adapters; in the slots' dtype and in pinned memory when the slots are on
-CUDA) -> device slots (``max_gpu_adapters``; the least recently used unpinned slot is refilled).
+CUDA) -> device slots (``max_gpu_adapters``; the least recently used unpinned slot is refilled). A slot
+holds an adapter's weights for every wrapped projection, the vision tower's and projector's included.
 
 Threads. ``validate`` and ``load`` run on request threads: they read and check an adapter into the
 host tier, so a bad adapter is refused with its reason before anything is queued. Every read runs on
@@ -45,12 +46,13 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from vlora.config import LoraConfig
-from vlora.engine.api import InvalidRequest
+from vlora.errors import InvalidRequest
 from vlora.engine.metrics import EngineMetrics, NullMetrics
 from vlora.lora.adapter import (
     AdapterError,
     AdapterWeights,
     LoraPair,
+    VisionSites,
     list_adapters,
     load_adapter,
     resolve_adapter_dir,
@@ -75,6 +77,7 @@ class AdapterRecord:
     id: int
     rank: Optional[int] = None
     target_modules: tuple[str, ...] = ()
+    vision_targets: tuple[str, ...] = ()
     heads: tuple[str, ...] = ()
 
 
@@ -201,12 +204,19 @@ class AdapterLoader:
 class LoraManager:
     def __init__(self, root: Optional[Path], layers: dict[tuple[int, str], LoraLinear], num_layers: int,
                  module_dims: dict[str, tuple[int, int]], cfg: LoraConfig, metrics: Optional[EngineMetrics] = None,
-                 copies: Optional[SlotCopies] = None) -> None:
+                 copies: Optional[SlotCopies] = None, vision: Optional[VisionSites] = None) -> None:
+        """``layers``: every LoRA wrapper by (layer, target), the vision side's included; ``vision``: the model's
+        vision-side projections (adapters may target those among ``layers``; keys naming the others are
+        refused with the reason)."""
         self.root = Path(root).resolve() if root is not None else None
         self.layers = layers
         self.num_layers = num_layers
         self.module_dims = module_dims
         self.cfg = cfg
+        self.vision = vision
+        wrapped = {m for _, m in layers}
+        self.supported_modules = tuple(cfg.target_modules) + tuple(
+            t for t in (vision.targets if vision is not None else ()) if t in wrapped)
         self.metrics = metrics or NullMetrics()
         first = next(iter(layers.values()), None)
         self.device = first.lora_a.device if first is not None else None
@@ -234,6 +244,7 @@ class LoraManager:
         self._pins = [0] * cfg.max_gpu_adapters
         self._slot_lru: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(cfg.max_gpu_adapters))
         self._heads_in: list[dict] = [{} for _ in range(cfg.max_gpu_adapters)]  # slot -> task -> TaskHead on the device
+        self._vision_in = [False] * cfg.max_gpu_adapters  # whether each slot's adapter has vision-side weights
         self.swaps_in = 0
 
         self._loader = AdapterLoader()
@@ -264,6 +275,14 @@ class LoraManager:
         if slot < 0:
             return ""
         return f"{self._name_in[slot]}@{self._version_in[slot]}"
+
+    def vision_side(self, slot: int) -> tuple[int, str]:
+        """The vision-side weights that encode the images of a request in ``slot``: (slot, its identity as
+        :meth:`slot_identity` gives it) when its adapter targets the vision tower or projector, else (-1, ""),
+        the plain encoder that the base model and every language-only adapter share. Engine thread."""
+        if slot >= 0 and self._vision_in[slot]:
+            return slot, self.slot_identity(slot)
+        return -1, ""
 
     def adapter_id(self, name: str) -> Optional[int]:
         with self._lock:
@@ -411,7 +430,8 @@ class LoraManager:
         log.info("adapter %s unloaded", name)
 
     def describe(self, names: Optional[Iterable[str]] = None) -> list[dict[str, Any]]:
-        """One entry per adapter (every known one, or ``names``): id, tier, rank, targets, heads.
+        """One entry per adapter (every known one, or ``names``): id, tier, rank, targets (``vision_targets``:
+        those on the vision tower and projector), heads.
 
         ``tier``: ``gpu`` (in a device slot; ``ready`` is false while its copy is in flight), named
         ``cpu-slot`` on a CPU server, whose slots are in host memory; ``cpu`` (the host-memory tier) or
@@ -433,7 +453,8 @@ class LoraManager:
                 entry: dict[str, Any] = {
                     "name": name, "id": rec.id, "tier": tier, "loaded": name not in self._unloaded,
                     "source": "memory" if name in self._in_memory else "disk",
-                    "rank": rec.rank, "target_modules": list(rec.target_modules), "heads": list(rec.heads),
+                    "rank": rec.rank, "target_modules": list(rec.target_modules),
+                    "vision_targets": list(rec.vision_targets), "heads": list(rec.heads),
                 }
                 entry["state"] = "unloaded" if name in self._unloaded else "unloading" if name in self._draining else "loaded"
                 if slot is not None:
@@ -537,7 +558,7 @@ class LoraManager:
         path = resolve_adapter_dir(self.root, name)  # refuses traversal and unknown names
         try:
             w = load_adapter(self.root, name, num_layers=self.num_layers, module_dims=self.module_dims,
-                             max_rank=self.cfg.max_rank, supported_modules=self.cfg.target_modules)
+                             max_rank=self.cfg.max_rank, supported_modules=self.supported_modules, vision=self.vision)
         except OSError as e:
             raise AdapterError(f"adapter {name!r}: cannot be read ({e})") from None
         w = self._stage(w)
@@ -597,6 +618,7 @@ class LoraManager:
         self._heads_in[slot] = {t: (h.to(self.device) if self.device is not None else h) for t, h in w.heads.items()}
         self._name_in[slot] = name
         self._version_in[slot] = w.version
+        self._vision_in[slot] = bool(w.vision_targets)
         with self._lock:
             self._slot_of[name] = slot
         self._slot_lru.move_to_end(slot)
@@ -613,6 +635,7 @@ class LoraManager:
         if w is not None:
             rec.rank = w.max_rank
             rec.target_modules = tuple(w.target_modules)
+            rec.vision_targets = tuple(w.vision_targets)
             rec.heads = tuple(sorted(w.heads))
         return rec
 

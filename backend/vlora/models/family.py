@@ -7,7 +7,10 @@ Qwen2-VL and Qwen2.5-VL) owns:
 - turning a prompt and its images into token ids, the vision inputs and the rotary positions, exactly as
   the model's own processor does (:meth:`ModelFamily.prompt`);
 - the vision encoder and projector or merger (:meth:`ModelFamily.encode_images`: one feature row per
-  placeholder token of each image).
+  placeholder token of each image);
+- which of its vision-side projections take LoRA (:attr:`ModelFamily.vision_lora_modules`, found in the
+  loaded model by :meth:`ModelFamily.vision_lora_sites`) and how many rows each image puts through them
+  (:meth:`ModelFamily.vision_lora_rows`), so that one vision forward serves images of many adapters.
 
 What the decoder layer needs is read from the Hugging Face modules themselves: the layers live at
 ``model.model.language_model.layers`` with LLaMA's projections (biases allowed: Qwen2 has them on
@@ -22,6 +25,7 @@ To add a family (InternVL, Gemma 3, ...): subclass :class:`ModelFamily`, list it
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Sequence
@@ -65,12 +69,36 @@ class Prompt:
     video: bool = False  # the images are the frames of one video (its grid is image_grid_thw's one row)
 
 
+# The two stages of the vision side. Their rows per image differ (CLIP: a class token and one per patch in the
+# tower, one per patch into the projector; Qwen2-VL: four patches per merged token), so each has its own
+# LoRA segment mapping.
+VISION_STAGE = "vision"  # the vision tower's blocks
+PROJECTOR_STAGE = "projector"  # the projector (LLaVA) or the patch merger (Qwen2-VL)
+
+
+@dataclass(frozen=True)
+class VisionLoraSite:
+    """One vision-side projection that takes LoRA: its module path in the loaded model, its block index
+    (0 in the projector), its target name (``<stage>.<path inside the block>``, the same in every
+    block, e.g. ``vision.self_attn.q_proj``, ``projector.linear_1``) and its stage."""
+
+    path: str
+    layer: int
+    target: str
+    stage: str
+
+
 class ModelFamily:
     """Base class; see the module docstring."""
 
     name: ClassVar[str] = ""
     model_types: ClassVar[tuple[str, ...]] = ()
     image_placeholder: ClassVar[str] = ""  # what a prompt writes where an image goes
+    # Vision-side LoRA: (stage, regex over the loaded model's module paths, with groups ``module`` and, in the
+    # tower, ``layer``) for each stage's targetable nn.Linear projections; ``vision_lora_aliases`` are
+    # (older prefix, current prefix) pairs for the module paths of adapters trained with older transformers.
+    vision_lora_modules: ClassVar[tuple[tuple[str, str], ...]] = ()
+    vision_lora_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def load(self, path: Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
         raise NotImplementedError
@@ -99,6 +127,26 @@ class ModelFamily:
 
     def join(self, per_image: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(per_image)
+
+    def vision_lora_sites(self, loaded: LoadedModel) -> list[VisionLoraSite]:
+        """The loaded model's projections that :attr:`vision_lora_modules` names, in module order."""
+        from torch import nn
+
+        patterns = [(stage, re.compile(rx)) for stage, rx in self.vision_lora_modules]
+        sites = []
+        for path, module in loaded.model.named_modules():
+            for stage, rx in patterns:
+                m = rx.fullmatch(path)
+                if m is not None and isinstance(module, nn.Linear):
+                    layer = int(m["layer"]) if "layer" in rx.groupindex else 0
+                    sites.append(VisionLoraSite(path, layer, f"{stage}.{m['module']}", stage))
+        return sites
+
+    def vision_lora_rows(self, loaded: LoadedModel, pixel_values: torch.Tensor,
+                         image_grid_thw: Optional[torch.Tensor], video: bool = False) -> dict[str, list[int]]:
+        """Rows each image (or video) of an encoder batch puts through each stage's projections, in order:
+        the per-item segments of the vision-side LoRA mapping."""
+        raise NotImplementedError
 
 
 def read_config(path: Path) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from vlora.config import InputLimits
-from vlora.engine.api import InvalidRequest
+from vlora.errors import InvalidRequest
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # JPEG also opens cameras' MPO files
 MAX_ASPECT_RATIO = 100  # longest edge / shortest edge

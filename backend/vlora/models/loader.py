@@ -16,8 +16,17 @@ from typing import Any, Optional
 
 import torch
 
-from vlora.engine.api import InvalidRequest
-from vlora.models.family import LoadedModel, ModelFamily, ModelLoadError, Prompt, load_weights, read_config
+from vlora.errors import InvalidRequest
+from vlora.models.family import (
+    PROJECTOR_STAGE,
+    VISION_STAGE,
+    LoadedModel,
+    ModelFamily,
+    ModelLoadError,
+    Prompt,
+    load_weights,
+    read_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +247,20 @@ class LlavaFamily(ModelFamily):
     name = "llava"
     model_types = ("llava",)
     image_placeholder = IMAGE_PLACEHOLDER
+    # CLIP/SigLIP encoder layers and the two-layer projector, as transformers 5 names them. Adapters trained
+    # with transformers 4 name the tower's layers under vision_tower.vision_model., and before 4.52 without
+    # the leading model.
+    vision_lora_modules = (
+        (VISION_STAGE, r"model\.vision_tower\.(?:vision_model\.)?encoder\.layers\.(?P<layer>\d+)\."
+                       r"(?P<module>self_attn\.(?:q_proj|k_proj|v_proj|out_proj)|mlp\.fc[12])"),
+        (PROJECTOR_STAGE, r"model\.multi_modal_projector\.(?P<module>linear_[12])"),
+    )
+    vision_lora_aliases = (
+        ("model.vision_tower.vision_model.", "model.vision_tower."),
+        ("vision_tower.vision_model.", "model.vision_tower."),
+        ("vision_tower.", "model.vision_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    )
 
     def load(self, path, dtype, device) -> LoadedModel:
         return load_llava(path, dtype, device)
@@ -259,3 +282,12 @@ class LlavaFamily(ModelFamily):
         default = model.config.vision_feature_select_strategy == "default"
         feats = torch.cat([out.hidden_states[li][:, 1:] if default else out.hidden_states[li] for li in layers], dim=-1)
         return list(vm.multi_modal_projector(feats))
+
+    def vision_lora_rows(self, loaded, pixel_values, image_grid_thw, video=False):
+        """Every image alike: the tower's tokens (patches, plus CLIP's class token), then its placeholder
+        tokens into the projector."""
+        vc = loaded.model.config.vision_config
+        h, w = pixel_values.shape[-2:]
+        tower = (h // vc.patch_size) * (w // vc.patch_size) + int(_CLASS_TOKEN[vc.model_type])
+        n = len(pixel_values)
+        return {VISION_STAGE: [tower] * n, PROJECTOR_STAGE: [loaded.num_image_tokens] * n}

@@ -22,8 +22,17 @@ from typing import Any, Optional
 
 import torch
 
-from vlora.engine.api import InvalidRequest
-from vlora.models.family import LoadedModel, ModelFamily, ModelLoadError, Prompt, load_weights, read_model_type
+from vlora.errors import InvalidRequest
+from vlora.models.family import (
+    PROJECTOR_STAGE,
+    VISION_STAGE,
+    LoadedModel,
+    ModelFamily,
+    ModelLoadError,
+    Prompt,
+    load_weights,
+    read_model_type,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,14 @@ class Qwen2VLFamily(ModelFamily):
     name = "qwen2-vl"
     model_types = tuple(_CLASSES)
     image_placeholder = VISION_PLACEHOLDER
+    # The ViT blocks' attention and MLP (fc1/fc2 in Qwen2-VL, gate/up/down in Qwen2.5-VL) and the patch
+    # merger's two linear layers; transformers before 4.52 had the tower at visual. instead of model.visual.
+    vision_lora_modules = (
+        (VISION_STAGE, r"model\.visual\.blocks\.(?P<layer>\d+)\."
+                       r"(?P<module>attn\.(?:qkv|proj)|mlp\.(?:fc1|fc2|gate_proj|up_proj|down_proj))"),
+        (PROJECTOR_STAGE, r"model\.visual\.merger\.(?P<module>mlp\.[02])"),
+    )
+    vision_lora_aliases = (("visual.", "model.visual."),)
 
     def load(self, path: Path, dtype: torch.dtype, device) -> LoadedModel:
         import transformers
@@ -132,6 +149,12 @@ class Qwen2VLFamily(ModelFamily):
     def item_tokens(self, loaded: LoadedModel, pixel_values, image_grid_thw, video: bool = False) -> list[int]:
         merge = loaded.model.config.vision_config.spatial_merge_size
         return (image_grid_thw.prod(-1) // merge ** 2).tolist()
+
+    def vision_lora_rows(self, loaded, pixel_values, image_grid_thw, video=False):
+        """An item's patches in the blocks (Qwen2.5-VL's window order moves rows only within their image),
+        then its merged tokens in the merger."""
+        return {VISION_STAGE: image_grid_thw.prod(-1).tolist(),
+                PROJECTOR_STAGE: self.item_tokens(loaded, pixel_values, image_grid_thw, video)}
 
     def placeholder_id(self, loaded: LoadedModel, video: bool) -> int:
         return int(loaded.model.config.video_token_id) if video else loaded.image_token_id

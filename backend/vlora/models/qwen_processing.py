@@ -33,6 +33,8 @@ def load_qwen_processor(model_dir: Path):
     model_dir = Path(model_dir)
     if is_torchvision_available():
         return AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    if QwenVideoProcessorPil.__bases__ == (object,):  # see _video_processor_base
+        raise ImportError(f"the Qwen2-VL processor needs torchvision under transformers {transformers.__version__}")
     config = json.loads((model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))
     processor_class = _accepting_pil_video(getattr(transformers, config.get("processor_class", "Qwen2VLProcessor")))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -65,8 +67,10 @@ def _accepting_pil_video(processor_class):
 
 
 def _video_processor_base():
-    from transformers.video_processing_utils import VideoProcessorMixin
-
+    try:
+        from transformers.video_processing_utils import VideoProcessorMixin
+    except ImportError:  # older transformers 5 (5.17): no video processor base without torchvision
+        return object
     return VideoProcessorMixin
 
 

@@ -11,20 +11,28 @@ a byte-level BPE trained on the corpus below. The same spec gives bit-identical 
 
 The model is not trained. It exercises every code path (CLIP vision tower, projector, a LLaMA decoder
 with grouped-query attention) in a few MB and a few seconds, and its answers are meaningless text.
+
+LoRA adapters made with PEFT itself (:func:`write_peft_adapter`, :func:`ensure_peft_adapters`; the tiny
+Qwen models' too, :mod:`vlora.models.tiny_qwen`): :func:`ensure_tiny_vision_adapters` writes
+:data:`VISION_ADAPTERS`, which target the CLIP tower and the projector (one of them the decoder as well).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from vlora.config import default_cache_dir
+from vlora.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from vlora.lora.demo import STAMP_FILE, DemoAdapter, install, read_stamp
 from vlora.models.loader import LLAVA_15_CHAT_TEMPLATE
 
 # Bump when anything below changes what is generated; it is part of the folder's hash.
@@ -316,3 +324,143 @@ def preprocessor_config() -> dict[str, Any]:
         "image_std": CLIP_STD,
         "do_convert_rgb": True,
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA adapters, made with PEFT
+
+VISION_ADAPTER_VERSION = 1
+VISION_ADAPTER_DELTA = 0.2  # typical size of one LoRA delta entry for a unit-RMS input (base projections: ~0.2)
+# ``modules`` are the served target names (what the adapter reader and ``list`` call them): decoder
+# projections as they are, vision-side ones as ``vision.<path in a block>`` and ``projector.<path>``.
+VISION_ADAPTERS = (
+    DemoAdapter("llava-vision-r8", r=8, alpha=16, seed=301,
+                modules=("vision.self_attn.q_proj", "vision.self_attn.k_proj", "vision.self_attn.v_proj",
+                         "vision.self_attn.out_proj", "projector.linear_1", "projector.linear_2", "q_proj", "v_proj")),
+    DemoAdapter("llava-vision-r16-mlp", r=16, alpha=16, seed=302, use_rslora=True,
+                modules=("vision.mlp.fc1", "vision.mlp.fc2", "projector.linear_2")),
+)
+VISION_ADAPTER_NAMES = tuple(a.name for a in VISION_ADAPTERS)
+
+
+def seeded_randn(key: str, shape) -> torch.Tensor:
+    """N(0, 1) values from a generator seeded by ``key``: the same key and shape, the same values."""
+    digest = hashlib.sha256(key.encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32)
+
+
+def peft_target_regex(modules: Sequence[str], tower: str, projector: str) -> str:
+    """PEFT ``target_modules`` (a regex that PEFT full-matches against module names) for served target names:
+    decoder projections (``q_proj``), the vision tower's (``vision.<path in a block>``, found under the
+    regex ``tower`` + ``.<block index>.``) and the projector's (``projector.<path>``, under ``projector``)."""
+    decoder = [m for m in modules if "." not in m]
+    blocks = [re.escape(m.split(".", 1)[1]) for m in modules if m.startswith("vision.")]
+    proj = [re.escape(m.split(".", 1)[1]) for m in modules if m.startswith("projector.")]
+    if len(decoder) + len(blocks) + len(proj) != len(modules):
+        raise ValueError(f"target names {list(modules)}: use decoder projections, vision.* or projector.*")
+    parts = []
+    if decoder:
+        parts.append(r".*language_model\.layers\.\d+\.(self_attn|mlp)\.(" + "|".join(decoder) + ")")
+    if blocks:
+        parts.append(tower + r"\.\d+\.(" + "|".join(blocks) + ")")
+    if proj:
+        parts.append(projector + r"\.(" + "|".join(proj) + ")")
+    return "|".join(parts)
+
+
+def llava_target_regex(modules: Sequence[str]) -> str:
+    """:func:`peft_target_regex` for LlavaForConditionalGeneration under transformers 5."""
+    return peft_target_regex(modules, r".*vision_tower\.encoder\.layers", r".*multi_modal_projector")
+
+
+def write_peft_adapter(spec: DemoAdapter, model: torch.nn.Module, target_regex: Callable[[Sequence[str]], str],
+                       delta: float, out: Path, what: str) -> None:
+    """Write ``spec`` into ``out`` as PEFT itself makes it: ``get_peft_model`` on ``model`` with a
+    ``LoraConfig`` whose ``target_modules`` is ``target_regex(spec.modules)``, then every ``lora_A`` /
+    ``lora_B`` overwritten from a generator seeded by (spec seed, parameter name), B not zero, scaled so
+    that each module's delta entry is about ``delta`` for a unit-RMS input, and ``save_pretrained``
+    (``adapter_config.json`` + ``adapter_model.safetensors``). Raises when PEFT wraps a module that no
+    target of ``spec`` names, or none for one of them."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    lora_config = LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        target_modules=target_regex(spec.modules),
+        lora_dropout=0.0,
+        bias="none",
+        use_rslora=spec.use_rslora,
+        rank_pattern=dict(spec.rank_pattern),
+        alpha_pattern=dict(spec.alpha_pattern),
+    )
+    with torch.random.fork_rng(devices=[]):  # PEFT's own init of lora_A draws from the global RNG
+        model = get_peft_model(model, lora_config)
+    wrapped = [name for name, mod in model.named_modules() if isinstance(mod, LoraLayer)]
+    per_target = {m: [n for n in wrapped if re.fullmatch(target_regex([m]), n)] for m in spec.modules}
+    if not all(per_target.values()) or sum(map(len, per_target.values())) != len(wrapped):
+        raise RuntimeError(f"adapter {spec.name}: PEFT wrapped {wrapped} for the targets {list(spec.modules)}")
+    with torch.no_grad():
+        for name in wrapped:
+            layer = model.get_submodule(name)
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            r, d_in = a.shape
+            scale = layer.scaling["default"]
+            a.copy_(seeded_randn(f"{spec.seed}:{name}.lora_A", a.shape) / math.sqrt(d_in))
+            b.copy_(seeded_randn(f"{spec.seed}:{name}.lora_B", b.shape) * (delta / (scale * math.sqrt(r))))
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "README.md").write_text(
+        f"# {spec.name}\n\nA LoRA adapter made with PEFT by vlora for {what}: random weights from seed "
+        f"{spec.seed}, not trained. Rank {spec.r}, alpha {spec.alpha}{', rsLoRA' if spec.use_rslora else ''}, "
+        f"targets {', '.join(spec.modules)}.\n")
+    for required in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (out / required).is_file():
+            raise RuntimeError(f"adapter {spec.name}: PEFT did not write {required}")
+
+
+def ensure_peft_adapters(specs: Sequence[DemoAdapter], model_dir: Path, out_root: Path, *,
+                         load: Callable[[], torch.nn.Module], target_regex: Callable[[Sequence[str]], str],
+                         delta: float, what: str, version: int) -> Path:
+    """Write each of ``specs`` under ``out_root`` with :func:`write_peft_adapter`, on a copy of the model
+    that ``load()`` returns (called once, and only when some adapter must be written).
+
+    Idempotent: a folder whose stamp matches (the spec, ``delta``, ``version`` and the model's config.json)
+    is kept; a stale one is replaced. Atomic per adapter (:func:`vlora.lora.demo.install`). Returns ``out_root``.
+    """
+    import copy
+
+    model_dir, out_root = Path(model_dir), Path(out_root)
+    model_sha = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+    out_root.mkdir(parents=True, exist_ok=True)
+    base: list[torch.nn.Module] = []
+    for spec in specs:
+        blob = json.dumps({"version": version, "delta": delta, "spec": repr(spec), "model_config_sha256": model_sha},
+                          sort_keys=True)
+        stamp = {"peft_adapter": spec.name, "spec_sha256": hashlib.sha256(blob.encode()).hexdigest()}
+        final = out_root / spec.name
+        if read_stamp(final) == stamp:
+            continue
+
+        def build(tmp: Path, spec=spec, stamp=stamp) -> None:
+            if not base:
+                base.append(load())
+            write_peft_adapter(spec, copy.deepcopy(base[0]), target_regex, delta, tmp, what)
+            (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
+
+        install(final, build)
+    return out_root
+
+
+def ensure_tiny_vision_adapters(model_dir: Path, out_root: Path) -> Path:
+    """Write :data:`VISION_ADAPTERS` for the tiny LLaVA model in ``model_dir`` under ``out_root`` (made by
+    PEFT, see :func:`write_peft_adapter`; keys ``base_model.model.model.vision_tower.encoder.layers.N...``,
+    ``...model.multi_modal_projector.linear_K...``). Idempotent and atomic per adapter. Returns ``out_root``."""
+    from transformers import LlavaForConditionalGeneration
+
+    def load() -> torch.nn.Module:
+        return LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
+
+    return ensure_peft_adapters(VISION_ADAPTERS, model_dir, out_root, load=load, target_regex=llava_target_regex,
+                                delta=VISION_ADAPTER_DELTA, what="the tiny random LLaVA model",
+                                version=VISION_ADAPTER_VERSION)

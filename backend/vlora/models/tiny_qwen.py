@@ -26,7 +26,8 @@ the real checkpoints (151,665 tokens, 152,064 rows); the extra lm_head rows are 
 decoding never emits them.
 
 :func:`ensure_tiny_qwen_adapters` makes three LoRA adapters with PEFT itself (``get_peft_model``,
-then ``save_pretrained``), limited to the language model's decoder projections.
+then ``save_pretrained``), limited to the language model's decoder projections;
+:func:`ensure_tiny_qwen_vision_adapters` two more that target the vision blocks and the patch merger.
 
 Processor: ``AutoProcessor.from_pretrained(folder)`` works where torchvision is installed (transformers
 5's ``Qwen2VLVideoProcessor`` needs it, and AutoProcessor fails without it even for images).
@@ -39,9 +40,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -49,10 +47,18 @@ from typing import Any, Optional
 import torch
 
 from vlora.config import default_cache_dir
-from vlora.lora.adapter import ATTN_MODULES, CONFIG_FILE, WEIGHTS_FILE
-from vlora.lora.demo import STAMP_FILE, DemoAdapter
+from vlora.lora.adapter import ATTN_MODULES
+from vlora.lora.demo import DemoAdapter
 from vlora.models.qwen_processing import QwenVideoProcessorPil, load_qwen_processor  # noqa: F401 (re-exported)
-from vlora.models.tiny import CLIP_MEAN, CLIP_STD, CORPUS, build_atomically
+from vlora.models.tiny import (
+    CLIP_MEAN,
+    CLIP_STD,
+    CORPUS,
+    build_atomically,
+    ensure_peft_adapters,
+    peft_target_regex,
+    seeded_randn,
+)
 
 # Bump when anything below changes what is generated; it is part of the folder's hash.
 GENERATOR_VERSION = 1
@@ -344,13 +350,7 @@ def _seeded_init(model: torch.nn.Module) -> None:
                 std = BIAS_STD
             else:
                 std = WEIGHT_GAIN / math.sqrt(param[0].numel())
-            param.copy_((_seeded_randn(f"{SEED}:{name}", param.shape) * std).to(param.dtype))
-
-
-def _seeded_randn(key: str, shape) -> torch.Tensor:
-    digest = hashlib.sha256(key.encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32)
+            param.copy_((seeded_randn(f"{SEED}:{name}", param.shape) * std).to(param.dtype))
 
 
 def _shape_output_distribution(model, tokenizer) -> None:
@@ -472,56 +472,53 @@ QWEN_ADAPTERS = (
                 use_rslora=True),
 )
 QWEN_ADAPTER_NAMES = tuple(a.name for a in QWEN_ADAPTERS)
+QWEN_VISION_ADAPTER_NAMES = ("qwen-vision-r8", "qwen-vision-r16-mlp")
+
+
+def qwen_vision_adapters(model_type: str) -> tuple[DemoAdapter, ...]:
+    """Adapters on the vision side (served target names, see :data:`vlora.models.tiny.VISION_ADAPTERS`): the
+    blocks' attention, the merger and two decoder projections; the blocks' MLP (Qwen2-VL's fc1/fc2,
+    Qwen2.5-VL's gate/up/down) and the merger's last layer only."""
+    mlp = (("vision.mlp.fc1", "vision.mlp.fc2") if model_type == "qwen2_vl"
+           else ("vision.mlp.gate_proj", "vision.mlp.up_proj", "vision.mlp.down_proj"))
+    attn = DemoAdapter(QWEN_VISION_ADAPTER_NAMES[0], r=8, alpha=16, seed=211,
+                       modules=("vision.attn.qkv", "vision.attn.proj", "projector.mlp.0", "projector.mlp.2", "q_proj", "v_proj"))
+    return attn, DemoAdapter(QWEN_VISION_ADAPTER_NAMES[1], r=16, alpha=16, seed=212, use_rslora=True,
+                             modules=mlp + ("projector.mlp.2",))
 
 
 def adapter_target_regex(modules) -> str:
-    """PEFT ``target_modules`` for the decoder projections only. The vision tower has ``qkv``/``proj``/
-    ``fc1``/``fc2`` (Qwen2-VL) or ``gate_proj``/``up_proj``/``down_proj`` (Qwen2.5-VL's vision MLP),
-    all under ``model.visual``; the decoder's are ``model.language_model.layers.N.{self_attn,mlp}.X``."""
-    return r".*language_model\.layers\.\d+\.(self_attn|mlp)\.(" + "|".join(modules) + ")"
+    """PEFT ``target_modules`` for served target names (:func:`vlora.models.tiny.peft_target_regex`): the
+    decoder's ``model.language_model.layers.N.{self_attn,mlp}.X``, the vision blocks' ``model.visual.
+    blocks.N.{attn,mlp}.X`` (whose MLP has the decoder's names in Qwen2.5-VL: the prefix tells them apart)
+    and the merger's ``model.visual.merger.mlp.{0,2}``."""
+    return peft_target_regex(modules, r".*visual\.blocks", r".*visual\.merger")
 
 
 def ensure_tiny_qwen_adapters(model_dir: Path, out_root: Path) -> Path:
     """Write :data:`QWEN_ADAPTERS` for the Qwen2-VL / Qwen2.5-VL model in ``model_dir`` under ``out_root``.
 
-    Each adapter is made by PEFT itself: ``get_peft_model`` with a ``LoraConfig`` on the loaded model,
-    then every ``lora_A`` / ``lora_B`` is overwritten from a generator seeded by (adapter seed, parameter
-    name), B not zero, and ``save_pretrained`` writes ``<out_root>/<name>/adapter_config.json`` and
-    ``adapter_model.safetensors``, keys ``base_model.model.model.language_model.layers.N.<block>.<proj>
-    .lora_{A,B}.weight``. Idempotent and atomic per adapter, as :func:`vlora.lora.demo.ensure_demo_adapters`.
-    Returns ``out_root``.
+    Each adapter is made by PEFT itself (:func:`vlora.models.tiny.write_peft_adapter`): ``get_peft_model``
+    with a ``LoraConfig`` on the loaded model, seeded random ``lora_A`` / ``lora_B`` (B not zero), and
+    ``save_pretrained`` writes ``<out_root>/<name>/adapter_config.json`` and ``adapter_model.safetensors``,
+    keys ``base_model.model.model.language_model.layers.N.<block>.<proj>.lora_{A,B}.weight``. Idempotent
+    and atomic per adapter. Returns ``out_root``.
     """
-    model_dir, out_root = Path(model_dir), Path(out_root)
-    model_sha = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
-    out_root.mkdir(parents=True, exist_ok=True)
-    for spec in QWEN_ADAPTERS:
-        blob = json.dumps({"version": ADAPTER_VERSION, "spec": repr(spec), "delta": ADAPTER_DELTA,
-                           "model_config_sha256": model_sha}, sort_keys=True)
-        stamp = {"qwen_adapter_version": ADAPTER_VERSION, "spec_sha256": hashlib.sha256(blob.encode()).hexdigest()}
-        final = out_root / spec.name
-        if _read_json(final / STAMP_FILE) == stamp:
-            continue
-
-        def build(tmp: Path, spec=spec, stamp=stamp) -> None:
-            _write_peft_adapter(spec, model_dir, tmp)
-            (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
-
-        if final.exists():  # a stale adapter of another spec: replace it
-            stale = Path(tempfile.mkdtemp(prefix=f".{spec.name}.old.", dir=out_root))
-            try:
-                os.rename(final, stale / "adapter")
-            except FileNotFoundError:
-                pass
-            shutil.rmtree(stale, ignore_errors=True)
-        build_atomically(final, build)
-    return out_root
+    return _ensure_adapters(QWEN_ADAPTERS, model_dir, out_root)
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+def ensure_tiny_qwen_vision_adapters(model_dir: Path, out_root: Path) -> Path:
+    """Write :func:`qwen_vision_adapters` for the model in ``model_dir`` under ``out_root``, as
+    :func:`ensure_tiny_qwen_adapters` does (keys ``base_model.model.model.visual.blocks.N...`` and
+    ``...model.visual.merger.mlp.K...`` besides the decoder's). Returns ``out_root``."""
+    model_type = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))["model_type"]
+    return _ensure_adapters(qwen_vision_adapters(model_type), model_dir, out_root)
+
+
+def _ensure_adapters(specs, model_dir: Path, out_root: Path) -> Path:
+    return ensure_peft_adapters(specs, model_dir, out_root, load=lambda: load_tiny_qwen(model_dir),
+                                target_regex=adapter_target_regex, delta=ADAPTER_DELTA, version=ADAPTER_VERSION,
+                                what="the tiny random Qwen2-VL family model (vlora.models.tiny_qwen)")
 
 
 def load_tiny_qwen(model_dir: Path, dtype: torch.dtype = torch.float32):
@@ -535,39 +532,3 @@ def load_tiny_qwen(model_dir: Path, dtype: torch.dtype = torch.float32):
     model_class = getattr(transformers, architecture)
     return model_class.from_pretrained(model_dir, dtype=dtype, local_files_only=True).eval()
 
-
-def _write_peft_adapter(spec: DemoAdapter, model_dir: Path, out: Path) -> None:
-    from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import LoraLayer
-
-    lora_config = LoraConfig(
-        r=spec.r,
-        lora_alpha=spec.alpha,
-        target_modules=adapter_target_regex(spec.modules),
-        lora_dropout=0.0,
-        bias="none",
-        use_rslora=spec.use_rslora,
-        rank_pattern=dict(spec.rank_pattern),
-        alpha_pattern=dict(spec.alpha_pattern),
-    )
-    with torch.random.fork_rng(devices=[]):  # PEFT's own init of lora_A draws from the global RNG
-        model = get_peft_model(load_tiny_qwen(model_dir), lora_config)
-    wrapped = [name for name, mod in model.named_modules() if isinstance(mod, LoraLayer)]
-    if not wrapped or any(".visual." in name or "language_model.layers." not in name for name in wrapped):
-        raise RuntimeError(f"adapter {spec.name}: PEFT wrapped unexpected modules: {wrapped}")
-    with torch.no_grad():
-        for name in wrapped:
-            layer = model.get_submodule(name)
-            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-            r, d_in = a.shape
-            scale = layer.scaling["default"]
-            a.copy_(_seeded_randn(f"{spec.seed}:{name}.lora_A", a.shape) / math.sqrt(d_in))
-            b.copy_(_seeded_randn(f"{spec.seed}:{name}.lora_B", b.shape) * (ADAPTER_DELTA / (scale * math.sqrt(r))))
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "README.md").write_text(
-        f"# {spec.name}\n\nA LoRA adapter made with PEFT by vlora (`vlora.models.tiny_qwen`) for the tiny random "
-        f"Qwen2-VL family model: random weights from seed {spec.seed}, not trained. Rank {spec.r}, alpha {spec.alpha}"
-        f"{', rsLoRA' if spec.use_rslora else ''}, targets {', '.join(spec.modules)} of the language model.\n")
-    for required in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (out / required).is_file():
-            raise RuntimeError(f"adapter {spec.name}: PEFT did not write {required}")

@@ -1,5 +1,7 @@
 """The orchestrator: per engine step, the policy picks the batch and the inference mode, the switcher
-merges or unmerges adapters between steps, and every step and switch is timed to feed the policy.
+merges or unmerges adapters between steps, and every step and switch is timed to feed the policy: the
+cost model (measured at load, :mod:`vlora.orchestrator.costs`) predicts each step and switch, and the
+ratio of measured to predicted keeps its scale right (:class:`~vlora.orchestrator.policies.Estimates`).
 
 KV caches stay valid across a switch: they hold the keys and values each request computed with its
 own adapter, whatever mode produced them, and a request that the policy leaves out of a step simply
@@ -13,8 +15,9 @@ from collections import defaultdict
 from typing import Callable, Optional
 
 from vlora.config import OrchestratorConfig
-from vlora.engine.api import InvalidRequest
+from vlora.errors import InvalidRequest
 from vlora.lora.backends import get_lora_backend
+from vlora.orchestrator.costs import CostModel
 from vlora.orchestrator.modes import MODES, InferenceMode
 from vlora.orchestrator.policies import MERGE, UNMERGE, Candidate, Decision, Estimates, make_policy
 from vlora.orchestrator.switcher import SWITCHERS, Switcher
@@ -24,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig, max_batch_size: int, runner, loras, metrics=None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, costs: Optional[CostModel] = None) -> None:
         self.cfg = cfg
         self.loras = loras
         self.metrics = metrics
@@ -35,7 +38,7 @@ class Orchestrator:
         self.switcher: Optional[Switcher] = None
         if cfg.policy != "unmerge-only":
             self.switcher = SWITCHERS[cfg.resolved_switcher](runner)
-        self.estimates = Estimates(alpha=cfg.ema)
+        self.estimates = Estimates(alpha=cfg.ema, costs=costs)
         self.mode = UNMERGE
         self.merged: Optional[str] = None  # adapter name merged into the base weights
         self.merged_slot: Optional[int] = None
@@ -49,6 +52,14 @@ class Orchestrator:
 
     def latency_target(self, adapter: Optional[str], requested: Optional[float]) -> Optional[float]:
         return requested if requested is not None else self.cfg.latency_targets.get(adapter) if adapter else None
+
+    @property
+    def costs(self) -> CostModel:
+        """The cost model the estimates start from (the default one until the engine measured or loaded one)."""
+        return self.estimates.model
+
+    def set_costs(self, costs: CostModel) -> None:
+        self.estimates.costs = costs
 
     def decide(self, cands: list[Candidate]) -> Decision:
         return self.policy.decide(cands, self.clock(), self.mode, self.merged, self.estimates)
@@ -71,11 +82,12 @@ class Orchestrator:
                 self.loras.wait_ready([new_slot])
             if self.switcher is None:
                 raise RuntimeError(f"policy {self.cfg.policy} cannot merge: no switcher")
+            predicted = self.estimates.model.switch_s(self.merged, merged)
             dt = self.switcher.switch(new_slot)
             if self.merged_slot is not None:
                 self.loras.release(self.merged_slot)
             self.merged, self.merged_slot = merged, new_slot
-            self.estimates.observe_switch(dt)
+            self.estimates.observe_switch(dt, predicted)
             if self.metrics is not None:
                 self.metrics.mode_switch(self.mode, mode, dt)
             self.switches += 1
@@ -83,8 +95,17 @@ class Orchestrator:
         self.mode = mode
         return True
 
-    def observe_step(self, seconds: float) -> None:
-        self.estimates.observe_step(self.mode, seconds)
+    def observe_step(self, seconds: float, inputs=None) -> None:
+        """Record a step of ``seconds``; ``inputs`` (the step's :class:`~vlora.engine.model_runner.SeqInput`
+        list) lets the cost model's prediction for that batch be compared with it."""
+        predicted, kind = None, "decode"
+        if inputs:
+            slots = [s.slot for s in inputs if s.slot >= 0]
+            tokens = sum(len(s.token_ids) for s in inputs)
+            predicted = self.estimates.model.step_s(len(inputs), tokens, len(slots), len(set(slots)),
+                                                    sum(1 for s in inputs if s.delora_slot >= 0))
+            kind = "decode" if tokens <= len(inputs) else "eager"
+        self.estimates.observe_step(self.mode, seconds, predicted, kind)
         self.mode_seconds[self.mode] += seconds
 
     def lora_slots(self, slot: int) -> tuple[int, int]:

@@ -3,7 +3,7 @@
 ``vlora loadtest`` runs this file headless; it can also be run by hand (the plan file is what
 ``vlora loadtest --plan-only`` writes):
 
-    locust -f backend/vlora/loadtest/locustfile.py --headless --vlora-plan run/plan.json OpenLoopUser -u 1
+    locust -f load/locustfile.py --headless --vlora-plan run/plan.json OpenLoopUser -u 1
 
 - ``OpenLoopUser`` (one instance) sends the workload's seeded open-loop schedule: Poisson arrivals
   for visual retrieval, fixed-period camera streams for video. Each request runs in its own greenlet,
@@ -34,17 +34,17 @@ from locust import User, constant, events, task
 from locust import stats as locust_stats
 from locust.exception import StopUser
 
-from vlora.loadtest.generators import RequestSpec, WorkloadGenerator
-from vlora.loadtest.heads import HeadPolicy
-from vlora.loadtest.summary import error_kind
-from vlora.loadtest.transport import (
+from vlora_load.generators import RequestSpec, WorkloadGenerator
+from vlora_load.heads import HeadPolicy
+from vlora_load.summary import error_kind
+from vlora_load.transport import (
     HttpTransport,
     RequestRecord,
     job_payload,
     new_record,
     record_grpc_result,
 )
-from vlora.loadtest.workload import Workload
+from vlora_load.workload import Workload
 
 
 class Rejected(Exception):
@@ -72,12 +72,12 @@ def _add_arguments(parser) -> None:
 
 
 class GrpcWorkerClient:
-    """Sends gRPC requests through a ``vlora.loadtest.grpc_worker`` process and waits on its answers."""
+    """Sends gRPC requests through a ``vlora_load.grpc_worker`` process and waits on its answers."""
 
     def __init__(self, grpc_url: str, model: str, workers: int, log_path: Path) -> None:
         self._log = open(log_path, "ab")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "vlora.loadtest.grpc_worker", "--url", grpc_url, "--model", model,
+            [sys.executable, "-m", "vlora_load.grpc_worker", "--url", grpc_url, "--model", model,
              "--workers", str(workers)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
         )

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Optional
 
 from vlora.config import ConfigError
-from vlora.loadtest.heads import HeadPolicy
-from vlora.loadtest.runner import Target, default_out_dir, run_sweep, sweep_points
-from vlora.loadtest.workload import PROTOCOLS, Workload, resolve_workload
+from vlora_load.heads import HeadPolicy
+from vlora_load.runner import Target, default_out_dir, run_sweep, sweep_points
+from vlora_load.workload import PROTOCOLS, Workload, resolve_workload
 from vlora.server.ports import free_ports
 
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     import importlib.util
 
     if args.report:
-        from vlora.loadtest.runner import rebuild_reports
+        from vlora_load.runner import rebuild_reports
 
         if rebuild_reports(Path(args.report), out) == 0:
             print(f"vlora loadtest: no runs (plan.json) under {args.report}", file=sys.stderr)
@@ -180,7 +180,7 @@ def start_server(args, workload: Workload, out_dir: Path, out):
         root = Path(args.adapters) if args.adapters else out_dir / "adapters"
         existing = _names_from(str(root))
         if len(existing) < wanted:
-            from vlora.loadtest.adapters import ensure_load_adapters
+            from vlora_load.adapters import ensure_load_adapters
 
             out.write(f"writing {wanted} random rank-{args.adapter_rank} adapters into {root} ...\n")
             out.flush()
@@ -191,7 +191,7 @@ def start_server(args, workload: Workload, out_dir: Path, out):
     server.start()
     names = list(workload.adapter_names) or launcher.list_adapter_names(server.adapter_root) or _demo_names()
     if args.num_adapters and not workload.adapter_names:
-        from vlora.loadtest.adapters import LOAD_ADAPTER_PREFIX
+        from vlora_load.adapters import LOAD_ADAPTER_PREFIX
 
         load_names = [n for n in names if n.startswith(LOAD_ADAPTER_PREFIX)]
         names = load_names or names

@@ -14,7 +14,7 @@ Why gRPC runs in a helper process: locust runs on gevent and monkey-patches the 
 grpcio's Python layer uses real threads that deadlock under the patched ``threading`` (gevent#786,
 grpc#4629), and ``grpc.experimental.gevent.init_gevent()`` makes streaming work but delays responses
 in steps of about 0.5 s here (measured with 8 concurrent streams on the tiny model), which would
-corrupt every TTFT. So gRPC requests are sent by ``vlora.loadtest.grpc_worker``, an unpatched
+corrupt every TTFT. So gRPC requests are sent by ``vlora_load.grpc_worker``, an unpatched
 process with a pool of real threads running tritonclient's streaming client; it takes the timestamps
 next to the gRPC calls and sends them back. HTTP uses geventhttpclient, which is gevent-native.
 """

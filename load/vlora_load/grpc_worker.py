@@ -6,7 +6,7 @@ process reads one JSON job per line on stdin, sends it on a pool of real threads
 result per line on stdout with ``time.monotonic()`` timestamps taken around the gRPC calls (the clock
 is system-wide, so the locust process can place them on its own timeline).
 
-    python -m vlora.loadtest.grpc_worker --url 127.0.0.1:8001 --workers 256
+    python -m vlora_load.grpc_worker --url 127.0.0.1:8001 --workers 256
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def _scalar(array, default):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlora.loadtest.grpc_worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m vlora_load.grpc_worker", description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="Triton gRPC address, host:port")
     parser.add_argument("--model", default="vlora")
     parser.add_argument("--workers", type=int, default=256, help="requests in flight at once")

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Mapping, Optional
 
 from vlora.config import ConfigError
-from vlora.loadtest.heads import HeadPolicy
-from vlora.loadtest.workload import Application, LengthDistribution, Workload, length_from
+from vlora_load.heads import HeadPolicy
+from vlora_load.workload import Application, LengthDistribution, Workload, length_from
 
 # Words for filler text (context in the prompt) so that a prompt has the drawn input length.
 _FILLER = (

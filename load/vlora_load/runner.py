@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
-from vlora.loadtest import report
-from vlora.loadtest.generators import WorkloadGenerator
-from vlora.loadtest.heads import HeadPolicy
-from vlora.loadtest.scrape import MetricsScraper, parse_prometheus
-from vlora.loadtest.summary import read_records, summarize, timeline_stats
-from vlora.loadtest.workload import Workload
+from vlora_load import report
+from vlora_load.generators import WorkloadGenerator
+from vlora_load.heads import HeadPolicy
+from vlora_load.scrape import MetricsScraper, parse_prometheus
+from vlora_load.summary import read_records, summarize, timeline_stats
+from vlora_load.workload import Workload
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 

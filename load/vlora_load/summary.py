@@ -19,8 +19,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable, Optional
 
-from vlora.loadtest.transport import OUTCOMES, RequestRecord
-from vlora.loadtest.workload import Workload
+from vlora_load.transport import OUTCOMES, RequestRecord
+from vlora_load.workload import Workload
 
 
 def read_records(path: Path) -> list[RequestRecord]:

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Optional
 
-from vlora.loadtest.transport import RequestRecord
+from vlora_load.transport import RequestRecord
 
 OUTCOME_STYLE = {"ok": ("tab:blue", "o"), "rejected": ("tab:red", "x"), "incomplete": ("tab:orange", "s"),
                  "timeout": ("tab:purple", "v"), "error": ("black", "D")}

@@ -1,6 +1,7 @@
-"""Load tests with locust: vision workloads against a real vlora Triton server, and reports.
+"""Load tests with locust: vision workloads against a real vlora Triton server, and reports. A client tool: it
+imports vlora (settings, demo adapters, the launcher), and vlora never imports it.
 
-- ``workload``: workload definitions (``configs/workloads/*.yaml``) as frozen dataclasses;
+- ``workload``: workload definitions (``workloads/*.yaml``, linked from ``configs/workloads``) as frozen dataclasses;
 - ``generators``: seeded request generators (visual retrieval, video analytics), adapter popularity;
 - ``heads``: the one switch between task-head requests and generated labels;
 - ``transport`` / ``grpc_worker``: sending and timing requests (gRPC streaming, HTTP generate);

@@ -178,7 +178,7 @@ class Arrivals:
 
 @dataclass(frozen=True)
 class Application:
-    """One application: its kind (a generator in ``vlora.loadtest.generators``), its share and its SLO.
+    """One application: its kind (a generator in ``vlora_load.generators``), its share and its SLO.
 
     ``params`` are the kind's own settings; the generator validates them (see ``generators.py``).
     """
@@ -195,7 +195,7 @@ class Application:
         _require(self.share > 0, f"application {self.name}: share must be > 0")
         _require(self.protocol is None or self.protocol in PROTOCOLS,
                  f"application {self.name}: protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
-        from vlora.loadtest.generators import GENERATORS
+        from vlora_load.generators import GENERATORS
 
         _require(self.kind in GENERATORS, f"application {self.name}: kind must be one of {sorted(GENERATORS)}, got {self.kind!r}")
         GENERATORS[self.kind].validate(self)
@@ -316,7 +316,7 @@ class Workload:
             pop = Popularity(**{**dataclasses.asdict(pop), **changes})
         apps = self.applications
         if protocol is not None or length_scale is not None or frames_per_chunk is not None:
-            from vlora.loadtest.generators import GENERATORS
+            from vlora_load.generators import GENERATORS
 
             new_apps = []
             for a in apps:
@@ -379,4 +379,5 @@ def resolve_workload(name_or_path: str, root: Optional[Path] = None) -> Path:
 
 
 def workloads_dir() -> Path:
-    return Path(__file__).resolve().parents[3] / "configs" / "workloads"
+    """The workload files shipped with this package (``configs/workloads`` of a checkout links here)."""
+    return Path(__file__).resolve().parent / "workloads"

@@ -1,0 +1,138 @@
+"""vlora.server.wire with a fake pb_utils: the Triton vLLM backend's wire format, as the Triton model reads
+requests and writes responses (the e2e tests run the same code inside a real tritonserver)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fake_pb_utils import COMPLETE_FINAL, FakeRequest, FakeSender, TritonError
+from vlora.engine.api import GenerationOutput, SamplingParams
+from vlora.errors import InvalidRequest
+from vlora.server.wire import FAULT_KEY, SAMPLING_KEYS, Wire
+
+
+def parse(wire, inputs, parameters=None, fault_injection=False):
+    return wire.parse(FakeRequest(inputs, parameters), "rid", fault_injection=fault_injection)
+
+
+def test_a_full_request(wire):
+    parsed = parse(wire, {
+        "text_input": "USER: <image>\nWhat? ASSISTANT:",
+        "image": ["aGVsbG8=", "d29ybGQ="],
+        "stream": True,
+        "exclude_input_in_output": False,
+        "sampling_parameters": json.dumps({"max_tokens": 5, "temperature": 0.5, "seed": 3, "task": "color",
+                                           "apply_chat_template": True}),
+    }, parameters={"lora_name": "demo-r8-qv", "stop": ["\n"]})
+    gen = parsed.gen
+    assert (gen.request_id, gen.prompt, gen.images) == ("rid", "USER: <image>\nWhat? ASSISTANT:", [b"aGVsbG8=", b"d29ybGQ="])
+    assert (gen.lora_name, gen.stream, gen.apply_chat_template, gen.task) == ("demo-r8-qv", True, True, "color")
+    assert gen.sampling == SamplingParams(max_tokens=5, temperature=0.5, seed=3, stop=("\n",))
+    assert parsed.exclude_input is False and parsed.fault is None
+
+
+def test_defaults_and_the_json_input_over_the_parameters(wire):
+    parsed = parse(wire, {"text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": 7})},
+                   parameters={"max_tokens": 3, "stream": True})  # "stream" as a parameter: accepted, ignored
+    assert parsed.gen.sampling.max_tokens == 7 and parsed.gen.stream is False and parsed.gen.images == []
+    assert parsed.exclude_input is True and parsed.gen.lora_name is None
+    assert parse(wire, {"text_input": "hi"}, parameters={"lora_name": ""}).gen.lora_name is None
+
+
+@pytest.mark.parametrize("inputs,parameters,words", [
+    ({}, None, "text_input is required"),
+    ({"text_input": np.array([], dtype=np.object_)}, None, "text_input is required"),
+    ({"text_input": b"\xff\xfe"}, None, "not valid UTF-8"),
+    ({"text_input": "hi"}, {"nope": 1}, "unknown request parameter(s) ['nope']"),
+    ({"text_input": "hi"}, {FAULT_KEY: "kill"}, f"unknown request parameter(s) ['{FAULT_KEY}']"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({FAULT_KEY: "kill"})}, None, FAULT_KEY),
+    ({"text_input": "hi", "sampling_parameters": "[1]"}, None, "must be a JSON object"),
+    ({"text_input": "hi"}, {"lora_name": 3}, "lora_name must be a string"),
+    ({"text_input": "hi"}, {"apply_chat_template": "yes"}, "apply_chat_template must be true or false"),
+    ({"text_input": "hi"}, {"task": 1}, "task must be a string"),
+    ({"text_input": "hi"}, {"max_tokens": 0}, "max_tokens"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"top_k": 3})}, None, "top_k"),
+])
+def test_bad_requests_are_refused_naming_the_problem(wire, inputs, parameters, words):
+    with pytest.raises(InvalidRequest) as e:
+        parse(wire, inputs, parameters)
+    assert words in str(e.value)
+
+
+def test_the_unknown_parameter_message_lists_what_is_accepted(wire):
+    with pytest.raises(InvalidRequest) as e:
+        parse(wire, {"text_input": "hi"}, {"nope": 1})
+    for key in SAMPLING_KEYS + ("adapter_action",):
+        assert key in str(e.value)
+
+
+def test_the_fault_parameter_passes_only_where_fault_injection_is_on(wire):
+    parsed = parse(wire, {"text_input": "hi"}, {FAULT_KEY: "wedge"}, fault_injection=True)
+    assert parsed.fault == "wedge"
+
+
+def out(**kw):
+    base = dict(request_id="rid", text_delta="", text="", finished=False)
+    return GenerationOutput(**{**base, **kw})
+
+
+def values(pb_tensors):
+    got = {}
+    for t in pb_tensors:
+        a = t.as_numpy()
+        got[t.name()] = [x.decode() if isinstance(x, bytes) else x.item() for x in a.reshape(-1)]
+    return got
+
+
+def test_streamed_responses_count_the_new_tokens(wire):
+    assert wire.output_tensors(out(text_delta=""), stream=True, prefix="", sent_output_tokens=0) is None
+    first = wire.output_tensors(out(text_delta="Hel", num_input_tokens=9, num_output_tokens=2), stream=True,
+                                prefix="ignored", sent_output_tokens=0)
+    assert values(first) == {"text_output": ["Hel"], "num_input_tokens": [9], "num_output_tokens": [2]}
+    last = wire.output_tensors(out(text_delta="lo", finished=True, finish_reason="length", num_input_tokens=9,
+                                   num_output_tokens=3), stream=True, prefix="", sent_output_tokens=2)
+    assert values(last) == {"text_output": ["lo"], "num_input_tokens": [9], "num_output_tokens": [1],
+                            "finish_reason": ["length"]}
+    assert last[1].as_numpy().dtype == np.uint32
+
+
+def test_a_whole_response_carries_the_prefix_and_a_head_answer(wire):
+    assert wire.output_tensors(out(text_delta="x"), stream=False, prefix="", sent_output_tokens=0) is None
+    answer = {"label": "red", "scores": [0.9, 0.1], "labels": ["red", "blue"]}
+    tensors = wire.output_tensors(out(text="red", finished=True, num_input_tokens=4, num_output_tokens=1, extra=answer),
+                                  stream=False, prefix="PROMPT ", sent_output_tokens=0)
+    got = values(tensors)
+    assert got["text_output"] == ["PROMPT red"] and got["finish_reason"] == ["stop"]  # no reason given: stop
+    assert got["label"] == ["red"] and got["label_names"] == ["red", "blue"]
+    assert np.allclose(got["scores"], [0.9, 0.1]) and tensors[-2].as_numpy().dtype == np.float32
+
+
+def test_errors_carry_the_code_and_a_failed_send_is_logged(wire, pb):
+    sender = FakeSender()
+    wire.send_error(sender, "bad")
+    wire.send_error(sender, "busy", unavailable=True)
+    wire.send_cancelled(sender)
+    got = [(r.error().message(), r.error().code(), flags) for r, flags in sender.sent]
+    assert got == [("bad", TritonError.INVALID_ARG, COMPLETE_FINAL), ("busy", TritonError.UNAVAILABLE, COMPLETE_FINAL),
+                   ("request cancelled", TritonError.CANCELLED, COMPLETE_FINAL)]
+    wire.send_error(FakeSender(fail=True), "bad")
+    wire.send_cancelled(FakeSender(fail=True))
+    assert "sending an error failed" in pb.Logger.said("error")[0]
+    assert "sending a cancellation failed" in pb.Logger.said("warn")[0]
+
+
+def test_a_triton_without_the_cancelled_code_sends_its_default_code(pb):
+    """Older Triton releases have no TritonError.CANCELLED: the error still goes out, with the default code."""
+
+    class OlderTritonError:
+        def __init__(self, message, code=TritonError.UNKNOWN):
+            self._message, self._code = message, code
+
+        message, code = TritonError.message, TritonError.code
+
+    pb.TritonError = OlderTritonError
+    sender = FakeSender()
+    Wire(pb).send_cancelled(sender)
+    assert (sender.final.error().message(), sender.final.error().code()) == ("request cancelled", TritonError.UNKNOWN)
