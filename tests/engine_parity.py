@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import itertools
+from typing import Optional
 
 import torch
 from PIL import Image
@@ -17,18 +18,33 @@ from PIL import Image
 from vlora.config import EngineConfig
 from vlora.engine.api import GenerationRequest, SamplingParams
 from vlora.engine.builder import build_engine
+from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER
 from vlora.orchestrator.policies import MERGE, MIXTURE, Decision, Policy
 
 ADAPTERS = ("demo-r8-qv", "demo-r16-attn", "demo-r32-mlp")
 MAX_NEW = 6
 
 
-def _png(seed: int, size: int = 80) -> bytes:
+def _png(seed: int, w: int = 80, h: Optional[int] = None) -> bytes:
+    """A random RGB PNG, ``w`` x ``h`` pixels (square when ``h`` is None), the same for the same seed."""
     g = torch.Generator().manual_seed(seed)
-    arr = (torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8).numpy()
+    arr = (torch.rand(w if h is None else h, w, 3, generator=g) * 255).to(torch.uint8).numpy()
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="PNG")
     return buf.getvalue()
+
+
+# The Qwen2-VL mixed batch (tests/unit/test_qwen2_vl_engine.py, tests/gpu/test_qwen_gpu.py): request id ->
+# (adapter, text, images); images of different sizes, two in one prompt, a 4-frame video, text alone.
+QWEN_SPECS = {
+    "img-small-r8": ("qwen-r8-qv", "Describe this picture.", [_png(1, 56, 56)]),
+    "text-base": (None, "Hello there, how are you today?", []),
+    "img-wide-r16": ("qwen-r16-attn", f"Left {VISION_PLACEHOLDER} and right {VISION_PLACEHOLDER}: which is brighter?",
+                     [_png(2, 112, 56), _png(3, 56, 84)]),
+    "text-r32": ("qwen-r32-mlp", "Count to ten, slowly, please.", []),
+    "img-base": (None, "What do you see?", [_png(4, 84, 84)]),
+    "video-r16": ("qwen-r16-attn", f"{VIDEO_PLACEHOLDER}What happens in this clip?", [_png(10 + i, 64, 64) for i in range(4)]),
+}
 
 
 def make_engine(tiny_model_dir, demo_adapter_root, device: str, dtype: str):

@@ -35,32 +35,17 @@ from vlora.engine.api import GenerationRequest, SamplingParams  # noqa: E402
 from vlora.engine.builder import build_engine  # noqa: E402
 from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER  # noqa: E402
 from vlora.orchestrator.policies import MERGE, MIXTURE, UNMERGE  # noqa: E402
-from engine_parity import ScriptedPolicy  # noqa: E402
+from engine_parity import QWEN_SPECS, ScriptedPolicy, _png  # noqa: E402
 
 DEV = torch.device("cuda")
 ADAPTERS = tiny_qwen.QWEN_ADAPTER_NAMES  # qwen-r8-qv, qwen-r16-attn, qwen-r32-mlp
 CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
-def _png(seed: int, w: int, h: int) -> bytes:
-    g = torch.Generator().manual_seed(seed)
-    arr = (torch.rand(h, w, 3, generator=g) * 255).to(torch.uint8).numpy()
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 # request id -> (adapter, text, images); the first two are prefilled alone, the rest join their decodes.
-SPECS = {
-    "img-small-r8": ("qwen-r8-qv", "Describe this picture.", [_png(1, 56, 56)]),
-    "text-base": (None, "Hello there, how are you today?", []),
-    "img-wide-r16": ("qwen-r16-attn", f"Left {VISION_PLACEHOLDER} and right {VISION_PLACEHOLDER}: which is brighter?",
-                     [_png(2, 112, 56), _png(3, 56, 84)]),
-    "text-r32": ("qwen-r32-mlp", "Count to ten, slowly, please.", []),
-    "img-base": (None, "What do you see?", [_png(4, 84, 84)]),
-    "img-large-r32": ("qwen-r32-mlp", f"{VISION_PLACEHOLDER}Tell me about it.", [_png(5, 224, 168)]),
-    "video-r16": ("qwen-r16-attn", f"{VIDEO_PLACEHOLDER}What happens in this clip?", [_png(10 + i, 64, 64) for i in range(4)]),
-}
+SPECS = {rid: spec for rid, spec in QWEN_SPECS.items() if rid != "video-r16"}
+SPECS["img-large-r32"] = ("qwen-r32-mlp", f"{VISION_PLACEHOLDER}Tell me about it.", [_png(5, 224, 168)])
+SPECS["video-r16"] = QWEN_SPECS["video-r16"]
 
 
 @pytest.fixture(scope="module", params=sorted(CLASSES))

@@ -16,19 +16,13 @@ from vlora.engine.api import GenerationRequest, InvalidRequest, SamplingParams
 from vlora.engine.builder import build_engine
 from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER
 
+from engine_parity import QWEN_SPECS, _png  # noqa: E402
+
 peft = pytest.importorskip("peft")
 tiny_qwen = pytest.importorskip("vlora.models.tiny_qwen")
 
 ADAPTERS = ("qwen-r8-qv", "qwen-r16-attn", "qwen-r32-mlp")
 MAX_NEW = 8
-
-
-def _png(seed: int, w: int, h: int) -> bytes:
-    g = torch.Generator().manual_seed(seed)
-    arr = (torch.rand(h, w, 3, generator=g) * 255).to(torch.uint8).numpy()
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -101,15 +95,7 @@ def _run(engine, specs: dict, together: bool):
     return {rid: s.output_ids for rid, s in seqs.items()}
 
 
-SPECS = {
-    "img-small-r8": ("qwen-r8-qv", "Describe this picture.", [_png(1, 56, 56)]),
-    "text-base": (None, "Hello there, how are you today?", []),
-    "img-wide-r16": ("qwen-r16-attn", f"Left {VISION_PLACEHOLDER} and right {VISION_PLACEHOLDER}: which is brighter?",
-                     [_png(2, 112, 56), _png(3, 56, 84)]),
-    "text-r32": ("qwen-r32-mlp", "Count to ten, slowly, please.", []),
-    "img-base": (None, "What do you see?", [_png(4, 84, 84)]),
-    "video-r16": ("qwen-r16-attn", f"{VIDEO_PLACEHOLDER}What happens in this clip?", [_png(10 + i, 64, 64) for i in range(4)]),
-}
+SPECS = QWEN_SPECS
 
 
 def test_engine_matches_transformers_peft(setup):

@@ -233,16 +233,22 @@ def _generate(out: Path) -> None:
     ))
 
 
+def norm_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The full names of every LayerNorm's and RMSNorm's own parameters (weights and biases)."""
+    names = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
+            names.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
+    return names
+
+
 def _seeded_init(model: torch.nn.Module) -> None:
     """Overwrite every parameter from a generator seeded by (SEED, parameter name).
 
     Norm weights are 1 and biases 0; every other tensor is N(0, INIT_STD^2) (the lm_head LM_HEAD_STD).
     Independent of module construction order and of transformers' own initialisers.
     """
-    norm_params = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
-            norm_params.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
+    norm_params = norm_parameter_names(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name in norm_params:

@@ -56,6 +56,7 @@ from vlora.models.tiny import (
     CORPUS,
     build_atomically,
     ensure_peft_adapters,
+    norm_parameter_names,
     peft_target_regex,
     seeded_randn,
 )
@@ -333,10 +334,7 @@ def _seeded_init(model: torch.nn.Module) -> None:
     model repeats one token whatever the prompt). Biases, Qwen2's q/k/v ones included, are
     N(0, BIAS_STD^2); the lm_head is N(0, LM_HEAD_STD^2).
     """
-    norm_params = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
-            norm_params.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
+    norm_params = norm_parameter_names(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name in norm_params:
@@ -414,14 +412,15 @@ def build_tokenizer():
     return fast
 
 
-def image_processor_config(variant: QwenVariant) -> dict[str, Any]:
+def _processor_config(kind: str, variant: QwenVariant, min_pixels: int, max_pixels: int) -> dict[str, Any]:
+    """What Qwen2-VL's image and video processors share: ``kind`` names the processor type's key."""
     return {
-        "image_processor_type": "Qwen2VLImageProcessor",
+        f"{kind}_processor_type": f"Qwen2VL{kind.capitalize()}Processor",
         "processor_class": variant.processor_class,
         "do_resize": True,
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "min_pixels": min_pixels,
+        "max_pixels": max_pixels,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
         "resample": 3,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
@@ -433,31 +432,15 @@ def image_processor_config(variant: QwenVariant) -> dict[str, Any]:
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
         "merge_size": MERGE_SIZE,
     }
+
+
+def image_processor_config(variant: QwenVariant) -> dict[str, Any]:
+    return _processor_config("image", variant, MIN_PIXELS, MAX_PIXELS)
 
 
 def video_processor_config(variant: QwenVariant) -> dict[str, Any]:
-    return {
-        "video_processor_type": "Qwen2VLVideoProcessor",
-        "processor_class": variant.processor_class,
-        "do_resize": True,
-        "min_pixels": VIDEO_MIN_PIXELS,
-        "max_pixels": VIDEO_MAX_PIXELS,
-        "size": {"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS},
-        "resample": 3,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": CLIP_MEAN,
-        "image_std": CLIP_STD,
-        "do_convert_rgb": True,
-        "patch_size": PATCH_SIZE,
-        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
-        "merge_size": MERGE_SIZE,
-        "min_frames": 2,
-        "max_frames": 64,
-        "do_sample_frames": False,
-        "cap_pixels_per_frame": True,
-    }
+    return {**_processor_config("video", variant, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS),
+            "min_frames": 2, "max_frames": 64, "do_sample_frames": False, "cap_pixels_per_frame": True}
 
 
 # ---------------------------------------------------------------------------------------------------
