@@ -125,9 +125,8 @@ def bench_merge(bw_gbs: float) -> dict:
             w[l].addmm_(b[l], a[l], alpha=0.5)
 
     times = {}
-    stream = [("stream", n) for n in kernels_ext().merge_configs() if n.startswith("mg_")]
-    for backend, config in [("cutlass", "m128x256_k64_s3"), ("torch", None), ("fused", "fused_m64n128"),
-                            ("fused", "fused_m128n128")] + stream:
+    stream = [("stream", n) for n in kernels_ext().merge_configs()]
+    for backend, config in [("torch", None)] + stream:
         key = config or backend
         try:
             times[key] = event_time_ms(lambda: merge_lora(w, a, b, 0.5, +1, backend=backend, config=config), warmup=2, reps=7)
@@ -141,15 +140,14 @@ def bench_merge(bw_gbs: float) -> dict:
     # Correctness of the fastest merge against fp32, on fresh data (the timed runs grew W).
     w.normal_()
     w0 = w[:4].float()
-    merge_lora(w, a, b, 0.5, +1, backend=("stream" if best_key.startswith("mg_") else "torch" if best_key == "torch" else
-                                          "fused" if best_key.startswith("fused") else "cutlass"),
+    merge_lora(w, a, b, 0.5, +1, backend="torch" if best_key == "torch" else "stream",
                config=None if best_key == "torch" else best_key)
     ref = w0 + 0.5 * torch.bmm(b[:4].float(), a[:4].float())
     # Relative to the rounding bf16 storage of W itself costs (~1 when exact up to that rounding).
     err = ((w[:4].float() - ref).norm() / (ref.to(w.dtype).float() - ref).norm()).item()
-    return {"layers": 32, "matrices": L, "rank": r, "width": D, "floor_ms": floor_ms, "cutlass_batched_ms": times["m128x256_k64_s3"],
-            "stacked_baddbmm_ms": times["torch"], "fused_ms": {k: v for k, v in times.items() if k.startswith("fused")},
-            "stream_ms": {k: v for k, v in times.items() if k.startswith("mg_")}, "per_matrix_addmm_ms": loop_ms,
+    return {"layers": 32, "matrices": L, "rank": r, "width": D, "floor_ms": floor_ms,
+            "stacked_baddbmm_ms": times["torch"], "stream_ms": {k: v for k, v in times.items() if k != "torch"},
+            "per_matrix_addmm_ms": loop_ms,
             "best": best_key, "best_ms": best, "best_err_over_bf16_rounding": err, "ratio_to_floor": best / floor_ms}
 
 
@@ -183,8 +181,8 @@ def main() -> int:
         problems.append(p)
         profiles.append(prof)
         bs, be = prof["pair"]
-        what = f"one-launch call {bs[0]}/{bs[1]}" if bs[0] == be else f"shrink {bs} {prof['shrink_us']:.1f} us, expand {be}"
-        log(f"profiled {c.name}: {what}, whole call {prof['pair_us']:.1f} us ({time.monotonic() - t0:.0f} s)")
+        log(f"profiled {c.name}: shrink {bs} {prof['shrink_us']:.1f} us, expand {be}, whole call {prof['pair_us']:.1f} us "
+            f"({time.monotonic() - t0:.0f} s)")
     # The best static choices: least total time over every case, per direction; one among the CUTLASS
     # tilings (Punica's approach: one tile for every shape), one among every compiled config.
     all_cases = cases(args.quick)
@@ -201,9 +199,6 @@ def main() -> int:
     static_expand = best_static(common_expand, "expand", {"cutlass"})
     any_shrink = best_static(common_shrink, "shrink")
     any_expand = best_static(common_expand, "expand")
-    # One fused call (config and cluster size) for every case, where the build has them.
-    common_call = set.intersection(*(set(pr["call"]) for pr in profiles))
-    static_call = best_static(common_call, "call") if common_call else None
     # The adaptive table, through the real table path.
     entries = []
     for c, pr in zip(all_cases, profiles):
@@ -225,9 +220,6 @@ def main() -> int:
             "static_any": lambda s: (lambda: kernels.run(s[0], s[1], s[2], s[3], p.ranks, p.scales, p.mapping,
                                                          shrink=any_shrink, expand=any_expand, workspace=s[4])),
         }
-        if static_call is not None:
-            fns["static_call"] = lambda s: (lambda: kernels.run(s[0], s[1], s[2], s[3], p.ranks, p.scales, p.mapping,
-                                                                shrink=static_call, expand=static_call[0], workspace=s[4]))
         fns.update(baselines(p, c))
         times, errors = {}, {}
         for name, f in fns.items():
@@ -243,10 +235,9 @@ def main() -> int:
         # The shrink alone; the whole call with the best shrink and the best expand (expands are
         # profiled as whole calls: on Hopper the expand overlaps its start with the shrink).
         row["phase_us"] = {"shrink_best": min(pr["shrink"].values()), "two_launch_best": min(pr["expand"].values()),
-                           "fused_call_best": min(pr["call"].values()) if pr["call"] else None, "call_best": pr["pair_us"]}
+                           "call_best": pr["pair_us"]}
         row["profile_us"] = {"shrink": {f"{k[0]}/{k[1]}": round(v, 2) for k, v in pr["shrink"].items()},
-                             "expand_whole_call": {k: round(v, 2) for k, v in pr["expand"].items()},
-                             "fused_call": {f"{k[0]}/{k[1]}": round(v, 2) for k, v in pr["call"].items()}}
+                             "expand_whole_call": {k: round(v, 2) for k, v in pr["expand"].items()}}
         base = [t for k, t in times.items() if k in ("loop", "padded_bmm", "grouped_mm") and t]
         row["best_baseline_us"] = min(base) if base else None
         a = times.get("atmm")
@@ -258,13 +249,12 @@ def main() -> int:
         ts = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}=n/a" for k, v in times.items())
         log(f"{c.name:24s} floor={fl['floor_us']:.1f} {ts}")
     merge = bench_merge(bw)
-    log(f"merge: fused {merge['fused_ms']} ms, cutlass {merge['cutlass_batched_ms']} ms, baddbmm {merge['stacked_baddbmm_ms']:.2f} ms, "
+    log(f"merge: stream {merge['stream_ms']} ms, baddbmm {merge['stacked_baddbmm_ms']:.2f} ms, "
         f"per-matrix {merge['per_matrix_addmm_ms']:.2f} ms, floor {merge['floor_ms']:.2f} ms")
     out = {"device": torch.cuda.get_device_name(), "commit": args.commit or git_commit(), "torch": torch.__version__,
            "copy_bandwidth_gbs": bw, "bf16_tflops": tf, "dtype": DTYPE, "width": D,
            "static_choice": {"shrink": list(static_shrink), "expand": static_expand},
            "static_any_choice": {"shrink": list(any_shrink), "expand": any_expand},
-           "static_call_choice": list(static_call) if static_call else None,
            "cases": results, "merge": merge, "table_entries": entries,
            "method": "median per call of CUDA-graph replays over rotated inputs (>256 MB per replay)"}
     pick = {r["case"]: r for r in results}

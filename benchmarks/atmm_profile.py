@@ -1,7 +1,7 @@
 """Run one ATMM shape with forced configurations a few times, for a profiler (ncu) to look at.
 
     ncu --clock-control none -k regex:stream_ --section SpeedOfLight --section WarpStateStats \\
-        python benchmarks/atmm_profile.py --tokens 8192 --ranks 128 --shrink t64x64_k64_s5:1 --expand ye_m64n128_r128_w1x8
+        python benchmarks/atmm_profile.py --tokens 8192 --ranks 128 --shrink t64x64_k64_s5:1 --expand ye_m64n64_r128_w2x4
 
 Also prints the median graph-replayed time of the call, so a run without a profiler is a quick probe.
 """

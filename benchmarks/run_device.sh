@@ -3,8 +3,7 @@
 # Run from the repository root on the GPU machine; writes logs and results under $OUT (default ./out).
 #   ATMM_PREBUILT=dir : a folder holding a vlora_atmm_ext*.so built elsewhere (skips the build)
 #   ATMM_WHEELS=dir   : wheels to install first (pytest; nvidia-cutlass and pybind11 for the build)
-#   ATMM_STEPS="build test bench calls tune" (default the first three); ATMM_BENCH_ARGS="--quick"
-#   ATMM_CALLS_ARGS="--only decode --prefix fl_" for the calls step
+#   ATMM_STEPS="build test bench tune" (default the first three); ATMM_BENCH_ARGS="--quick"
 #   ATMM_TUNE_BUDGET=seconds for the tuner step (default 240); ATMM_TUNE_ARGS: its grid (default: widths 4096,5120,
 #   ranks 16,64,128, tokens 32..8192, segments 1,4,16,64); ATMM_TESTS="tests/gpu/x.py ..." (default tests/gpu)
 set -uo pipefail
@@ -38,10 +37,6 @@ if [[ " $STEPS " == *" test "* ]]; then
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   $PY benchmarks/atmm.py ${ATMM_BENCH_ARGS:-} --out-dir "$OUT" --table-out "$OUT/tiling-table.json" 2>&1 | tee "$OUT/bench.log" | tail -40
-  rc=$(( rc | PIPESTATUS[0] ))
-fi
-if [[ " $STEPS " == *" calls "* ]]; then  # the one-launch calls beside the committed table (benchmarks/atmm_calls.py)
-  $PY benchmarks/atmm_calls.py --json "$OUT/atmm-calls.json" ${ATMM_CALLS_ARGS:-} 2>&1 | tee "$OUT/calls.log" | tail -30
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" tune "* ]]; then

@@ -41,28 +41,16 @@ namespace atmm {
   cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const&, cudaStream_t);
 #define ATMM_CONFIG(NAME, TBM, TBN, TBK, WM, WN, WK, ST, DIRS) ATMM_DECLARE_##DIRS(NAME)
 #define ATMM_GEMV_SHRINK(NAME) ATMM_DECLARE_FUSED(NAME)
-#define ATMM_WMMA_SHRINK(NAME) ATMM_DECLARE_FUSED(NAME)
 #define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB) ATMM_DECLARE_FUSED(NAME)
 #define ATMM_STREAM_SHRINK(NAME, BM, BK, WM, WN, KMAX, ST) ATMM_DECLARE_FUSED(NAME)
 #define ATMM_STREAM_EXPAND(NAME, BM, BN, WM, WN, KMAX, ST) ATMM_DECLARE_FUSED(NAME)
-#define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES) \
-  ATMM_DECLARE_FUSED(NAME)                                             \
-  size_t atmm_fused_##NAME##_smem();
-#define ATMM_FLAG_CALL(NAME, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES) \
-  ATMM_DECLARE_FUSED(NAME)                                             \
-  size_t atmm_fused_##NAME##_smem();
 #if ATMM_HAVE_SM90
 #define ATMM_DECLARE_SM90_WS(NAME)       \
   size_t atmm_sm90_ws_##NAME##_f16(int); \
   size_t atmm_sm90_ws_##NAME##_bf16(int);
 #define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, EM, EN, CM, SCHED) ATMM_DECLARE_ATMM_EXPAND_ONLY(NAME) ATMM_DECLARE_SM90_WS(NAME)
-#define ATMM_SM90_SHRINK(NAME, TBM, TBN, TBK, EM, EN, CM, SCHED)                       \
-  cudaError_t atmm_run_##NAME##_f16_shrink(GroupedLaunch const&, cudaStream_t);  \
-  cudaError_t atmm_run_##NAME##_bf16_shrink(GroupedLaunch const&, cudaStream_t); \
-  ATMM_DECLARE_SM90_WS(NAME)
 #else
 #define ATMM_SM90_EXPAND(...)  // built only for sm_90a (ATMM_CUDA_ARCHS)
-#define ATMM_SM90_SHRINK(...)
 #endif
 #if ATMM_HAVE_TRITON
 #define ATMM_TRITON_SHRINK(NAME, ...) ATMM_DECLARE_FUSED(NAME) size_t atmm_fused_##NAME##_smem();
@@ -72,14 +60,10 @@ namespace atmm {
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
-#undef ATMM_WMMA_SHRINK
 #undef ATMM_FUSED_EXPAND
 #undef ATMM_STREAM_SHRINK
 #undef ATMM_STREAM_EXPAND
-#undef ATMM_FUSED_CALL
-#undef ATMM_FLAG_CALL
 #undef ATMM_SM90_EXPAND
-#undef ATMM_SM90_SHRINK
 #undef ATMM_TRITON_SHRINK
 #undef ATMM_TRITON_EXPAND
 #undef ATMM_TRITON_EXPAND_COLS
@@ -96,9 +80,6 @@ const std::vector<KernelConfig>& kernel_configs() {
 #define ATMM_GEMV_SHRINK(NAME)                                                                   \
   KernelConfig{#NAME, 4, 128, 8, 4, 128, 8, 1, true, nullptr, nullptr, nullptr, nullptr, Kind::kGemvShrink, \
                atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, 0, 0},
-#define ATMM_WMMA_SHRINK(NAME)                                                                   \
-  KernelConfig{#NAME, 64, 128, 128, 32, 32, 16, 1, true, nullptr, nullptr, nullptr, nullptr, Kind::kWmmaShrink, \
-               atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, 128, 0},
 #define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB)                                                \
   KernelConfig{#NAME, BM, BN, 16, BM / WM, BN / WN, 16, 1, false, nullptr, nullptr, nullptr, nullptr, \
                Kind::kFusedExpand, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, 128, 0},
@@ -110,22 +91,12 @@ const std::vector<KernelConfig>& kernel_configs() {
   KernelConfig{#NAME, BM, BN, KMAX, BM / WM, BN / WN, 16, ST, false, nullptr, nullptr, nullptr, nullptr,      \
                Kind::kStreamExpand, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX,                  \
                detail::UpdateCfg<__nv_bfloat16, BM, BN, WM, WN, KMAX, ST, false>::kSmem},
-#define ATMM_FUSED_CALL(NAME, BM, KMAX, SWM, SWN, BN, EWM, EWN, SS, ES)                                       \
-  KernelConfig{#NAME, BM, BN, 64, BM / EWM, BN / EWN, 16, SS, true, nullptr, nullptr, nullptr, nullptr,       \
-               Kind::kFusedCall, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX, atmm_fused_##NAME##_smem()},
-#define ATMM_FLAG_CALL(NAME, BM, KMAX, SWM, SWN, SS, BN, EWM, EWN, ES)                                        \
-  KernelConfig{#NAME, BM, BN, 64, BM / EWM, BN / EWN, 16, SS, true, nullptr, nullptr, nullptr, nullptr,       \
-               Kind::kFlagCall, atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, KMAX, atmm_fused_##NAME##_smem()},
 #if ATMM_HAVE_SM90
 #define ATMM_SM90_EXPAND(NAME, TBM, TBN, TBK, EM, EN, CM, SCHED)                                                \
   KernelConfig{#NAME, TBM, TBN, TBK, 64, TBN, 16, 0, false, ATMM_FNS_ATMM_EXPAND_ONLY(NAME), Kind::kSm90, \
                nullptr, nullptr, 0, 0, atmm_sm90_ws_##NAME##_f16, atmm_sm90_ws_##NAME##_bf16},
-#define ATMM_SM90_SHRINK(NAME, TBM, TBN, TBK, EM, EN, CM, SCHED)                                                  \
-  KernelConfig{#NAME, TBM, TBN, TBK, 64, TBN, 16, 0, true, atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, \
-               nullptr, nullptr, Kind::kSm90, nullptr, nullptr, 0, 0, atmm_sm90_ws_##NAME##_f16, atmm_sm90_ws_##NAME##_bf16},
 #else
 #define ATMM_SM90_EXPAND(...)
-#define ATMM_SM90_SHRINK(...)
 #endif
 #if ATMM_HAVE_TRITON
 #define ATMM_TRITON_SHRINK(NAME, BM, BK, R, W, S)                                                                \
@@ -141,14 +112,10 @@ const std::vector<KernelConfig>& kernel_configs() {
 #include "atmm/tile_configs.def"
 #undef ATMM_CONFIG
 #undef ATMM_GEMV_SHRINK
-#undef ATMM_WMMA_SHRINK
 #undef ATMM_FUSED_EXPAND
 #undef ATMM_STREAM_SHRINK
 #undef ATMM_STREAM_EXPAND
-#undef ATMM_FUSED_CALL
-#undef ATMM_FLAG_CALL
 #undef ATMM_SM90_EXPAND
-#undef ATMM_SM90_SHRINK
 #undef ATMM_TRITON_SHRINK
 #undef ATMM_TRITON_EXPAND
 #undef ATMM_TRITON_EXPAND_COLS
@@ -165,14 +132,11 @@ bool KernelConfig::serves(Direction d, DType t) const {
   switch (kind) {
     case Kind::kCutlass: return fn(d, t) != nullptr;
     case Kind::kGemvShrink:
-    case Kind::kWmmaShrink:
     case Kind::kStreamShrink:
     case Kind::kTritonShrink: return d == Direction::kShrink;
     case Kind::kFusedExpand:
     case Kind::kStreamExpand:
     case Kind::kTritonExpand: return d == Direction::kExpand;
-    case Kind::kFusedCall:
-    case Kind::kFlagCall: return true;  // one launch for both: the table names it for each direction
     case Kind::kSm90: return fn(d, t) != nullptr;
   }
   return false;
@@ -247,7 +211,7 @@ static size_t sm90_scratch_bytes(int num_segments, int split_k, DType dtype) {
   for (KernelConfig const& k : kernel_configs())
     if (k.kind == Kind::kSm90) {
       auto fn = dtype == DType::kF16 ? k.scratch_f16 : k.scratch_bf16;
-      scratch = std::max(scratch, fn(k.shrink ? num_segments * split_k : num_segments));
+      scratch = std::max(scratch, fn(num_segments));  // the Hopper kernels are expands: one problem per segment
     }
   if (cache.size() > 4096) cache.clear();
   cache.emplace(key, scratch);
@@ -472,16 +436,6 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
     return "atmm: config index out of range: " + shape_of(a);
   const KernelConfig& cs = cfgs[a.shrink_config];
   const KernelConfig& ce = cfgs[a.expand_config];
-  auto one_launch = [](Kind k) { return k == Kind::kFusedCall || k == Kind::kFlagCall; };
-  const bool one_call = one_launch(cs.kind);
-  if (one_call != one_launch(ce.kind) || (one_call && a.shrink_config != a.expand_config))
-    return std::string("atmm: a one-launch call (") + (one_call ? cs.name : ce.name) +
-           ") runs both directions in one launch: name it for the shrink and the expand: " + shape_of(a);
-  if (cs.kind == Kind::kFusedCall && (a.split_k < 1 || a.split_k > 8))
-    return std::string("atmm: config ") + cs.name + " takes split_k (its cluster size) 1..8: " + shape_of(a);
-  const int both = kPhaseShrink | kPhaseExpand;
-  if (one_call && (phases & both) && (phases & both) != both)
-    return std::string("atmm: config ") + cs.name + " runs only as a whole call (shrink and expand together): " + shape_of(a);
   if (!cs.serves(Direction::kShrink, a.dtype)) return std::string("atmm: config ") + cs.name + " is not built for shrink: " + shape_of(a);
   if (!ce.serves(Direction::kExpand, a.dtype)) return std::string("atmm: config ") + ce.name + " is not built for expand: " + shape_of(a);
   if (a.split_k < 1) return "atmm: split_k must be >= 1: " + shape_of(a);
@@ -529,17 +483,6 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
   fa.ld_x = a.ld_x; fa.ld_y = a.ld_y;
 
   cudaError_t e = cudaSuccess;
-  if (one_call) {  // shrink and expand in one launch
-    // A fused call's cluster size is its d_in split (its own chunking); a flag call splits d_in like
-    // the stream shrink (64-column multiples), v itself when not split.
-    if (cs.kind == Kind::kFusedCall) fa.splits = a.split_k;
-    fa.v_ready = fa.splits == 1 ? 1 : 0;
-    fa.pdl = 0;
-    if ((phases & both) == both) e = (a.dtype == DType::kF16 ? cs.fused_f16 : cs.fused_bf16)(fa, stream);
-    if (e != cudaSuccess) return std::string("atmm: one-launch call ") + cs.name + "/" + std::to_string(a.split_k) + ": " +
-                                 cudaGetErrorString(e) + ": " + shape_of(a);
-    return "";
-  }
   // prep: the problem arrays of whichever direction runs on CUTLASS (and the reduce's ranks).
   const bool prep_launched = (phases & kPhasePrep) && (cutlass_shrink || cutlass_expand);
   // A Triton expand's slot scales come from the same kernel when it runs.

@@ -48,11 +48,11 @@ struct GroupedLaunch {
 using GroupedFn = cudaError_t (*)(GroupedLaunch const&, cudaStream_t);
 
 struct FusedArgs;
-// A hand-written kernel (fused.cu, stream_*.cu): gemv/stream shrink, fused/stream expand, or a fused call.
+// A hand-written or Triton kernel (fused.cu, stream_*.cu, triton.cu): gemv/stream/Triton shrink, fused/stream/Triton expand.
 using FusedFn = cudaError_t (*)(FusedArgs const&, cudaStream_t);
 
-enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2, kWmmaShrink = 3, kStreamShrink = 4, kStreamExpand = 5,
-                  kFusedCall = 6, kSm90 = 7, kFlagCall = 8, kTritonShrink = 9, kTritonExpand = 10 };
+enum class Kind : int { kCutlass = 0, kGemvShrink = 1, kFusedExpand = 2, kStreamShrink = 4, kStreamExpand = 5, kSm90 = 7,
+                        kTritonShrink = 9, kTritonExpand = 10 };
 // The workspace a Hopper (CUTLASS 3) kernel needs for `groups` problems, beyond the problem arrays.
 using ScratchFn = size_t (*)(int groups);
 

@@ -61,17 +61,10 @@ PYBIND11_MODULE(vlora_atmm_ext, m) {
       d["expand"] = c.serves(Direction::kExpand, DType::kBF16);
       d["kind"] = c.kind == Kind::kCutlass ? "cutlass"
                   : c.kind == Kind::kGemvShrink ? "gemv"
-                  : c.kind == Kind::kWmmaShrink ? "wmma"
                   : (c.kind == Kind::kStreamShrink || c.kind == Kind::kStreamExpand) ? "stream"
-                  : (c.kind == Kind::kFusedCall || c.kind == Kind::kFlagCall) ? "call"
                   : c.kind == Kind::kSm90 ? "cutlass3"
                   : (c.kind == Kind::kTritonShrink || c.kind == Kind::kTritonExpand) ? "triton" : "fused";
       d["max_rank"] = c.max_rank;
-      // The split_k values the tuner times a one-launch call with: a fused call's cluster sizes (it takes
-      // 1..8), a flag call's d_in splits (it takes 1..64; 32 never won on the H100). None for other kinds.
-      if (c.kind == Kind::kFusedCall) d["call_splits"] = py::make_tuple(1, 2, 4, 8);
-      else if (c.kind == Kind::kFlagCall) d["call_splits"] = py::make_tuple(1, 2, 4, 8, 16);
-      else d["call_splits"] = py::none();
       d["smem_bytes"] = c.smem;
       out.append(d);
     }
@@ -110,20 +103,34 @@ PYBIND11_MODULE(vlora_atmm_ext, m) {
         "pdl: the expand may be launched as a programmatic dependent of the shrink (Hopper).");
 
   m.def("merge_configs", &merge_config_names, "Compiled merge configurations, by index.");
-  m.def("merge_config_max_ranks", &merge_config_max_ranks, "Largest rank each merge configuration serves (0: any).");
+  m.def("merge_config_max_ranks", &merge_config_max_ranks, "Largest rank (of all terms together) each merge configuration serves, by index.");
   m.def("merge",
         [](uintptr_t w, uintptr_t lora_a, uintptr_t lora_b, int layers, int d_out, int d_in, int rank, float alpha,
-           std::string const& dtype, int config, uintptr_t stream) {
-          for (uintptr_t p : {w, lora_a, lora_b})
+           std::string const& dtype, int config, uintptr_t stream, int64_t stride_a, int64_t stride_b, int64_t ld_b,
+           int64_t stride_w, uintptr_t lora_a2, uintptr_t lora_b2, bool negate2) {
+          for (uintptr_t p : {w, lora_a, lora_b, lora_a2, lora_b2})
             if (p % 16) throw std::invalid_argument("merge: operand pointers must be 16-byte aligned");
           MergeArgs a{ptr<void>(w), ptr<const void>(lora_a), ptr<const void>(lora_b), layers, d_out, d_in, rank, alpha,
                       parse_dtype(dtype) == DType::kBF16, config};
+          // 0: the contiguous layout, A [L, rank, d_in] and B [L, d_out, rank].
+          a.ld_b = ld_b ? ld_b : rank;
+          a.stride_a = stride_a ? stride_a : int64_t(rank) * d_in;
+          a.stride_b = stride_b ? stride_b : int64_t(d_out) * a.ld_b;
+          a.stride_w = stride_w ? stride_w : int64_t(d_out) * d_in;
+          a.lora_a2 = ptr<const void>(lora_a2);
+          a.lora_b2 = ptr<const void>(lora_b2);
+          a.negate2 = negate2;
           std::string err = merge(a, reinterpret_cast<cudaStream_t>(stream));
           if (!err.empty()) throw std::runtime_error(err);
         },
         py::arg("w"), py::arg("lora_a"), py::arg("lora_b"), py::arg("layers"), py::arg("d_out"), py::arg("d_in"),
-        py::arg("rank"), py::arg("alpha"), py::arg("dtype"), py::arg("config"), py::arg("stream"),
-        "W[l] += alpha * B[l] @ A[l] for every l, in place (one batched GEMM, beta = 1).");
+        py::arg("rank"), py::arg("alpha"), py::arg("dtype"), py::arg("config"), py::arg("stream"), py::arg("stride_a") = 0,
+        py::arg("stride_b") = 0, py::arg("ld_b") = 0, py::arg("stride_w") = 0, py::arg("lora_a2") = 0, py::arg("lora_b2") = 0,
+        py::arg("negate2") = false,
+        "W[l] += alpha * (B[l] @ A[l] + s * B2[l] @ A2[l]) for every l, in place, one pass over W: matrix l of W at\n"
+        "w + l * stride_w ([d_out, d_in], rows d_in apart), of A at lora_a + l * stride_a ([rank, d_in], rows d_in\n"
+        "apart), of B at lora_b + l * stride_b ([d_out, rank], rows ld_b apart), strides in elements (0: contiguous). The second term (lora_a2, lora_b2: 0 for none) has the\n"
+        "same rank and strides; s = -1 with negate2, else +1.");
 
   py::class_<TilingTable>(m, "TilingTable")
       .def(py::init<>())

@@ -6,7 +6,6 @@
 #include <cub/block/block_scan.cuh>
 
 #include "atmm/fused.cuh"
-#include "atmm/merge.h"
 #include "atmm/stream.cuh"
 
 namespace atmm {
@@ -103,103 +102,8 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_shrink_kernel(FusedArgs a) 
   }
 }
 
-
 constexpr int kMaxK = 128;
 constexpr int kKP = kMaxK + 8;  // padded smem row (elements): 16-byte skew against bank conflicts
-
-// ------------------------------------------------------------------------------------------------
-// WMMA shrink: block (row tile over all segments' tiles, d_in chunk c).
-//   partial[c, rows, :rp] = x[rows, chunk] @ A[slot, :rp, chunk]^T, in sub-chunks of 128 columns.
-// 64-row tiles, 8 warps as 2 x 4, each warp 32 rows x 32 rank columns; ranks up to 128.
-// ------------------------------------------------------------------------------------------------
-constexpr int kWxBM = 64, kWxKS = 128, kWxThreads = 256;
-constexpr int kWxXP = kWxKS + 8;    // smem row stride of the staged x and A sub-chunks
-constexpr int kWxCP = kMaxK + 4;    // fp32 staging row stride
-
-template <typename T>
-__global__ void __launch_bounds__(kWxThreads, 2) wmma_shrink_kernel(FusedArgs a) {
-  using namespace nvcuda;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sx = reinterpret_cast<T*>(smem_raw);  // [kWxBM][kWxXP]
-  T* sa = sx + kWxBM * kWxXP;              // [kMaxK][kWxXP]
-  float* sc = reinterpret_cast<float*>(smem_raw);
-  detail::pdl_launch_dependents();
-  int seg, tile;
-  find_tile<kWxBM, kWxThreads>(a, blockIdx.x, seg, tile);
-  if (seg < 0) return;
-  const int c = blockIdx.y;
-  const int k0 = c * a.k_chunk;
-  const int kc = min(a.k_chunk, a.d_in - k0);
-  if (kc <= 0) return;
-  const int slot = a.seg_slot[seg];
-  const int rp = a.slots.rank_padded[slot];
-  const int N16 = (rp + 15) / 16 * 16;
-  const int row0 = a.seg_indptr[seg] + tile * kWxBM;
-  const int rows = min(kWxBM, a.seg_indptr[seg + 1] - row0);
-  const T* X = static_cast<const T*>(a.x) + int64_t(row0) * a.ld_x + k0;
-  const T* A = static_cast<const T*>(a.lora_a) + int64_t(slot) * a.r_max * a.d_in + k0;
-  const int warp = threadIdx.x / 32, wm = warp / 4, wn = warp % 4;
-  const bool active = wn * 32 < N16;  // warp-uniform: this warp's rank columns exist
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-  constexpr int kV = kWxKS / 8;  // 16-byte vectors per staged row
-  for (int ks = 0; ks < kc; ks += kWxKS) {
-    const int sub = min(kWxKS, kc - ks);
-    const int sub16 = (sub + 15) / 16 * 16;
-    if (ks > 0) __syncthreads();  // the previous sub-chunk's MMA is done with sx/sa
-#pragma unroll
-    for (int it = 0; it < kWxBM * kV / kWxThreads; ++it) {
-      int v = threadIdx.x + it * kWxThreads;
-      int r = v / kV, k = (v % kV) * 8;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (r < rows && k < sub) val = *reinterpret_cast<const uint4*>(X + int64_t(r) * a.ld_x + ks + k);
-      *reinterpret_cast<uint4*>(sx + r * kWxXP + k) = val;
-    }
-#pragma unroll
-    for (int it = 0; it < kMaxK * kV / kWxThreads; ++it) {
-      int v = threadIdx.x + it * kWxThreads;
-      int n = v / kV, k = (v % kV) * 8;
-      if (n < N16) {
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (n < rp && k < sub) val = *reinterpret_cast<const uint4*>(A + int64_t(n) * a.d_in + ks + k);
-        *reinterpret_cast<uint4*>(sa + n * kWxXP + k) = val;
-      }
-    }
-    __syncthreads();
-    if (active) {
-      for (int k = 0; k < sub16; k += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[2];
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], sx + (wm * 32 + i * 16) * kWxXP + k, kWxXP);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(fb[j], sa + (wn * 32 + j * 16) * kWxXP + k, kWxXP);
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-      }
-    }
-  }
-  __syncthreads();  // sx/sa are reused as the fp32 staging tile
-  if (active) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        wmma::store_matrix_sync(sc + (wm * 32 + i * 16) * kWxCP + wn * 32 + j * 16, acc[i][j], kWxCP, wmma::mem_row_major);
-  }
-  __syncthreads();
-  float* P = a.partial + (int64_t(c) * a.num_tokens + row0) * a.r_max;
-  const int n4 = rp / 4;
-  for (int v = threadIdx.x; v < rows * n4; v += kWxThreads) {
-    int r = v / n4, n = (v % n4) * 4;
-    *reinterpret_cast<float4*>(P + int64_t(r) * a.r_max + n) = *reinterpret_cast<const float4*>(sc + r * kWxCP + n);
-  }
-}
 
 // ------------------------------------------------------------------------------------------------
 // fused expand: block (column tile, row tile over all segments' tiles).
@@ -328,97 +232,6 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, MINB) fused_expand_ker
   }
 }
 
-
-// ------------------------------------------------------------------------------------------------
-// fused merge: block (column tile, row tile, layer). W[l][rows, cols] += alpha * B[l][rows, :r] @ A[l][:r, cols]
-// Same structure as the fused expand: prefetch the W tile, stage B rows and A columns, WMMA, update.
-// ------------------------------------------------------------------------------------------------
-template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
-__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 2) fused_merge_kernel(MergeArgs a) {
-  using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
-  using namespace nvcuda;
-  constexpr int kBP = BN + 8;  // row stride of the staged A tile [K][BN]
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sv = reinterpret_cast<T*>(smem_raw);  // [BM][kKP]: B[l] rows
-  T* sa = sv + BM * kKP;                   // [kMaxK][kBP]: A[l] columns
-  float* sc = reinterpret_cast<float*>(smem_raw);
-  const int l = blockIdx.z;
-  const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
-  const int rows = min(BM, a.d_out - row0);
-  const int K = a.rank, K16 = (K + 15) / 16 * 16;
-  T* W = static_cast<T*>(a.w) + int64_t(l) * a.d_out * a.d_in;
-  const T* Bl = static_cast<const T*>(a.lora_b) + int64_t(l) * a.d_out * a.rank;
-  const T* Al = static_cast<const T*>(a.lora_a) + int64_t(l) * a.rank * a.d_in;
-
-  uint4 wv[F::kYVec];
-#pragma unroll
-  for (int q = 0; q < F::kYVec; ++q) {
-    int v = threadIdx.x + q * F::kThreads;
-    int r = v / (BN / 8), cv = v % (BN / 8);
-    int col = col0 + cv * 8;
-    wv[q] = make_uint4(0, 0, 0, 0);
-    if (r < rows && col < a.d_in) wv[q] = *reinterpret_cast<const uint4*>(W + int64_t(row0 + r) * a.d_in + col);
-  }
-  const int kv8 = K16 / 8;
-#pragma unroll 4
-  for (int v = threadIdx.x; v < BM * kv8; v += F::kThreads) {
-    int r = v / kv8, k = (v % kv8) * 8;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (r < rows && k < K) val = *reinterpret_cast<const uint4*>(Bl + int64_t(row0 + r) * a.rank + k);
-    *reinterpret_cast<uint4*>(sv + r * kKP + k) = val;
-  }
-  const int nv8 = BN / 8;
-#pragma unroll 4
-  for (int v = threadIdx.x; v < K16 * nv8; v += F::kThreads) {
-    int k = v / nv8, c = (v % nv8) * 8;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (k < K && col0 + c < a.d_in) val = *reinterpret_cast<const uint4*>(Al + int64_t(k) * a.d_in + col0 + c);
-    *reinterpret_cast<uint4*>(sa + k * kBP + c) = val;
-  }
-  __syncthreads();
-  const int warp = threadIdx.x / 32;
-  const int wm = warp / WARPS_N, wn = warp % WARPS_N;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[F::kFragM][F::kFragN];
-#pragma unroll
-  for (int i = 0; i < F::kFragM; ++i)
-#pragma unroll
-    for (int j = 0; j < F::kFragN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-  for (int k = 0; k < K16; k += 16) {
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[F::kFragM];
-    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb[F::kFragN];
-#pragma unroll
-    for (int i = 0; i < F::kFragM; ++i) wmma::load_matrix_sync(fa[i], sv + (wm * F::kWarpM + i * 16) * kKP + k, kKP);
-#pragma unroll
-    for (int j = 0; j < F::kFragN; ++j) wmma::load_matrix_sync(fb[j], sa + k * kBP + wn * F::kWarpN + j * 16, kBP);
-#pragma unroll
-    for (int i = 0; i < F::kFragM; ++i)
-#pragma unroll
-      for (int j = 0; j < F::kFragN; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < F::kFragM; ++i)
-#pragma unroll
-    for (int j = 0; j < F::kFragN; ++j)
-      wmma::store_matrix_sync(sc + (wm * F::kWarpM + i * 16) * F::kCP + wn * F::kWarpN + j * 16, acc[i][j], F::kCP,
-                              wmma::mem_row_major);
-  __syncthreads();
-#pragma unroll
-  for (int q = 0; q < F::kYVec; ++q) {
-    int v = threadIdx.x + q * F::kThreads;
-    int r = v / (BN / 8), cv = v % (BN / 8);
-    int col = col0 + cv * 8;
-    if (r < rows && col < a.d_in) {
-      const T* we = reinterpret_cast<const T*>(&wv[q]);
-      alignas(16) T out[8];
-      const float* cp = sc + r * F::kCP + cv * 8;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) out[e] = from_f<T>(to_f(we[e]) + a.alpha * cp[e]);
-      *reinterpret_cast<uint4*>(W + int64_t(row0 + r) * a.d_in + col) = *reinterpret_cast<uint4*>(out);
-    }
-  }
-}
-
 }  // namespace
 
 template <typename T>
@@ -445,38 +258,6 @@ cudaError_t fused_expand(FusedArgs const& a, cudaStream_t stream) {
   return detail::launch_ex(kernel, grid, dim3(F::kThreads), F::kSmem, stream, a.pdl != 0, a);
 }
 
-template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
-cudaError_t fused_merge(MergeArgs const& a, cudaStream_t stream) {
-  using F = FusedExpand<T, BM, BN, WARPS_M, WARPS_N>;
-  if (a.rank > kMaxK || a.d_in % 8 || a.rank % 8) return cudaErrorInvalidValue;
-  constexpr size_t smem_ops = size_t(BM) * kKP * sizeof(T) + size_t(kMaxK) * (BN + 8) * sizeof(T);
-  constexpr size_t smem = smem_ops > F::kSmemAcc ? smem_ops : F::kSmemAcc;
-  cudaError_t e = detail::ensure_smem<fused_merge_kernel<T, BM, BN, WARPS_M, WARPS_N>>(smem);
-  if (e != cudaSuccess) return e;
-  dim3 grid((a.d_in + BN - 1) / BN, (a.d_out + BM - 1) / BM, a.layers);
-  fused_merge_kernel<T, BM, BN, WARPS_M, WARPS_N><<<grid, F::kThreads, smem, stream>>>(a);
-  return cudaGetLastError();
-}
-
-template <typename T>
-cudaError_t wmma_shrink(FusedArgs const& a, cudaStream_t stream) {
-  constexpr size_t ops = size_t(kWxBM + kMaxK) * kWxXP * sizeof(T), stage = size_t(kWxBM) * kWxCP * sizeof(float);
-  constexpr size_t smem = ops > stage ? ops : stage;
-  cudaError_t e = detail::ensure_smem<wmma_shrink_kernel<T>>(smem);
-  if (e != cudaSuccess) return e;
-  int64_t row_tiles = a.num_tokens / kWxBM + a.num_segments;
-  if (row_tiles > (int64_t(1) << 31) - 1 || a.splits > 65535) return cudaErrorInvalidConfiguration;
-  dim3 grid(unsigned(row_tiles), a.splits);
-  wmma_shrink_kernel<T><<<grid, kWxThreads, smem, stream>>>(a);
-  return cudaGetLastError();
-}
-
-cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream) {
-  if (variant == 0)
-    return a.bf16 ? fused_merge<__nv_bfloat16, 64, 128, 2, 4>(a, stream) : fused_merge<__half, 64, 128, 2, 4>(a, stream);
-  return a.bf16 ? fused_merge<__nv_bfloat16, 128, 128, 4, 2>(a, stream) : fused_merge<__half, 128, 128, 4, 2>(a, stream);
-}
-
 }  // namespace atmm
 
 // Instantiations named in tile_configs.def (ATMM_GEMV_SHRINK / ATMM_FUSED_EXPAND lines).
@@ -484,11 +265,6 @@ cudaError_t merge_fused(MergeArgs const& a, int variant, cudaStream_t stream) {
   namespace atmm {                                                                                      \
   cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) { return gemv_shrink<__half>(a, s); } \
   cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) { return gemv_shrink<__nv_bfloat16>(a, s); } \
-  }
-#define ATMM_WMMA_SHRINK(NAME)                                                                          \
-  namespace atmm {                                                                                      \
-  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) { return wmma_shrink<__half>(a, s); } \
-  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) { return wmma_shrink<__nv_bfloat16>(a, s); } \
   }
 #define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB)                                                          \
   namespace atmm {                                                                                      \

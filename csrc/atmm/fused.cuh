@@ -52,8 +52,6 @@ cudaError_t launch_zero_partial(FusedArgs const& a, bool scales, cudaStream_t st
 
 template <typename T>
 cudaError_t gemv_shrink(FusedArgs const& a, cudaStream_t stream);
-template <typename T>
-cudaError_t wmma_shrink(FusedArgs const& a, cudaStream_t stream);
 template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
 cudaError_t fused_expand(FusedArgs const& a, cudaStream_t stream);
 

@@ -1,9 +1,9 @@
 // Hopper path: CUTLASS 3.x pointer-array grouped GEMMs (TMA loads, wgmma, warp-specialized persistent
 // kernels whose epilogue loads its source by TMA while the main loop runs), one instantiation per
-// (config, dtype) from the ATMM_SM90_EXPAND / ATMM_SM90_SHRINK lines of tile_configs.def.
+// (config, dtype) from the ATMM_SM90_EXPAND lines of tile_configs.def (the shrinks, h9s_*, were deleted:
+// no table picked them; csrc/atmm/NOTES.md).
 //
 //   expand: y[seg] = scale[slot] * v[seg] @ lora_B[slot]^T + y[seg]    (in place: C = D = y rows)
-//   shrink: partial[k][seg] = x[seg, chunk k] @ lora_A[slot][:, chunk k]^T   (fp32, summed later)
 //
 // They read the same problem arrays the prep kernel writes for the SM80 CUTLASS kernels (sizes,
 // pointers, leading dimensions, per-group alpha pointers): a CUTLASS 3 row-major stride holds just its
@@ -132,15 +132,14 @@ struct Sm90Grouped {
 
 #define ATMM_SM90_SCHEDULE_ATMM_PINGPONG atmm::Sm90Pingpong
 #define ATMM_SM90_SCHEDULE_ATMM_COOPERATIVE atmm::Sm90Cooperative
-// Defines atmm_run_<name>_<dtype>_<expand|shrink> and atmm_sm90_ws_<name>_<dtype>.
+// Defines atmm_run_<name>_<dtype>_<DIR> and atmm_sm90_ws_<name>_<dtype>.
 #define ATMM_DEFINE_SM90_(NAME, DT, DIR, ELEMENT, ELEMENT_D, SOURCE, TBM, TBN, TBK, EM, EN, CM, SCHED)                   \
   namespace atmm {                                                                                                     \
   using Sm90_##NAME##_##DT = Sm90Grouped<ELEMENT, ELEMENT_D, SOURCE, TBM, TBN, TBK, EM, EN, CM, ATMM_SM90_SCHEDULE_##SCHED>; \
   cudaError_t atmm_run_##NAME##_##DT##_##DIR(GroupedLaunch const& L, cudaStream_t s) { return Sm90_##NAME##_##DT::run(L, s); } \
   size_t atmm_sm90_ws_##NAME##_##DT(int groups) { return Sm90_##NAME##_##DT::workspace_bytes(groups); }                \
   }
-// The expand updates y in place (source read); the shrink writes fp32 partials (no source).
+// The expand updates y in place (source read).
 #define ATMM_DEFINE_SM90_EXPAND(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, CM, SCHED) \
   ATMM_DEFINE_SM90_(NAME, DT, expand, ELEMENT, ELEMENT, true, TBM, TBN, TBK, EM, EN, CM, SCHED)
-#define ATMM_DEFINE_SM90_SHRINK(NAME, DT, ELEMENT, TBM, TBN, TBK, EM, EN, CM, SCHED) \
-  ATMM_DEFINE_SM90_(NAME, DT, shrink, ELEMENT, float, false, TBM, TBN, TBK, EM, EN, CM, SCHED)
+

@@ -258,7 +258,7 @@ struct ShrinkTile {
 
 // One shrink unit of a call: d_in chunk c of row tile `tile` of segment `seg`, through Tile's main loop
 // (smem: its stage buffers). Writes v in the activation dtype when d_in is not split (the reference
-// rounds v too), else chunk c's fp32 partial. Shared by the stream shrink and the flag call.
+// rounds v too), else chunk c's fp32 partial.
 template <typename Tile, typename T>
 __device__ __forceinline__ void shrink_unit(FusedArgs const& a, T* smem, int seg, int tile, int c) {
   const int k0 = c * a.k_chunk;
@@ -326,9 +326,15 @@ struct UpdateTile {
   int64_t ld_y;
   int rows, rp, n_total;
   float alpha;
+  // The merge only (TRANS_B): a second term whose V rows and Bop rows follow the first's rank k2 (V columns
+  // and Bop rows k >= k2 come from v2 and b2, with the same leading dimensions), negated when neg2.
+  const T* v2;
+  const T* b2;
+  int k2;
+  bool neg2;
 };
 
-// The update's pieces, shared by the stream expand, the merge and the fused call. Shared memory:
+// The update's pieces, shared by the stream expand and the merge. Shared memory:
 // STAGES stage buffers (Bop chunk, then y chunk) at `smem`, then the V tile (sv = v_tile(smem)).
 template <typename T, int BM, int BN, int WM, int WN, int KMAX, int STAGES, bool TRANS_B>
 struct UpdateOps {
@@ -369,7 +375,8 @@ struct UpdateOps {
         const int k = v / (BN / 8), cv = (v % (BN / 8)) * 8;
         if (k < K16) {
           const bool p = k < t.rp && n0 + cv < t.n_total;
-          cp_async16(sb + k * C::kBP + cv, p ? t.b + int64_t(k) * t.ld_b + n0 + cv : t.b, p);
+          const T* src = k < t.k2 ? t.b + int64_t(k) * t.ld_b : t.b2 + int64_t(k - t.k2) * t.ld_b;
+          cp_async16(sb + k * C::kBP + cv, p ? src + n0 + cv : t.b, p);
         }
       }
     }
@@ -385,7 +392,7 @@ struct UpdateOps {
   }
 
   // V tile -> shared memory (zero past the rows and the rank), summing split-K partials if given.
-  // Loads go to L2 (ld.cg): in a flag call v and the partials were written by other SMs of the same grid.
+  // Loads go to L2 (ld.cg): v and the partials were written by the previous kernel (the shrink).
   static __device__ __forceinline__ void load_v(T* smem, UpdateTile<T> const& t) {
     T* sv = v_tile(smem);
     const int K16 = (t.rp + 15) & ~15;
@@ -413,6 +420,15 @@ struct UpdateOps {
           PT* o = reinterpret_cast<PT*>(&out);
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[e] = Pair<T>::from_f2(s[2 * e], s[2 * e + 1]);
+        } else if constexpr (TRANS_B) {  // the merge: V columns past k2 are the second term's, maybe negated
+          if (kv < t.k2) {
+            out = __ldcg(reinterpret_cast<const uint4*>(t.v + int64_t(r) * t.ld_v + kv));
+          } else {
+            out = __ldcg(reinterpret_cast<const uint4*>(t.v2 + int64_t(r) * t.ld_v + kv - t.k2));
+            if (t.neg2) {  // flip the sign bit of all eight fp16/bf16 values: exact
+              out.x ^= 0x80008000u; out.y ^= 0x80008000u; out.z ^= 0x80008000u; out.w ^= 0x80008000u;
+            }
+          }
         } else {
           out = __ldcg(reinterpret_cast<const uint4*>(t.v + int64_t(r) * t.ld_v + kv));
         }
@@ -526,8 +542,7 @@ __device__ __forceinline__ bool column_range(int n_total, int& c_begin, int& c_e
 }
 
 // The expand's update tile for row tile `tile` (BM rows) of segment `seg`: v of its rows (or the split-K
-// partials, summed as they load), lora_B and scale of its adapter, its rows of y. Shared by the stream
-// expand and the flag call.
+// partials, summed as they load), lora_B and scale of its adapter, its rows of y.
 template <typename T, int BM>
 __device__ __forceinline__ UpdateTile<T> expand_tile(FusedArgs const& a, int seg, int tile) {
   const int slot = a.seg_slot[seg];
@@ -566,20 +581,26 @@ __global__ void __launch_bounds__(32 * WM * WN) stream_merge_kernel(MergeArgs a)
   const int row0 = (blockIdx.x % tiles_per_layer) * BM;
   int c_begin, c_end;
   if (l >= a.layers || !column_range<BN>(a.d_in, c_begin, c_end)) return;
+  // V = lora_B[l] rows (ld_b apart), Bop = lora_A[l] [rank, d_in], Y = W[l]; matrix l of each is stride_* further on.
+  const bool two = a.lora_a2 != nullptr;
   UpdateTile<T> t;
-  t.v = static_cast<const T*>(a.lora_b) + (int64_t(l) * a.d_out + row0) * a.rank;
+  t.v = static_cast<const T*>(a.lora_b) + int64_t(l) * a.stride_b + int64_t(row0) * a.ld_b;
   t.partial = nullptr;
   t.split_stride = 0;
   t.splits = 0;
-  t.ld_v = a.rank;
-  t.b = static_cast<const T*>(a.lora_a) + int64_t(l) * a.rank * a.d_in;
+  t.ld_v = a.ld_b;
+  t.b = static_cast<const T*>(a.lora_a) + int64_t(l) * a.stride_a;
   t.ld_b = a.d_in;
-  t.y = static_cast<T*>(a.w) + (int64_t(l) * a.d_out + row0) * a.d_in;
+  t.y = static_cast<T*>(a.w) + int64_t(l) * a.stride_w + int64_t(row0) * a.d_in;
   t.ld_y = a.d_in;
   t.rows = min(BM, a.d_out - row0);
-  t.rp = a.rank;
+  t.rp = two ? 2 * a.rank : a.rank;
   t.n_total = a.d_in;
   t.alpha = a.alpha;
+  t.v2 = two ? static_cast<const T*>(a.lora_b2) + int64_t(l) * a.stride_b + int64_t(row0) * a.ld_b : t.v;
+  t.b2 = two ? static_cast<const T*>(a.lora_a2) + int64_t(l) * a.stride_a : t.b;
+  t.k2 = two ? a.rank : t.rp;
+  t.neg2 = a.negate2;
   stream_update_tile<T, BM, BN, WM, WN, KMAX, STAGES, true>(t, c_begin, c_end, false);
 }
 
@@ -667,7 +688,8 @@ cudaError_t stream_expand(FusedArgs const& a, cudaStream_t stream) {
 template <typename T, int BM, int BN, int WM, int WN, int KMAX, int STAGES>
 cudaError_t stream_merge(MergeArgs const& a, cudaStream_t stream) {
   using C = UpdateCfg<T, BM, BN, WM, WN, KMAX, STAGES, true>;
-  if (a.rank > KMAX || a.rank % 8 || a.d_in % 8) return cudaErrorInvalidValue;
+  if (a.total_rank() > KMAX || a.rank % 8 || a.d_in % 8 || a.ld_b % 8 || a.stride_a % 8 || a.stride_b % 8 || a.stride_w % 8)
+    return cudaErrorInvalidValue;
   constexpr auto kernel = stream_merge_kernel<T, BM, BN, WM, WN, KMAX, STAGES>;
   cudaError_t e = ensure_smem<kernel>(C::kSmem);
   if (e != cudaSuccess) return e;
@@ -681,17 +703,3 @@ cudaError_t stream_merge(MergeArgs const& a, cudaStream_t stream) {
 
 }  // namespace detail
 }  // namespace atmm
-
-// The entry points of a one-launch call config NAME (fused or flag call): the registry's f16/bf16
-// functions and its shared memory per block. LAUNCH and CFG are templates of detail taking the element
-// type, then the config's parameters (__VA_ARGS__).
-#define ATMM_ONE_LAUNCH_ENTRIES(NAME, LAUNCH, CFG, ...)                                               \
-  namespace atmm {                                                                                     \
-  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                            \
-    return detail::LAUNCH<__half, __VA_ARGS__>(a, s);                                                  \
-  }                                                                                                    \
-  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                           \
-    return detail::LAUNCH<__nv_bfloat16, __VA_ARGS__>(a, s);                                           \
-  }                                                                                                    \
-  size_t atmm_fused_##NAME##_smem() { return detail::CFG<__nv_bfloat16, __VA_ARGS__>::kSmem; }         \
-  }

@@ -53,9 +53,6 @@ void TilingTable::add(ShapeKey key, std::string const& config, int split_k) {
   if (split_k < 1 || split_k > 64 || (key.direction == Direction::kExpand && split_k != 1))
     throw std::invalid_argument("tiling table entry " + describe(key) + " has split_k=" + std::to_string(split_k) +
                                 " (shrink: 1..64, expand: 1)");
-  if (kernel_configs()[idx].kind == Kind::kFusedCall && split_k > 8)
-    throw std::invalid_argument("tiling table entry " + describe(key) + " names fused call '" + config + "' with split_k=" +
-                                std::to_string(split_k) + " (its cluster size: 1..8)");
   if (key.width <= 0 || key.rank <= 0 || key.tokens <= 0)
     throw std::invalid_argument("tiling table entry " + describe(key) + " has a non-positive field");
   Key128 k = pack_key(key);

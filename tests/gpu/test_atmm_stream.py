@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, family_grid, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
+from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, family_grid, make, ranks_for  # same oracle and tolerances
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ STREAM_EXPAND = [c for c in ext.configs() if c["kind"] == "stream" and c["expand
 
 
 def test_there_are_stream_configs():
-    assert len(STREAM_SHRINK) >= 4 and len(STREAM_EXPAND) >= 4
+    assert len(STREAM_SHRINK) >= 2 and len(STREAM_EXPAND) >= 4
 
 
 @family_grid
@@ -32,16 +32,16 @@ def test_every_stream_config(kernels, dtype, pattern, T):
 @pytest.mark.parametrize("T", [8192, 4097])
 @pytest.mark.parametrize("split", [1, 2])
 def test_large_prefill(kernels, d, T, split):
-    check(kernels, T, d, d, torch.bfloat16, "1x7", seed=T + d, shrink=("xs_m128_r128_w2x2", split), expand="ye_m64n128_r128_w1x8")
-    check(kernels, T, d, d, torch.float16, "one_long", seed=T, shrink=("xs_m64_r128_w2x2", split), expand="ye_m128n64_r128_w2x4")
+    check(kernels, T, d, d, torch.bfloat16, "1x7", seed=T + d, shrink=("xs_m16_r128_w1x4", split), expand="ye_m64n64_r128_w2x4")
+    check(kernels, T, d, d, torch.float16, "one_long", seed=T, shrink=("xs_m16_r128_w1x4", split), expand="ye_m128n64_r128_w2x4")
 
 
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("pair", [("xs_m16_r128_w1x4", "ye_m16n128_r128_w1x4"),   # v handed over directly
-                                  ("t64x64_k64_s5", "ye_m64n128_r128_w1x8"),  # CUTLASS partials summed by the expand
+                                  ("t64x64_k64_s5", "ye_m64n64_r128_w2x4"),  # CUTLASS partials summed by the expand
                                   ("gemv_shrink", "ye_m16n128_r64_w1x4"),
-                                  ("xs_m64_r128_w2x2", "t128x128_k32_s4"),    # v direct: the reduce is skipped
-                                  ("xs_m64_r128_w2x2", "fx_m64n128"),         # the fused expand reads v
+                                  ("xs_m16_r128_w1x4", "t128x128_k32_s4"),    # v direct: the reduce is skipped
+                                  ("xs_m16_r128_w1x4", "fx1_m64n128"),         # the fused expand reads v
                                   ("xs_m16_r64_w1x4", "fx_m16n256")])
 @pytest.mark.parametrize("split", [1, 4])
 def test_mixed_pairs(kernels, pdl, pair, split):
@@ -53,7 +53,7 @@ def test_mixed_pairs(kernels, pdl, pair, split):
 
 
 def test_mlp_widths_and_deep_split(kernels):
-    check(kernels, 500, 11008, 4096, torch.bfloat16, "many_short", seed=5, shrink=("xs_m64_r128_w2x2", 40), expand="ye_m32n128_r128_w1x8")
+    check(kernels, 500, 11008, 4096, torch.bfloat16, "many_short", seed=5, shrink=("xs_m16_r128_w1x4", 40), expand="ye_m32n128_r128_w1x8")
     check(kernels, 500, 4096, 11008, torch.float16, "empty", seed=6, shrink=("xs_m16_r128_w1x4", 1), expand="ye_m128n64_r128_w2x4")
     check(kernels, 64, 4104, 1000, torch.bfloat16, "many_short", seed=7, shrink=("xs_m16_r64_w1x4", 7), expand="ye_m16n128_r64_w1x4",
           ranks=(8, 16, 32, 64, 24, 0))
@@ -67,7 +67,7 @@ def test_rank_limit_is_refused_with_the_config_named(kernels):
         kernels.run(y0.clone(), x, a, b, RANKS, SCALES, mapping, shrink=("xs_m16_r128_w1x4", 1), expand="ye_m64n128_r64_w1x8")
 
 
-@pytest.mark.parametrize("pair", [("xs_m16_r128_w1x4", "ye_m16n128_r128_w1x4"), ("xs_m64_r128_w2x2", "ye_m64n128_r128_w1x8")])
+@pytest.mark.parametrize("pair", [("xs_m16_r128_w1x4", "ye_m16n128_r128_w1x4"), ("xs_m16_r128_w1x4", "ye_m64n64_r128_w2x4")])
 def test_graph_replay_with_dependent_launch(kernels, pair):
     """The expand's programmatic dependency on the shrink survives capture: replays stay exact."""
     check_graph_replay(kernels, shrink=(pair[0], 1), expand=pair[1])

@@ -41,7 +41,7 @@ def test_large_prefill(kernels, d, T, split):
     check(kernels, T, d, d, torch.bfloat16, "1x7", seed=T + d, shrink=("tr_s_m64k128_r128_w4s4", split),
           expand="tr_e_m64n128_r128_c1024_w4s2")
     check(kernels, T, d, d, torch.float16, "one_long", seed=T, shrink=("tr_s_m64k64_r128_w4s5", split),
-          expand="tr_e_m64n128_r128_c1024_w8s2")
+          expand="tr_e_m64n128_r128_c1024_w4s2")
     check(kernels, T, d, d, torch.bfloat16, "3x3", seed=T + 1, shrink=("tr_s_m64k128_r128_w4s4", split),
           expand="tr_c_m64n256_r128_w8s3_g1")
     check(kernels, T, d, d, torch.float16, "no_adapter", seed=T + 2, shrink=("tr_s_m64k64_r128_w4s5", split),
@@ -49,15 +49,15 @@ def test_large_prefill(kernels, d, T, split):
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-@pytest.mark.parametrize("pair", [("tr_s_m64k128_r128_w4s4", "ye_m64n128_r128_w1x8"),    # Triton v, stream expand (PDL)
+@pytest.mark.parametrize("pair", [("tr_s_m64k128_r128_w4s4", "ye_m64n64_r128_w2x4"),    # Triton v, stream expand (PDL)
                                   ("tr_s_m64k128_r128_w4s4", "t128x128_k32_s4"),         # Triton v, CUTLASS expand
-                                  ("tr_s_m32k128_r128_w4s4", "fx_m64n128"),              # the fused expand reads v
+                                  ("tr_s_m32k128_r128_w4s4", "fx1_m64n128"),              # the fused expand reads v
                                   ("t64x64_k64_s5", "tr_e_m64n128_r128_c1024_w4s2"),     # CUTLASS partials summed
-                                  ("xs_m64_r128_w2x2", "tr_e_m64n128_r128_c1024_w4s2"),  # stream v
+                                  ("xs_m16_r128_w1x4", "tr_e_m64n128_r128_c1024_w4s2"),  # stream v
                                   ("gemv_shrink", "tr_e_m64n128_r64_c1024_w4s3"),
                                   ("tr_s_m64k128_r128_w4s4", "tr_c_m64n128_r128_w8s4_g1"),  # Triton pair (PDL)
                                   ("t64x64_k64_s5", "tr_c_m64n128_r128_w4s3_g1"),         # column-stationary: partials
-                                  ("xs_m64_r128_w2x2", "tr_c_m32n128_r128_w4s3_g2"),      # stream v
+                                  ("xs_m16_r128_w1x4", "tr_c_m32n128_r128_w4s3_g2"),      # stream v
                                   ("gemv_shrink", "tr_c_m64n256_r64_w8s3_g1")])
 @pytest.mark.parametrize("split", [1, 4])
 def test_mixed_pairs(kernels, pdl, pair, split):
@@ -71,9 +71,9 @@ def test_mixed_pairs(kernels, pdl, pair, split):
 def test_uneven_widths_and_deep_split(kernels):
     """Widths that are multiples of 8 only, and more d_in chunks than the table ever picks."""
     check(kernels, 500, 11008, 4096, torch.bfloat16, "many_short", seed=5, shrink=("tr_s_m64k128_r128_w4s4", 40),
-          expand="tr_e_m64n128_r128_c1024_w8s2")
+          expand="tr_e_m64n128_r128_c1024_w4s2")
     check(kernels, 500, 4096, 11008, torch.float16, "empty", seed=6, shrink=("tr_s_m64k64_r128_w4s5", 1),
-          expand="tr_e_m64n128_r128_c1024_w8s2")
+          expand="tr_e_m64n128_r128_c1024_w4s2")
     check(kernels, 64, 4104, 1000, torch.bfloat16, "many_short", seed=7, shrink=("tr_s_m64k128_r64_w4s4", 7),
           expand="tr_e_m64n128_r64_c1024_w4s3", ranks=(8, 16, 32, 64, 24, 0))
 
@@ -112,17 +112,17 @@ def test_rank_limit_is_refused_with_the_config_named(kernels):
 
 @pytest.mark.parametrize("shrink, expand", [(("tr_s_m64k128_r128_w4s4", 1), "tr_e_m64n128_r128_c1024_w4s2"),
                                             (("tr_s_m64k128_r128_w4s4", 1), "tr_c_m64n128_r128_w8s4_g1"),
-                                            (("tr_s_m64k128_r128_w4s4", 1), "ye_m64n128_r128_w1x8"),
+                                            (("tr_s_m64k128_r128_w4s4", 1), "ye_m64n64_r128_w2x4"),
                                             (("tr_s_m64k128_r128_w4s4", 4), "tr_c_m64n128_r128_w8s4_g1"),
-                                            (("tr_s_m64k64_r128_w4s8", 3), "ye_m64n128_r128_w1x8")])
+                                            (("tr_s_m64k64_r128_w4s8", 3), "ye_m64n64_r128_w2x4")])
 def test_graph_replay(kernels, shrink, expand):
     """Loaded modules, the slot-scale kernel and the zeroing kernel of a split shrink survive capture: replays stay
     exact (a partial not zeroed again by every replay would add up)."""
     check_graph_replay(kernels, shrink=shrink, expand=expand)
 
 
-@pytest.mark.parametrize("expand", ["tr_c_m64n128_r128_w8s4_g1", "tr_e_m64n128_r128_c1024_w4s2", "ye_m64n128_r128_w1x8",
-                                    "t128x128_k32_s4", "fx_m64n128"])
+@pytest.mark.parametrize("expand", ["tr_c_m64n128_r128_w8s4_g1", "tr_e_m64n128_r128_c1024_w4s2", "ye_m64n64_r128_w2x4",
+                                    "t128x128_k32_s4", "fx1_m64n128"])
 def test_split_shrink_phases_one_by_one(kernels, expand):
     """A split Triton shrink zeroes its one partial in its own phase and adds into it: run as prep, shrink and
     expand calls of their own (as the tuner times them), twice on one workspace, the result stays exact."""

@@ -25,7 +25,7 @@ def test_every_triton_line_is_one_job_with_its_fields():
     lines = [s for s in DEF.read_text().splitlines() if re.match(r"^ATMM_TRITON_\w+\(", s)]
     assert len(jobs) == len(lines) and len(lines) >= 8
     assert jobs["tr_s_m64k128_r128_w4s4"] == ("SHRINK", [64, 128, 128], 4, 4)
-    assert jobs["tr_e_m64n128_r128_c1024_w8s2"] == ("EXPAND", [64, 128, 128, 1024], 8, 2)
+    assert jobs["tr_e_m64n128_r128_c1024_w4s2"] == ("EXPAND", [64, 128, 128, 1024], 4, 2)
     # the column-stationary expand: (tb_m, tb_n, max_rank), warps, stages; its trailing `waves` is the launcher's
     assert jobs["tr_c_m64n256_r128_w8s3_g1"] == ("EXPAND_COLS", [64, 256, 128], 8, 3)
     for name, (_, _, warps, stages) in jobs.items():  # the names say their warps and stages

@@ -91,48 +91,29 @@ def test_forced_configurations_still_raise(forced):
     assert torch.equal(y, before)
 
 
-class _CallExt(_RefusingExt):
-    """An extension whose table answers with a fused call (kind "call") for one direction."""
+class _TableExt(_RefusingExt):
+    """An extension whose loaded table answers with its own config per direction."""
 
-    def __init__(self, shrink_hit: str, expand_hit: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        hits = {"shrink": shrink_hit, "expand": expand_hit}
 
         class Table(_Table):
             def lookup(self, direction, dtype, tokens, width, rank, segments) -> dict:
-                config = hits[direction] if self.loaded else ("default_" + direction)
-                return {"config": config, "split_k": 4 if config == "fc" else 1, "exact": self.loaded,
-                        "default": not self.loaded, "matched": config}
+                config = direction + "_cfg"
+                return {"config": config, "split_k": 4 if direction == "shrink" else 1, "exact": True,
+                        "default": False, "matched": config}
 
-        self.made = 0
-        ext = self
-
-        def table():  # the first table is the kernels' own (the loaded one); later ones are fresh
-            t = Table()
-            t.loaded = ext.made == 0
-            ext.made += 1
-            return t
-
-        self.TilingTable = table
+        self.TilingTable = Table
 
     @staticmethod
     def configs() -> list[dict]:
-        return [{"name": n, "kind": k} for n, k in (("shrink_cfg", "stream"), ("expand_cfg", "stream"), ("fc", "call"),
-                                                  ("default_shrink", "stream"), ("default_expand", "stream"))]
+        return [{"name": n, "kind": "stream"} for n in ("shrink_cfg", "expand_cfg")]
 
 
-@pytest.mark.parametrize("hits, plan", [
-    (("fc", "fc"), ("fc", 4, "fc")),                        # the table names the fused call for both
-    (("fc", "expand_cfg"), ("fc", 4, "fc")),                # shrink's key is a fused call: it runs the call
-    (("shrink_cfg", "fc"), ("shrink_cfg", 1, "default_expand")),  # expand's alone: the default rule's expand
-    (("shrink_cfg", "expand_cfg"), ("shrink_cfg", 1, "expand_cfg")),
-])
-def test_plan_keeps_a_fused_call_whole(hits, plan):
-    """A fused call (one launch for shrink and expand) is never paired with another kernel, even when
-    the nearest keys of the two directions disagree."""
-    ext = _CallExt(*hits)
-    kernels = AtmmKernels(ext=ext, load_table=False)
+def test_plan_takes_each_direction_from_the_table():
+    """The shrink (with its split) and the expand of a call come from the table's entry of each direction."""
+    kernels = AtmmKernels(ext=_TableExt(), load_table=False)
     _, _, _, _, ranks, _, mapping = _case()
     shrink_idx, split_k, expand_idx, _, _ = kernels._plan("bf16", 12, 32, 24, 8, ranks, mapping, None, None)
     names = kernels.config_names
-    assert (names[shrink_idx], split_k, names[expand_idx]) == plan
+    assert (names[shrink_idx], split_k, names[expand_idx]) == ("shrink_cfg", 4, "expand_cfg")

@@ -79,10 +79,11 @@ def test_the_swift_switch_skips_groups_the_adapters_do_not_target(engine, monkey
         loras.release(slot)
 
 
-def test_qkv_and_o_of_one_width_merge_in_one_call(monkeypatch):
-    """Without GQA the runner keeps the q/k/v and o stacks in one buffer: one merge covers all four projections
-    of every layer (the synthetic runner of benchmarks/switch_probe.py, built the same way, in fp64 here);
-    an adapter that targets q/k/v only merges them alone."""
+def test_each_group_merges_in_one_call_from_the_slot_stacks(monkeypatch):
+    """One merge call per weight group (q/k/v: 3L matrices, o: L) covers every layer and module, a swap included
+    (the new adapter in and the old one out as two terms of one call), with A and B read in place: the operands
+    are views of the slot stacks, not copies (the synthetic runner of benchmarks/switch_probe.py, in fp64 here);
+    an adapter that targets q/k/v only leaves o alone."""
     import importlib.util
     from pathlib import Path
 
@@ -102,14 +103,25 @@ def test_qkv_and_o_of_one_width_merge_in_one_call(monkeypatch):
         if key[1] != "o_proj":
             w.set_slot(4, torch.randn(r, d, generator=gen, dtype=torch.float64), torch.randn(d, r, generator=gen, dtype=torch.float64), 1.0)
     calls = []
-    merge = switcher.merge_lora
-    monkeypatch.setattr(switcher, "merge_lora", lambda w, a, b, *x: calls.append(w.shape[0]) or merge(w, a, b, *x))
+    slot_storages = {g.slots.a.untyped_storage().data_ptr() for g in runner.groups.values()} | \
+        {g.slots.b.untyped_storage().data_ptr() for g in runner.groups.values()}
+
+    def spy(w, terms, *x):
+        assert all(a.untyped_storage().data_ptr() in slot_storages and b.untyped_storage().data_ptr() in slot_storages
+                   for a, b, _ in terms), "the switcher copied A or B"
+        calls.append((w.shape[0], len(terms)))
+        return merge(w, terms, *x)
+
+    merge = switcher.merge_lora_terms
+    monkeypatch.setattr(switcher, "merge_lora_terms", spy)
     sw = SwiftSwitcher(runner)
-    assert [len(u) for u in sw.units] == [2]
+    assert [g.matrices for g in sw.groups] == [3 * L, L]
     w0 = {k: w.base.weight.clone() for k, w in runner.lora_layers.items()}
-    # merge, fused swap, unmerge: one call over 4L matrices; q/k/v only: 3L; from q/k/v-only to all four, the
-    # o stack takes the new adapter alone: two calls
-    for target, want_calls in ((1, [4 * L]), (3, [4 * L]), (None, [4 * L]), (4, [3 * L]), (1, [3 * L, L]), (None, [4 * L])):
+    # merge, swap (two terms), unmerge: one call per group; q/k/v only: the q/k/v group alone; from q/k/v-only
+    # to all four, the o stack takes the new adapter alone
+    both, one = [(3 * L, 2), (L, 2)], [(3 * L, 1), (L, 1)]
+    for target, want_calls in ((1, one), (3, both), (None, one), (4, [(3 * L, 1)]), (1, [(3 * L, 2), (L, 1)]),
+                               (None, one)):
         calls.clear()
         sw.switch(target)
         for key, w in runner.lora_layers.items():
@@ -120,7 +132,7 @@ def test_qkv_and_o_of_one_width_merge_in_one_call(monkeypatch):
 
 def test_the_runner_keeps_square_attention_stacks_in_one_buffer():
     """A model without GQA: the q/k/v and o stacks are one buffer (each layer's weights copied in unchanged),
-    and the swift switcher merges q/k/v/o as one unit, exactly."""
+    and the swift switcher merges each group exactly."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     from vlora.config import LORA_TARGETS
@@ -141,7 +153,7 @@ def test_the_runner_keeps_square_attention_stacks_in_one_buffer():
     for (i, m), w in before.items():
         assert torch.equal(runner.lora_layers[(i, m)].base.weight, w)
     sw = SwiftSwitcher(runner)
-    assert [[g.stack.shape[1] for g in u] for u in sw.units] == [[3 * 128, 128], [512], [128]]
+    assert [g.stack.shape[1] for g in sw.groups] == [3 * 128, 128, 512, 128]
     gen = torch.Generator().manual_seed(1)
     for w in runner.lora_layers.values():
         w.set_slot(2, torch.randn(8, w.in_features, generator=gen) * 0.1, torch.randn(w.out_features, 8, generator=gen) * 0.1, 2.0)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 
 from vlora.atmm.dispatch import AtmmKernels, default_kernels, set_default_kernels
-from vlora.atmm.merge import merge_lora, merge_lora_reference
+from vlora.atmm.merge import merge_lora, merge_lora_reference, merge_lora_terms
 from vlora.atmm.reference import atmm_reference
 from vlora.atmm.mapping import LoraBatchMapping
 
 __all__ = ["atmm", "atmm_reference", "AtmmKernels", "default_kernels", "set_default_kernels", "merge_lora",
-           "merge_lora_reference"]
+           "merge_lora_reference", "merge_lora_terms"]
 
 
 def atmm(

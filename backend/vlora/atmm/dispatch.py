@@ -262,11 +262,7 @@ class AtmmKernels:
         if plan is None:
             hit = self.lookup("shrink", dtype, T, d_in, r_max, T)
             shrink = (hit["config"], hit["split_k"])
-            expand = shrink[0] if self._kinds.get(shrink[0]) == "call" else None
-            if expand is None:
-                expand = self.lookup("expand", dtype, T, d_out, r_max, T)["config"]
-                if self._kinds.get(expand) == "call":
-                    expand = self.ext.TilingTable().lookup("expand", dtype, T, d_out, r_max, T)["config"]
+            expand = self.lookup("expand", dtype, T, d_out, r_max, T)["config"]
             split_k = int(shrink[1])
             need = self.ext.workspace_size(T, split_k, T, r_max, dtype)
             workspace = torch.empty(max(need, 256), dtype=torch.uint8, device=y.device)
@@ -303,15 +299,8 @@ class AtmmKernels:
         if shrink is None:
             hit = self.lookup("shrink", dtype, T, d_in, rank, S)
             shrink = (hit["config"], hit["split_k"])
-            if expand is None and self._kinds.get(shrink[0]) == "call":
-                expand = shrink[0]  # a fused call runs both directions in one launch
         if expand is None:
             expand = self.lookup("expand", dtype, T, d_out, rank, S)["config"]
-            if self._kinds.get(expand) == "call" and expand != shrink[0]:
-                # The nearest expand key is a fused call but the shrink's is not (a table whose
-                # entries differ per direction, or a miss that fell to different neighbours): the
-                # default rule's expand pairs with any shrink.
-                expand = self.ext.TilingTable().lookup("expand", dtype, T, d_out, rank, S)["config"]
         split_k = int(shrink[1])
         need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
         return self._names.index(shrink[0]), split_k, self._names.index(expand), ranks_list, need

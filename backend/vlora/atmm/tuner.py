@@ -106,15 +106,6 @@ def time_option(kernels: AtmmKernels, p: Problem, shrink: tuple[str, int], expan
     return graph_time_us([call(s, phases) for s in p.sets])
 
 
-CLUSTERS = (1, 2, 4, 8)  # cluster sizes a fused call is timed with (its split_k in the table)
-
-
-def call_splits(c: dict, default=CLUSTERS) -> tuple[int, ...]:
-    """The split_k values a one-launch call (kind "call") is timed with: what the extension says it
-    takes (a fused call's cluster sizes, a flag call's d_in splits), else ``default``."""
-    return tuple(c.get("call_splits") or default)
-
-
 def pair_shrinks(shrink: dict, kinds: dict, n: int, within: float = 1.2) -> list:
     """The shrinks an expand is paired with: the ``n`` fastest alone, and the fastest of every other kind
     within ``within`` of the fastest. A whole call's time also depends on how the shrink hands v over (v
@@ -134,7 +125,7 @@ def pair_shrinks(shrink: dict, kinds: dict, n: int, within: float = 1.2) -> list
 
 
 def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], expand_cfgs: list[dict],
-                  splits=SPLITS, pair_candidates: int = 3, clusters=CLUSTERS) -> dict:
+                  splits=SPLITS, pair_candidates: int = 3) -> dict:
     """Every feasible option for one shape:
 
     - "shrink": {(cfg, split): us}, each shrink timed alone;
@@ -142,20 +133,13 @@ def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], exp
       (the ``pair_candidates`` fastest, and the fastest of each other kind close to them; on Hopper an
       expand launched as a programmatic dependent overlaps its prologue with
       the shrink, and with split-K partials the best pair is not always built on the fastest shrink);
-    - "call": {(cfg, split): us}, the one-launch calls (kind "call": shrink and expand in one launch),
-      each with every split it takes (``call_splits``: a fused call's cluster sizes, a flag call's d_in
-      splits; ``clusters`` for an extension that does not say);
-    - "pair": the fastest whole call, ((shrink cfg, split), expand cfg); for a one-launch call
-      ((cfg, split), cfg); "pair_us": its time, "shrink_us": its shrink alone (the whole call for a
-      one-launch call).
+    - "pair": the fastest whole call, ((shrink cfg, split), expand cfg); "pair_us": its time, "shrink_us":
+      its shrink alone.
 
-    Configs of kind "call" in ``shrink_cfgs`` are timed as whole calls, never as a shrink or an expand
-    alone. The gemv shrink is skipped for segments longer than 32 tokens (it re-reads lora_A per 4 rows)."""
+    The gemv shrink is skipped for segments longer than 32 tokens (it re-reads lora_A per 4 rows)."""
     longest = max(p.mapping.seg_indptr_host[i + 1] - p.mapping.seg_indptr_host[i] for i in range(p.mapping.num_segments))
     rank = -(-max(p.ranks) // 8) * 8
-    calls = [c for c in shrink_cfgs if c["kind"] == "call" and serves_rank(c, rank)]
-    shrink_cfgs = [c for c in shrink_cfgs if c["kind"] != "call"]
-    expand_cfgs = [c for c in expand_cfgs if c["kind"] != "call" and serves_rank(c, rank)]
+    expand_cfgs = [c for c in expand_cfgs if serves_rank(c, rank)]
     fused = [c for c in expand_cfgs if c["kind"] == "fused"]
     base_expand = (fused or expand_cfgs)[0]["name"]
     shrink = {}
@@ -179,22 +163,13 @@ def profile_shape(kernels: AtmmKernels, p: Problem, shrink_cfgs: list[dict], exp
                 expand[c["name"]] = min(t, expand.get(c["name"], t))
     if not expand:
         raise RuntimeError("atmm tuner: no expand configuration ran for this shape")
-    call: dict[tuple, float] = {}
-    for c in calls:
-        for cl in call_splits(c, clusters):
-            t = _timed_or_none(kernels, p, (c["name"], cl), c["name"], whole)
-            if t is not None:
-                call[(c["name"], cl)] = t
-                pairs[((c["name"], cl), c["name"])] = t
     pair = min(pairs, key=pairs.get)
-    shrink_us = call[pair[0]] if pair[0] in call else shrink[pair[0]]
-    return {"shrink": shrink, "expand": expand, "call": call, "pair": pair, "pair_us": pairs[pair], "shrink_us": shrink_us}
+    return {"shrink": shrink, "expand": expand, "pair": pair, "pair_us": pairs[pair], "shrink_us": shrink[pair[0]]}
 
 
 def table_entries(prof: dict, **shape) -> list[dict]:
     """The two table entries (shrink, expand) of one profiled shape (``shape``: dtype, tokens, width,
-    rank, segments). A one-launch call is named in both, its split (cluster size or d_in split) as the shrink's split_k; the
-    expand's time is the whole call's."""
+    rank, segments). The expand's time is the whole call's."""
     (sc, sk), ec = prof["pair"]
     return [dict(direction="shrink", **shape, config=sc, split_k=sk, time_us=round(prof["shrink_us"], 2)),
             dict(direction="expand", **shape, config=ec, split_k=1, time_us=round(prof["pair_us"], 2))]
@@ -236,9 +211,8 @@ def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], 
         res = profile_shape(kernels, p, shrink_cfgs, expand_cfgs)
         (sc, sk), ec = res["pair"]
         entries += table_entries(res, dtype=dtype, tokens=T, width=d, rank=r, segments=S)
-        what = (f"one-launch call {sc}/{sk}" if sc == ec else
-                f"shrink {sc}/{sk} {res['shrink_us']:.1f} us, expand {ec}")
-        progress(f"[{i + 1}/{len(grid)}] {dtype} d={d} r={r} T={T} S={S}: {what}, whole call {res['pair_us']:.1f} us "
+        progress(f"[{i + 1}/{len(grid)}] {dtype} d={d} r={r} T={T} S={S}: shrink {sc}/{sk} {res['shrink_us']:.1f} us, "
+                 f"expand {ec}, whole call {res['pair_us']:.1f} us "
                  f"({time.monotonic() - t0:.0f} s)")
         del p
         if budget_s is not None and time.monotonic() - t0 > budget_s:

@@ -5,15 +5,13 @@ run as one GEMM (q/k/v, gate/up; o and down alone) keep their weights of all lay
 stack [L, sum of d_out, d_in] (each layer's ``nn.Linear`` weights are views of it), and their LoRA slot
 buffers of all layers in one stack per operand (:class:`~vlora.engine.model_runner.GroupSlots`, A [L, M,
 S, r, d_in]; each layer's :class:`~vlora.lora.layers.LoraLinear` reads a view of it). A slot's A and B of
-every layer are then one strided slice, read without gathering per-layer buffers. Where the group's
-modules share d_out and all have slot buffers, the stack is M x L matrices of one shape ([L*M, d_out,
-d_in]) and one call of the merge operator merges every layer and module at rank r (the extension's
-streaming merge on CUDA), one call for q/k/v and o together where the runner keeps their stacks in one
-buffer; otherwise each module is merged into its rows of the stack (``baddbmm_`` over L). The kernel reads
-contiguous operands: the slot's strided slices are copied into one A and one B first (a few hundred MB
-at 7B width, about 0.1-0.3 ms on an H100). Switching from adapter A to adapter B is fused the same way (``[B_B, -B_A] @ [A_B; A_A]``, rank 2r),
-so W is read and written once instead of twice. ``PerLayerSwitcher`` is the dLoRA baseline: one
-``addmm_`` per matrix. The slot buffers hold ``scale * B``.
+every layer are then one strided slice, which the merge operator's streaming kernel reads in place (no
+gathering copies). Where the group's modules share d_out and all have slot buffers, the stack is M x L
+matrices of one shape ([L*M, d_out, d_in]) and one call merges every layer and module at rank r;
+otherwise each module is merged into its rows of the stack (one call per module). Switching from adapter
+A to adapter B is one call too (``W += B_B A_B - B_A A_A``, rank 2r), so W is read and written once
+instead of twice. ``PerLayerSwitcher`` is the dLoRA baseline: one ``addmm_`` per matrix. The slot
+buffers hold ``scale * B``.
 
 The adapter stays in its LoRA slot while merged (the engine pins it), so unmerging subtracts
 exactly what was added, up to the rounding of the weights' dtype.
@@ -27,7 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from vlora.atmm.merge import merge_lora
+from vlora.atmm.merge import merge_lora_terms
 from vlora.lora.layers import LoraLinear
 
 if TYPE_CHECKING:
@@ -115,87 +113,43 @@ class SwiftSwitcher(Switcher):
             wrappers = tuple(tuple(self.layers[(li, m)] for li in range(L)) for m in slots.modules)
             whole = slots.b is not None and slots.modules == tuple(n for n, _, _ in group.modules)
             groups.append(_Group(group.stack, slots, tuple(at[m] for m in slots.modules), wrappers, whole))
-        # Whole groups whose stacks follow each other in memory with one matrix shape (q/k/v and o of a model
-        # without GQA: the runner allocates them as one buffer) are merged by one call over all their matrices.
-        self.units: list[list[_Group]] = []
-        for g in groups:
-            last = self.units[-1][-1] if self.units else None
-            if last is not None and _adjacent(last, g):
-                self.units[-1].append(g)
-            else:
-                self.units.append([g])
+        self.groups: list[_Group] = groups
 
     def _apply(self, old: Optional[int], new: Optional[int]) -> None:
-        for unit in self.units:
-            jobs = [(g, g.terms(old, new)) for g in unit]
-            signs = {tuple((s, sign) for s, sign, _ in terms) for _, terms in jobs}
-            if len(unit) > 1 and len(signs) == 1 and all(terms for _, terms in jobs):
-                _merge_whole(jobs)  # every group of the unit, one call
-                continue
-            for g, terms in jobs:
-                if not terms:
-                    continue  # neither adapter targets this group
-                if g.whole:
-                    _merge_whole([(g, terms)])
-                else:
-                    _merge_modules(g, terms)
-
-
-def _adjacent(a: _Group, b: _Group) -> bool:
-    """Whether ``b``'s stack starts where ``a``'s ends, with matrices of one shape and both whole."""
-    if not (a.whole and b.whole) or a.stack.dtype != b.stack.dtype or a.stack.device != b.stack.device:
-        return False
-    shape_a = (a.slots.b.shape[3], a.stack.shape[2])
-    shape_b = (b.slots.b.shape[3], b.stack.shape[2])
-    if shape_a != shape_b or a.slots.a.shape[3] != b.slots.a.shape[3]:
-        return False
-    if a.stack.untyped_storage().data_ptr() != b.stack.untyped_storage().data_ptr():
-        return False
-    return a.stack.storage_offset() + a.stack.numel() == b.stack.storage_offset()
-
-
-def _merge_whole(jobs: list[tuple[_Group, tuple]]) -> None:
-    """One merge over the matrices of ``jobs``' groups (adjacent in memory, one matrix shape, the same slots and
-    signs in their terms): W [N, d, d_in] += [sign_i B_i] @ [A_i] with each slot's A and B copied from its strided
-    slices into one contiguous operand per side (what the extension's merge kernel reads), the sign folded in."""
-    first = jobs[0][0]
-    d, d_in, r = first.slots.b.shape[3], first.stack.shape[2], first.slots.a.shape[3]
-    terms = jobs[0][1]
-    n = sum(g.matrices for g, _ in jobs)
-    w = torch.as_strided(first.stack, (n, d, d_in), (d * d_in, d_in, 1), first.stack.storage_offset())
-    a = first.stack.new_empty(n, r * len(terms), d_in)
-    b = first.stack.new_empty(n, d, r * len(terms))
-    row = 0
-    for g, _ in jobs:
-        m = g.matrices
-        for i, (slot, sign, _) in enumerate(terms):
-            a[row:row + m, i * r:(i + 1) * r].copy_(g.slots.a[:, :, slot].reshape(m, r, d_in))  # strided views
-            src, dst = g.slots.b[:, :, slot].reshape(m, d, r), b[row:row + m, :, i * r:(i + 1) * r]
-            if sign < 0:
-                torch.neg(src, out=dst)  # copied and negated in one pass
+        for g in self.groups:
+            terms = g.terms(old, new)
+            if not terms:
+                continue  # neither adapter targets this group
+            if g.whole:
+                _merge_whole(g, terms)
             else:
-                dst.copy_(src)
-        row += m
-    merge_lora(w, a, b, 1.0, 1)
+                _merge_modules(g, terms)
+
+
+def _view(t: torch.Tensor, *shape: int) -> torch.Tensor:
+    """``t`` as ``shape`` without a copy where its strides allow (a slot's slice of a slot stack does)."""
+    try:
+        return t.view(*shape)
+    except RuntimeError:
+        return t.reshape(*shape)
+
+
+def _merge_whole(g: _Group, terms: tuple) -> None:
+    """One merge over the group's L*M matrices: W [L*M, d, d_in] += sum_i sign_i B_i @ A_i, each slot's A and B
+    read in place from the slot stacks (strided views), the new and the old adapter in one pass."""
+    d, d_in, r = g.slots.b.shape[3], g.stack.shape[2], g.slots.a.shape[3]
+    m = g.matrices
+    w = g.stack.view(m, d, d_in)
+    merge_lora_terms(w, [(_view(g.slots.a[:, :, slot], m, r, d_in), _view(g.slots.b[:, :, slot], m, d, r), sign)
+                         for slot, sign, _ in terms])
 
 
 def _merge_modules(g: _Group, terms: tuple) -> None:
-    """Modules of different widths (GQA): each into its own rows of the stack, ``baddbmm_`` over the layers."""
+    """Modules of different widths (GQA): each into its own rows of the stack, one merge over the layers."""
     for k, (off, d) in enumerate(g.rows):
-        parts = [(slot, sign) for slot, sign, ks in terms if k in ks]
-        if not parts:
-            continue
-        r = g.slots.a.shape[3]
-        a = g.stack.new_empty(g.stack.shape[0], r * len(parts), g.stack.shape[2])
-        b = g.stack.new_empty(g.stack.shape[0], d, r * len(parts))
-        for i, (slot, sign) in enumerate(parts):
-            a[:, i * r:(i + 1) * r].copy_(g.slots.a[:, k, slot])
-            src, dst = g.slots.b_parts[k][:, slot], b[:, :, i * r:(i + 1) * r]
-            if sign < 0:
-                torch.neg(src, out=dst)
-            else:
-                dst.copy_(src)
-        g.stack[:, off:off + d].baddbmm_(b, a)
+        parts = [(g.slots.a[:, k, slot], g.slots.b_parts[k][:, slot], sign) for slot, sign, ks in terms if k in ks]
+        if parts:
+            merge_lora_terms(g.stack[:, off:off + d], parts)
 
 
 class PerLayerSwitcher(Switcher):
