@@ -583,6 +583,7 @@ class BatchRun:
 
     def close(self) -> None:
         self.engine.fail_all("cancelled", "benchmark point done")
+        self.engine.flush()  # the step overlap's last step in flight: its tokens are read back (and dropped)
         if self.engine.has_work():
             raise RuntimeError("requests left in the engine after the point")
 
@@ -595,7 +596,7 @@ def decode_max_tokens(batch: int, warmup: int, steps: int) -> int:
 
 def decode_point(engine, variant: str, batch: int, context: int, names: list[str], steps: int, warmup: int) -> dict:
     """One engine decode point: ms per step (mean over ``steps``), with what ran checked."""
-    if variant == "base":
+    if variant in ("base", "sync"):
         adapters = [None] * batch
     elif variant == "lora":
         adapters = [names[i % len(names)] for i in range(batch)]
@@ -621,8 +622,8 @@ def decode_point(engine, variant: str, batch: int, context: int, names: list[str
         raise RuntimeError(f"lora: {distinct} distinct slots ran, expected {len(set(adapters))}")
     if variant == "merged" and (last.get("mode") != "merge" or last.get("merged") != names[0]):
         raise RuntimeError(f"merged: the step ran mode {last.get('mode')!r} with {last.get('merged')!r} merged")
-    if variant == "base" and distinct:
-        raise RuntimeError(f"base: {distinct} adapter slots ran")
+    if variant in ("base", "sync") and distinct:
+        raise RuntimeError(f"{variant}: {distinct} adapter slots ran")
     return {"ms": 1e3 * total / steps, "median_step_ms": 1e3 * statistics.median(per), "steps": steps,
             "prefill_steps": prefill_steps, "context_mean": statistics.mean(ctx0), "context_max": max(ctx0),
             "distinct_adapters": len(set(a for a in adapters if a is not None)), "mode": last.get("mode"),
@@ -745,6 +746,7 @@ def media_point(engine, m: dict, reps: int, seed0: int = 1) -> dict:
         t1 = time.perf_counter()
         engine.add_request(prepared, lambda out: errors.append(out.error) if out.finished and out.error else None)
         ran = engine.step()
+        engine.flush()  # with the step overlap, its token is read back (and the request finishes) here
         sync()
         t2 = time.perf_counter()
         last = engine.last_step or {}
@@ -908,7 +910,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--media", default="auto", help=f"image/video requests timed to their first token, e.g. "
                                                    f"{QWEN_MEDIA!r} (auto: that on Qwen2-VL models, none on LLaVA)")
     p.add_argument("--media-reps", type=int, default=3)
-    p.add_argument("--variants", default="base,lora,merged")
+    p.add_argument("--variants", default="base,lora,merged",
+                   help="base, lora, merged, and sync: the base model without the step overlap (engine.overlap off)")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--slots", type=int, help="adapter slots (default: the largest batch, as memory allows)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
@@ -949,9 +952,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     prefills = ints(args.prefill or grid["prefill"])
     images = ints(args.images or grid["images"])
     variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in ("base", "lora", "merged")]
+    bad = [v for v in variants if v not in ("base", "lora", "merged", "sync")]
     if bad:
-        raise SystemExit(f"--variants: unknown {bad}; known: base, lora, merged")
+        raise SystemExit(f"--variants: unknown {bad}; known: base, lora, merged, sync (base without the step overlap)")
     dtype = torch.bfloat16 if cuda else torch.float32
     dtype_name = "bfloat16" if cuda else "float32"
     deadline = Deadline(args.deadline_s)
@@ -1061,7 +1064,10 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
 
     decode_rows: list[dict] = result["decode"]
     lora_path = None
+    overlap = engine.overlap
     for variant in variants:
+        engine.flush()
+        engine.overlap = overlap if variant != "sync" else False  # sync: the base model, each step read back before the next
         if variant == "merged":
             set_policy(engine, "merge-only")
         elif variant == "lora" and hasattr(probe, "reset"):
@@ -1095,6 +1101,9 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
             lora_path = lora_compute_path(probe)
         if variant == "merged":
             probe = set_policy(engine, "unmerge-only")  # the adapter is taken out of the weights again
+    engine.flush()
+    engine.overlap = overlap
+    result["engine"]["step_overlap"] = overlap
     result["engine"]["lora_compute_path"] = lora_path
     result["engine"]["atmm"] = atmm_status()
 
@@ -1216,14 +1225,15 @@ def print_tables(res: dict) -> None:
           f"{'lora':>8} {'floor':>7} {'x base':>6} | {'merged':>8} {'x base':>6}", flush=True)
     for c in res["settings"]["contexts"]:
         for b in res["settings"]["batches"]:
-            base, lora, merged = (rows.get((v, b, c), {}) for v in ("base", "lora", "merged"))
+            base, lora, merged, sync = (rows.get((v, b, c), {}) for v in ("base", "lora", "merged", "sync"))
             p = plain.get("points", {}).get(f"{b}x{c}", {})
             bm = base.get("ms")
             print(f"{c:>5} {b:>4} | {_f(bm):>8} {_f(base.get('floor_ms')):>7} "
                   f"{_f(bm / base['floor_ms'] if bm else None):>5} | {_f(p.get('exact_ms')):>8} {_f(p.get('masked_ms')):>8} | "
                   f"{_f(lora.get('ms')):>8} {_f(lora.get('floor_ms')):>7} "
                   f"{_f(lora['ms'] / bm if bm and lora.get('ms') else None):>6} | {_f(merged.get('ms')):>8} "
-                  f"{_f(merged['ms'] / bm if bm and merged.get('ms') else None, '.3f'):>6}", flush=True)
+                  f"{_f(merged['ms'] / bm if bm and merged.get('ms') else None, '.3f'):>6}"
+                  + (f" | no overlap {_f(sync.get('ms'))}" if sync else ""), flush=True)
     print("\nprefill, one prompt", flush=True)
     for r in res["prefill"]:
         print(f"  {r['tokens']:>6} tokens: {_f(r.get('ms')):>8} ms, floor {r['floor_ms']:.2f} ms "

@@ -6,7 +6,8 @@ launch on this machine (a small torch op, and a Triton kernel through its Python
     python benchmarks/profile_step.py --work /tmp/vlora-bench --prefill 600 --batch 1
 
 The model folder is the one engine_floor.py / serve_decode.py write under --work for --preset.
-Prints only; writes nothing.
+Prints only; writes nothing. Without a GPU, benchmarks/prefill_host_probe.py runs the eager prefill's GPU code path
+on the CPU with no-op kernels (host time, dispatcher ops and Triton launches per layer).
 """
 from __future__ import annotations
 

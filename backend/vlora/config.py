@@ -255,12 +255,17 @@ class RunnerConfig:
     CUDA devices capture. ``attention``: the paged attention backend (``triton``: kernels that read the
     KV cache in place; ``flash``: the same, but a prefill of long fresh prompts (4,096 tokens or more)
     in fp16/bf16 runs PyTorch's FlashAttention-2 varlen kernel; ``torch``: the SDPA reference, what CPUs
-    run); ``auto`` picks flash on CUDA sm80+, else triton where it imports, else torch.
+    run); ``auto`` picks flash on CUDA sm80+, else triton where it imports, else torch. ``overlap``: launch
+    each step before the last one's sampled tokens are read back, so the host's work for a step (reading
+    the tokens, detokenizing, stop checks, reporting, scheduling and planning the next) runs while the
+    GPU computes; a request that stops on a token (EOS, a stop string) costs one discarded decode row.
+    ``auto``: on for CUDA devices, off elsewhere (on a CPU nothing overlaps).
     """
 
     cuda_graphs: str = "auto"
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     attention: str = "auto"
+    overlap: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graphs, bool):  # YAML reads a bare off/on as a boolean
@@ -269,6 +274,9 @@ class RunnerConfig:
         _require(len(self.graph_batch_sizes) >= 1 and all(isinstance(b, int) and 1 <= b <= 1024 for b in self.graph_batch_sizes),
                  "engine.graph_batch_sizes must be integers in [1, 1024]")
         _require(self.attention in ATTENTION_BACKENDS, f"engine.attention must be one of {ATTENTION_BACKENDS}")
+        if isinstance(self.overlap, bool):
+            object.__setattr__(self, "overlap", "on" if self.overlap else "off")
+        _require(self.overlap in ("auto", "on", "off"), "engine.overlap must be auto, on or off")
 
 
 @dataclass(frozen=True)

@@ -32,34 +32,33 @@ def test_metrics_show_requests_per_adapter_and_batch_size(server):
         list(pool.map(lambda p: client.generate(p, lora_name=adapter, max_tokens=10), prompts))
     client.generate("USER: hello ASSISTANT:", max_tokens=4)
 
-    deadline = time.monotonic() + 10  # metric updates are applied on their own thread
-    while True:
-        text = server.metrics()
+    def settled(text: str) -> None:
         requests = metric_values(text, "vlora_requests_total")
         count = sum(v for k, v in requests.items() if f'lora_name="{adapter}"' in k)
-        if count >= before_count + 6 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert count >= before_count + 6, requests
-    assert any('lora_name="__base__"' in k for k in requests), requests
+        assert count >= before_count + 6, requests
+        assert any('lora_name="__base__"' in k for k in requests), requests
 
-    steps = sum(metric_values(text, "vlora_batch_size_per_step_count").values())
-    single = sum(v for k, v in metric_values(text, "vlora_batch_size_per_step_bucket").items() if 'le="1"' in k)
-    assert steps > 0, "no batch size observations"
-    assert single < steps, "every engine step ran a single request: the concurrent requests were not batched"
-    assert metric_values(text, "vlora_batch_size"), "no batch size gauge"
-    finished = metric_values(text, "vlora_requests_finished_total")
-    assert any(f'lora_name="{adapter}"' in k and 'finish_reason="length"' in k for k in finished), finished
-    assert "vlora_step_duration_seconds_count" in text
-    assert "vlora_running_requests" in text and "vlora_waiting_requests" in text
+        steps = sum(metric_values(text, "vlora_batch_size_per_step_count").values())
+        single = sum(v for k, v in metric_values(text, "vlora_batch_size_per_step_bucket").items() if 'le="1"' in k)
+        assert steps > 0, "no batch size observations"
+        assert single < steps, "every engine step ran a single request: the concurrent requests were not batched"
+        assert metric_values(text, "vlora_batch_size"), "no batch size gauge"
+        finished = metric_values(text, "vlora_requests_finished_total")
+        assert any(f'lora_name="{adapter}"' in k and 'finish_reason="length"' in k for k in finished), finished
+        assert "vlora_step_duration_seconds_count" in text
+        assert "vlora_running_requests" in text and "vlora_waiting_requests" in text
 
-    # Adapter tiers: the adapter was copied into a device slot (read into host memory first), and its
-    # per-adapter request gauges are back to zero now that its requests finished.
-    assert _labelled(text, "vlora_adapter_gpu_loads_total", adapter) >= 1
-    assert _labelled(text, "vlora_adapter_host_loads_total", adapter) >= 1
-    assert _labelled(text, "vlora_adapter_running_requests", adapter) == 0
-    assert _labelled(text, "vlora_adapter_waiting_requests", adapter) == 0
-    assert _tier(text, "gpu") >= 1 and _tier(text, "cpu") >= 1
+        # Adapter tiers: the adapter was copied into a device slot (read into host memory first), and its
+        # per-adapter request gauges are back to zero now that its requests finished.
+        assert _labelled(text, "vlora_adapter_gpu_loads_total", adapter) >= 1
+        assert _labelled(text, "vlora_adapter_host_loads_total", adapter) >= 1
+        assert _labelled(text, "vlora_adapter_running_requests", adapter) == 0
+        assert _labelled(text, "vlora_adapter_waiting_requests", adapter) == 0
+        assert _tier(text, "gpu") >= 1 and _tier(text, "cpu") >= 1
+
+    # Everything above was reported before the clients got their answers; the metrics thread applies the
+    # reports every 0.2 s (vlora.server.metrics.FLUSH_INTERVAL_S), so the scrape is retried until it shows them.
+    scrape_until(server, settled)
 
     # The prefix cache: a second request with the same long prompt reuses its full KV blocks.
     shared = "USER: " + "Look at the crossing and list what moves there, lane by lane. " * 6
@@ -86,6 +85,21 @@ def test_metrics_show_requests_per_adapter_and_batch_size(server):
         time.sleep(0.2)
     assert hits >= 1, hits
     assert sum(metric_values(server.metrics(), "vlora_encoder_cache_bytes").values()) > 0
+
+
+def scrape_until(server, check, timeout: float = 10.0) -> str:
+    """The first scrape of ``server``'s metrics that passes ``check`` (which asserts); its last failure
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = server.metrics()
+        try:
+            check(text)
+            return text
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _labelled(text: str, name: str, adapter: str) -> float:

@@ -1,7 +1,8 @@
 """The fast decode path against the eager reference path, on CUDA with the tiny model.
 
 Fast: decode steps replayed from CUDA graphs, paged attention in Triton reading the cache in place, the
-LoRA backend's graph-safe per-row path. Reference: every step eager, the SDPA reference attention, the
+LoRA backend's graph-safe per-row path, the step overlap (each step launched before the last one's
+tokens are read back; decode rows read their token on the device). Reference: every step eager, the SDPA reference attention, the
 segment path. Both engines run the same requests for 64 greedy tokens in base, unmerged, merged and
 mixture steps; in fp32 the tokens must be identical and the logits within 1e-4, in bf16 the logits of
 every step within a bf16 tolerance of the reference's.
@@ -37,7 +38,8 @@ def make(tiny_model_dir, demo_adapter_root, dtype: str, fast: bool):
         "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
         "model.dtype": dtype, "lora.max_rank": "32", "lora.max_gpu_adapters": "4", "cache.num_blocks": "256",
         "orchestrator.policy": "vlora", "scheduler.max_batch_size": "8",
-        "engine.cuda_graphs": "auto" if fast else "off", "engine.attention": "triton" if fast else "torch"})
+        "engine.cuda_graphs": "auto" if fast else "off", "engine.attention": "triton" if fast else "torch",
+        "engine.overlap": "on" if fast else "off"})
     return build_engine(cfg)
 
 
@@ -54,7 +56,8 @@ def run(engine, script):
         if result is None:
             continue
         for row, rid in enumerate(engine.last_step["request_ids"]):
-            logits[(rid, len(seqs[rid].output_ids) - 1)] = result.logits[row].clone()
+            s = seqs[rid]  # the step's token: output_ids[-1], or (step overlap) the one still in flight
+            logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].clone()
     engine.orchestrator.enter(UNMERGE, None)
     return {rid: s.output_ids for rid, s in seqs.items()}, logits
 

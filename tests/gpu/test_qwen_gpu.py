@@ -104,10 +104,10 @@ class GraphCounter:
         self._run = graphs.run
         graphs.run = self
 
-    def __call__(self, seqs):
+    def __call__(self, seqs, prev_tokens=None):
         self.rows += len(seqs)
         self.shifted += sum(1 for s in seqs if s.rope_delta != 0)
-        return self._run(seqs)
+        return self._run(seqs, prev_tokens)
 
 
 def run_mixed(engine, specs: dict, max_new: int, check_mixed: bool = True):
@@ -127,7 +127,8 @@ def run_mixed(engine, specs: dict, max_new: int, check_mixed: bool = True):
         result = engine.step()
         if result is not None:
             for row, rid in enumerate(engine.last_step["request_ids"]):
-                logits[(rid, len(seqs[rid].output_ids) - 1)] = result.logits[row].float().clone()
+                s = seqs[rid]  # the step's token: output_ids[-1], or (step overlap) the one still in flight
+                logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].float().clone()
         return result
 
     for name in ADAPTERS:  # in their slots first: on CUDA a slot copy completes asynchronously

@@ -158,3 +158,54 @@ def test_prompt_longer_than_budget_still_runs(tiny_model_dir, demo_adapter_root)
     while eng.has_work():
         eng.step()
     assert col.done["big"].num_output_tokens == 2
+
+
+def test_after_outputs_wakes_a_buffering_consumer_once_per_step(tiny_model_dir, demo_adapter_root):
+    """With ``after_outputs`` (the Triton model's response thread) the consumer is woken on the engine thread
+    after each iteration's events, not per event: fewer wake-ups than events, at most one event per request
+    between two wake-ups, and none left without a wake-up after it."""
+    log: list[tuple[str, str]] = []  # ("event", request id) or ("wake", ""), in order
+    threads: set[str] = set()
+    lock = threading.Lock()
+
+    def wake():
+        with lock:
+            log.append(("wake", ""))
+            threads.add(threading.current_thread().name)
+
+    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root), after_outputs=wake)
+    col = Collector()
+
+    def callback(out):
+        with lock:
+            log.append(("event", out.request_id))
+        col(out)
+
+    try:
+        for i in range(4):
+            r = req(f"w{i}", max_tokens=6, ignore_eos=True)
+            r.stream = True
+            eng.submit(eng.prepare(r), callback)
+        col.wait(4)
+        deadline = time.monotonic() + 10
+        while True:
+            with lock:
+                if log[-1][0] == "wake":
+                    break
+            assert time.monotonic() < deadline, "the last events were never followed by a wake-up"
+            time.sleep(0.01)
+    finally:
+        eng.shutdown()
+    events = [rid for kind, rid in log if kind == "event"]
+    wakes = sum(1 for kind, _ in log if kind == "wake")
+    assert threads == {"vlora-engine"}
+    assert len(events) >= 4 * 6 and wakes < len(events)
+    since_wake: set[str] = set()
+    biggest = 0
+    for kind, rid in log:
+        if kind == "wake":
+            biggest, since_wake = max(biggest, len(since_wake)), set()
+        else:
+            assert rid not in since_wake, "two events of one request without a wake-up between them"
+            since_wake.add(rid)
+    assert biggest >= 2, "no wake-up covered the events of a batched step"

@@ -142,3 +142,27 @@ def test_long_steps_that_progress_are_not_a_stall(make_engine, monkeypatch):
     eng.submit(eng.prepare(_req("after", max_tokens=2)), col)
     col.wait(2, timeout=30)
     assert col.done["after"].finish_reason == "length"
+
+
+def test_a_dead_engine_wakes_the_output_consumer_after_failing_its_requests(tiny_model_dir, demo_adapter_root):
+    """The watchdog fails the requests of a wedged engine on its own thread; a consumer that buffers events
+    and waits for ``after_outputs`` (the Triton model's response thread) is woken after those failures."""
+    col = Collector()
+    wakes: list[tuple[str, int]] = []  # (thread, requests failed by then)
+
+    def wake():
+        with col.cv:
+            wakes.append((threading.current_thread().name, len(col.done)))
+
+    dead = _Dead()
+    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root, **{"scheduler.fault_injection": "true",
+                                                                  "scheduler.stall_timeout_s": 1.5}),
+                      on_dead=dead, after_outputs=wake)
+    try:
+        eng.submit(eng.prepare(_req("long", max_tokens=2000)), col)
+        eng.submit(eng.prepare(_req("fault")), col, fault="wedge")
+        assert dead.event.wait(15), "the engine was not declared dead"
+        col.wait(2, timeout=10)
+        assert ("vlora-engine-watchdog", 2) in wakes, wakes
+    finally:
+        eng.shutdown(timeout=5)

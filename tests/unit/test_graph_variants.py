@@ -44,10 +44,10 @@ def variants(engine, mode, merged, requests) -> Counter:
     seen: Counter = Counter()
     forward = engine.runner.forward
 
-    def spy(seqs):
+    def spy(seqs, prev_tokens=None):
         if all(len(s.token_ids) == 1 and s.pixel_values is None for s in seqs):
             seen[(engine.orchestrator.mode, DecodeGraphs.variant(seqs))] += 1
-        return forward(seqs)
+        return forward(seqs, prev_tokens)
 
     engine.runner.forward = spy
     try:

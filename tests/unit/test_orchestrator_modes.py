@@ -52,7 +52,8 @@ def run(engine, script=None):
             continue
         modes.append((engine.last_step["mode"], engine.last_step["merged"]))
         for row, rid in enumerate(engine.last_step["request_ids"]):
-            logits[(rid, len(seqs[rid].output_ids) - 1)] = result.logits[row].clone()
+            s = seqs[rid]  # the step's token: output_ids[-1], or (step overlap) the one still in flight
+            logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].clone()
     engine.orchestrator.enter(UNMERGE, None)
     return {rid: s.output_ids for rid, s in seqs.items()}, logits, modes
 

@@ -1,7 +1,11 @@
 """vlora.server.metrics with a fake pb_utils: the engine's reports become Triton metric families with the
 right kinds and labels, applied on the metrics thread (tests/e2e/test_metrics_and_overload.py scrapes the
-same families from a real tritonserver)."""
+same families from a real tritonserver). The reports accumulate on the engine's side and the metrics
+thread applies them every FLUSH_INTERVAL_S; close() and flush() apply what is pending."""
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -96,3 +100,88 @@ def test_a_failing_update_is_logged_and_the_thread_goes_on(pb, metrics):
     metrics.close()
     assert "metrics update failed" in pb.Logger.said("warn")[0]
     assert pb.families["vlora_engine_steps_total"].find().value() == 1
+
+
+def test_reports_accumulate_and_a_flush_applies_them_in_few_calls(pb):
+    """The engine's reports touch no pb_utils metric until a flush; a flush makes one increment per counter
+    that moved, one set per gauge that changed and one observe per histogram observation."""
+    m = TritonModelMetrics(pb, "vlora", "1", flush_interval_s=3600)  # only explicit flushes
+    try:
+        f = pb.families
+        for _ in range(50):  # 50 decode steps of a batch of 32, as engine/core.py reports them
+            m.step(32, 0, 32, 0.0075)
+            m.mode_step("unmerge", None, 0.0075)
+            m.queue_depth(32, 0)
+        assert f["vlora_engine_steps_total"].find().value() == 0
+        assert f["vlora_step_duration_seconds"].find().observations == []
+        assert m.ipc_calls == 0
+        m.flush()
+        assert (f["vlora_engine_steps_total"].find().value(), f["vlora_decode_tokens_total"].find().value()) == (50, 1600)
+        assert f["vlora_batch_size_per_step"].find().observations == [32] * 50
+        assert f["vlora_mode_steps_total"].find(mode="unmerge").value() == 50
+        assert f["vlora_mode_seconds_total"].find(mode="unmerge").value() == pytest.approx(50 * 0.0075)
+        assert (f["vlora_running_requests"].find().value(), f["vlora_batch_size"].find().value()) == (32, 32)
+        # increments: steps, decode, mode seconds, mode steps; sets: batch size, running, waiting, 3 mode gauges
+        assert m.ipc_calls == 4 + 6 + 2 * 50
+        for _ in range(10):
+            m.step(32, 0, 32, 0.0075)
+            m.mode_step("unmerge", None, 0.0075)
+            m.queue_depth(32, 0)
+        m.flush()
+        assert m.ipc_calls == 4 + 6 + 2 * 50 + 4 + 2 * 10  # the gauges did not change: no set
+        assert f["vlora_engine_steps_total"].find().value() == 60
+        flushes = m.flushes
+        m.flush()  # nothing new: nothing sent
+        assert m.flushes == flushes
+    finally:
+        m.close()
+
+
+def test_the_metrics_thread_flushes_on_its_own_and_alone_calls_pb_utils(pb):
+    m = TritonModelMetrics(pb, "vlora", "1", flush_interval_s=0.01)
+    callers: set[str] = set()
+    steps = pb.families["vlora_engine_steps_total"].find()
+    increment = steps.increment
+
+    def recording_increment(value):
+        callers.add(threading.current_thread().name)
+        increment(value)
+
+    steps.increment = recording_increment
+    try:
+        m.step(2, 10, 1, 0.01)
+        deadline = time.monotonic() + 10
+        while steps.value() < 1:
+            assert time.monotonic() < deadline, "the metrics thread never flushed"
+            time.sleep(0.005)
+        assert callers == {"vlora-metrics"}
+    finally:
+        m.close()
+
+
+def test_an_adapter_that_came_and_went_between_flushes_shows_zero(pb):
+    m = TritonModelMetrics(pb, "vlora", "1", flush_interval_s=3600)
+    try:
+        m.adapter_requests({"a": 1}, {})
+        m.adapter_requests({}, {"b": 2})
+        m.flush()
+        running = pb.families["vlora_adapter_running_requests"]
+        assert running.find(lora_name="a").value() == 0
+        assert pb.families["vlora_adapter_waiting_requests"].find(lora_name="b").value() == 2
+    finally:
+        m.close()
+
+
+def test_reports_from_several_threads_are_all_counted(pb):
+    """adapter_swap also comes from loader threads: concurrent reports lose nothing."""
+    m = TritonModelMetrics(pb, "vlora", "1", flush_interval_s=0.001)
+    threads = [threading.Thread(target=lambda: [m.adapter_swap("host_load", "a") for _ in range(2000)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(2000):
+        m.step(1, 0, 1, 0.001)
+    for t in threads:
+        t.join()
+    m.close()  # the last flush
+    assert pb.families["vlora_adapter_host_loads_total"].find(lora_name="a").value() == 8000
+    assert pb.families["vlora_engine_steps_total"].find().value() == 2000

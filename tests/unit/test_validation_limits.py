@@ -149,7 +149,7 @@ def test_non_finite_logits_fail_only_that_request(engine, monkeypatch):
     """One request's logits turn NaN mid-generation: it ends with an error naming the cause; the
     requests batched with it finish normally and the engine keeps serving."""
     poisoned_seed = 987654321
-    real_sample = core.sample
+    real_sample = core.sample_async
 
     def poisoning_sample(logits, params, seeds, steps):
         logits = logits.clone()
@@ -158,7 +158,7 @@ def test_non_finite_logits_fail_only_that_request(engine, monkeypatch):
                 logits[i, 5] = float("nan")
         return real_sample(logits, params, seeds, steps)
 
-    monkeypatch.setattr(core, "sample", poisoning_sample)
+    monkeypatch.setattr(core, "sample_async", poisoning_sample)
     reqs = [req("ok1", max_tokens=10, ignore_eos=True), req("bad", temperature=1.0, seed=poisoned_seed, max_tokens=10, ignore_eos=True),
             req("ok2", temperature=1.0, seed=1, max_tokens=10, ignore_eos=True)]
     done = run_all(engine, reqs)

@@ -3,6 +3,11 @@ image workers), the iteration loop on its own thread, back-pressure on admission
 draining shutdown, and the adapter administration of clients (list, load, unload) run on the engine
 thread between steps.
 
+Outputs: each request's callback gets its events on the engine thread (GenerationOutput). A consumer
+that sends them elsewhere (the Triton model's response thread) may pass ``after_outputs``: it is called
+once after each loop iteration that delivered events (a step's whole batch of them), so the callback
+only buffers and the consumer is woken once per step, not once per token.
+
 Fail-safe: one request that cannot be admitted fails alone; a step that raises fails its batch. A
 watchdog thread declares the engine dead when its thread has exited, or when one loop iteration (a
 step or an adapter action) has run longer than ``scheduler.stall_timeout_s`` while requests wait or
@@ -46,9 +51,12 @@ class AsyncEngine:
     """Thread-safe front of :class:`LLMEngine`. See ``vlora.engine.api`` for the request types."""
 
     def __init__(self, config: EngineConfig, metrics: Optional[EngineMetrics] = None,
-                 on_dead: Optional[Callable[[str], None]] = None) -> None:
+                 on_dead: Optional[Callable[[str], None]] = None,
+                 after_outputs: Optional[Callable[[], None]] = None) -> None:
         """``on_dead(cause)`` is called once, on the watchdog's or the dying engine's thread, after
-        every request in flight has been failed."""
+        every request in flight has been failed. ``after_outputs()`` is called on the engine thread
+        after each loop iteration in which callbacks got events, and on any other thread right after
+        it delivered events there (the watchdog failing the requests of a dead engine)."""
         self.config = config
         self.engine = build_engine(config, metrics)
         self.inputs = self.engine.inputs
@@ -73,6 +81,8 @@ class AsyncEngine:
         self._wedge_next = False  # the injected fault "wedge" is pending
         self._unwedge = threading.Event()  # releases an injected wedge at shutdown
         self._on_dead = on_dead
+        self._after_outputs = after_outputs
+        self._delivered = False  # events went to callbacks on the engine thread since after_outputs last ran
         # Every request submitted and not finished: token -> callback (its final event goes out once).
         self._callbacks_lock = threading.Lock()
         self._callbacks: dict[int, tuple[str, OutputCallback]] = {}
@@ -242,7 +252,18 @@ class AsyncEngine:
                 if out.finished:
                     del self._callbacks[token]
                 callback(out)
+            if self._after_outputs is not None:
+                if threading.get_ident() == self._thread.ident:
+                    self._delivered = True  # the loop calls after_outputs once the iteration is done
+                else:
+                    self._after_outputs()
         return deliver
+
+    def _outputs_done(self) -> None:
+        """On the engine thread: tell the consumer that the events of this iteration were delivered."""
+        if self._delivered:
+            self._delivered = False
+            self._after_outputs()
 
     def _watch(self) -> None:
         """The watchdog thread: declare the engine dead when its thread is gone or stalls."""
@@ -287,6 +308,11 @@ class AsyncEngine:
                 callback(GenerationOutput(request_id, "", "", True, finish_reason="error", error=error))
             except Exception:
                 log.exception("failing a request of the dead engine")
+        if self._after_outputs is not None:
+            try:
+                self._after_outputs()
+            except Exception:
+                log.exception("after_outputs failed")
         if self._on_dead is not None:
             self._on_dead(cause)
 
@@ -294,6 +320,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             self._run()
+            self._outputs_done()
         except BaseException as e:  # the loop itself broke: nothing may wait for it any more
             log.exception("the engine loop died")
             self._declare_dead(f"the engine thread died: {type(e).__name__}: {e}")
@@ -337,6 +364,7 @@ class AsyncEngine:
                 self._run_control(control)
                 with self._cond:
                     self._beat = time.monotonic()
+            self._outputs_done()  # admission failures and cancellations of this iteration
             if stop:
                 with self._cond:
                     self._backlog = 0
@@ -353,6 +381,7 @@ class AsyncEngine:
                 log.exception("engine step crashed")
                 eng.fail_all("error", f"internal error: {e}")
                 ran = None
+            self._outputs_done()  # one wake-up for the whole step's events
             with self._cond:
                 self._beat = time.monotonic()
                 self._backlog = len(eng.waiting)

@@ -21,6 +21,7 @@ Triton is optional: this module imports where it is not installed and then offer
 """
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence
@@ -194,6 +195,7 @@ def _block_n(rows: int, head_dim: int, elem: int, stages: int, largest: int) -> 
     return n
 
 
+@functools.lru_cache(maxsize=512)
 def decode_config(batch: int, n_kv_heads: int, groups: int, head_dim: int, max_context: int, dtype: torch.dtype,
                   num_sms: int) -> DecodeConfig:
     elem = torch.empty((), dtype=dtype).element_size()
@@ -202,6 +204,7 @@ def decode_config(batch: int, n_kv_heads: int, groups: int, head_dim: int, max_c
                         block_n=_block_n(g_pad, head_dim, elem, 2, 64))
 
 
+@functools.lru_cache(maxsize=64)
 def prefill_config(head_dim: int, dtype: torch.dtype, large_smem: bool = False) -> PrefillConfig:
     """``large_smem`` (Hopper: 228 KiB per SM): 128-query tiles, 8 warps and three K/V stages for 16-bit
     heads up to 128 wide, the usual flash-attention shape there; otherwise tiles that fit SMEM_BUDGET."""
@@ -478,6 +481,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.lru_cache(maxsize=16)
+def _large_smem(device: torch.device) -> bool:
+    """Hopper or newer (228 KiB of shared memory per SM): the prefill kernel's large tiles fit."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors on ``device``; sizes the decode split rule."""
     if device.type == "cuda":
@@ -541,7 +550,7 @@ def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, c
     S = seq_lens.shape[0]
     if T == 0 or S == 0 or max_q_len <= 0:
         return out
-    cfg = prefill_config(D, q.dtype, large_smem=q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9)
+    cfg = prefill_config(D, q.dtype, large_smem=q.is_cuda and _large_smem(q.device))
     _prefill_kernel[(triton.cdiv(max_q_len, cfg.block_m), S, H)](
         q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),

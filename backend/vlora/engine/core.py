@@ -12,6 +12,11 @@ drives it; tests drive it directly). Each ``step()``:
    with a ``task`` is answered by its adapter's task head from the prefill's hidden state, and finishes.
    A request whose logits are not finite fails alone; the others of the step go on.
 
+With the step overlap (``engine.overlap``, on for CUDA), a step's forward and sampling are launched
+(``_launch``) before the previous step's tokens are read back and processed (``_complete``): step 4 of
+step N runs on the host while the GPU runs step N+1, whose decode rows read their token on the device.
+Without it, each step is launched and completed in turn.
+
 A waiting request is admitted only once its adapter is in a device slot and the copy into that slot has
 completed (:meth:`LoraManager.try_acquire` answers "not yet" meanwhile, without blocking), so a request
 whose adapter is being loaded waits for it while the others keep decoding.
@@ -33,7 +38,7 @@ from vlora.engine.api import GenerationOutput, InvalidRequest, OutputCallback, S
 from vlora.engine.kv_cache import SequenceBlocks
 from vlora.engine.metrics import EngineMetrics, NullMetrics
 from vlora.engine.model_runner import ModelRunner, SeqInput, StepResult
-from vlora.engine.sampler import make_seed, sample
+from vlora.engine.sampler import PendingSample, make_seed, sample_async
 from vlora.lora.manager import LoraManager
 from vlora.orchestrator.orchestrator import Orchestrator
 from vlora.orchestrator.policies import UNMERGE, Candidate, Decision
@@ -78,12 +83,26 @@ class Sequence:
     read_offset: int = 0
     pending_chars: int = 0  # characters of the window's new text already sent while its last one was incomplete
     prefilled: bool = False
+    inflight: int = 0  # tokens sampled on the device and not read back yet (step overlap: at most 2)
+    inflight_row: int = -1  # this sequence's row in the last step it was launched in
+    finished: bool = False
     answer: Optional[dict] = None  # a task head's answer (task, label, labels, scores)
     candidate: Optional[Candidate] = None  # what the scheduling policy sees of this request
 
     @property
     def num_tokens(self) -> int:
-        return len(self.req.prompt_ids) + len(self.output_ids)
+        """Prompt and output tokens, those still in flight included."""
+        return len(self.req.prompt_ids) + len(self.output_ids) + self.inflight
+
+    @property
+    def schedulable(self) -> bool:
+        """False while the token in flight surely ends the request (its length, or a task head's answer):
+        scheduling it again would only compute a row to discard."""
+        if not self.inflight:
+            return True
+        if self.req.task is not None:
+            return False
+        return len(self.output_ids) + self.inflight < self.req.sampling.max_tokens and self.num_tokens < self.max_len
 
     prefix_hashes: list = field(default_factory=list)  # the prefix cache's hash of each full prompt block
     prefix_identity: Optional[str] = None  # the adapter weights prefix_hashes were made for
@@ -119,6 +138,10 @@ class LLMEngine:
         self._decode = _fast_decode(tokenizer)
         self.prefix_stats = {"queried_tokens": 0, "reused_tokens": 0, "evictions": 0}  # cache.prefix_caching
         self._encoder_reported: dict = {}  # the encoder cache's counters last sent to the metrics
+        mode = config.engine.overlap
+        self.overlap = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
+        self._inflight: Optional[_Launched] = None  # the launched step whose tokens are not read back yet
+        self._last_done = 0.0  # when the last step's tokens were read back
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
@@ -134,7 +157,7 @@ class LLMEngine:
         self._aborted.add(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> Optional[StepResult]:
@@ -161,17 +184,43 @@ class LLMEngine:
     def _step(self) -> Optional[StepResult]:
         self._process_aborts()
         batch, new = self._schedule()
-        if not batch:
-            return None
+        launched = self._launch(batch, new) if batch else None
+        prev, self._inflight = self._inflight, None
+        if prev is not None:  # the last step's tokens, read back while the GPU runs this one
+            self._complete(prev)
+        if launched is None:
+            return prev.result if prev is not None else None
+        if self.overlap:
+            self._inflight = launched
+        else:
+            self._complete(launched)
+        return launched.result
+
+    def flush(self) -> None:
+        """Complete the step in flight (step overlap): its tokens are read back and reported."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._complete(prev)
+
+    def _launch(self, batch: list[Sequence], new: list[Sequence]) -> Optional["_Launched"]:
+        """Run the batch's forward and sampling, without waiting for the sampled tokens.
+
+        A decode sequence whose last token is still in flight (the previous step, not read back yet)
+        reads it on the device, from that step's sampled ids."""
         t0 = time.perf_counter()
         orch = self.orchestrator
         inputs = []
+        prev = self._inflight
         for s in batch:
             plus, minus = orch.lora_slots(s.slot)
             req = s.req
             if s.prefilled:
-                inputs.append(SeqInput([s.output_ids[-1]], s.num_tokens - 1, s.blocks, plus, delora_slot=minus,
-                                       rope_delta=req.rope_delta))
+                if s.inflight:
+                    token, row = 0, s.inflight_row
+                else:
+                    token, row = s.output_ids[-1], -1
+                inputs.append(SeqInput([token], s.num_tokens - 1, s.blocks, plus, delora_slot=minus,
+                                       rope_delta=req.rope_delta, pending_row=row))
             else:  # the prompt past its cached prefix; the runner takes the images' features that fall there
                 c = s.cached_tokens
                 # The vision side is never merged: the images go through the adapter's own slot, whatever the mode.
@@ -184,24 +233,27 @@ class LLMEngine:
         try:
             # The copies into the slots this step reads were issued on the side stream: order them first.
             self.loras.wait_ready([s.slot for s in batch] + [orch.merged_slot if orch.merged_slot is not None else -1])
-            result = self.runner.forward(inputs)
-            sampled = sample(result.logits, [s.req.sampling for s in batch], [s.seed for s in batch],
-                             [len(s.output_ids) for s in batch])
+            result = self.runner.forward(inputs, prev.sampled.tokens if prev is not None else None)
+            sampled = sample_async(result.logits, [s.req.sampling for s in batch], [s.seed for s in batch],
+                                   [len(s.output_ids) + s.inflight for s in batch])
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("step failed")
             for s in batch:
                 self._finish(s, "error", error=f"internal error during inference: {e}")
             return None
-        elapsed = time.perf_counter() - t0
-        orch.observe_step(elapsed, inputs)
-        now = orch.clock()
         n_prefill_reqs = sum(1 for s in batch if not s.prefilled)
         n_prefill = sum(s.step_tokens for s in batch if not s.prefilled)
         alloc = self.runner.kv.allocator
-        for s in batch:  # the prompt's full blocks now hold its KV: the prefix cache may hand them out
+        heads = {}
+        for i, s in enumerate(batch):
             if not s.prefilled:
-                for block, h in zip(s.blocks.blocks, s.prefix_hashes):
+                for block, h in zip(s.blocks.blocks, s.prefix_hashes):  # the prompt's full blocks now hold its KV
                     alloc.register(block, h)
+                if s.req.task is not None:
+                    heads[i] = result.hidden[i]
+            s.prefilled = True
+            s.inflight += 1
+            s.inflight_row = i
         self.last_step = {
             "request_ids": [s.req.request_id for s in batch],
             "num_prefill": n_prefill_reqs,
@@ -212,21 +264,6 @@ class LLMEngine:
             "merged": orch.merged,
             "paused": [s.req.request_id for s in self.running if s not in batch],
         }
-        bad = set(sampled.bad_rows)
-        for i, (s, tok) in enumerate(zip(batch, sampled.tokens)):
-            s.candidate.last_served = now
-            s.candidate.remaining = s.max_len - s.num_tokens - 1  # after this step's token
-            if s.req.task is not None and not s.prefilled:
-                self._answer_with_head(s, result.hidden[i])
-                continue
-            if i in bad:  # this request alone fails; its neighbours in the batch carry on
-                log.warning("non-finite logits for request %s (adapter %s)", s.req.request_id, s.req.lora_name)
-                self._finish(s, "error", error=f"non-finite logits (NaN or inf) for this request "
-                                               f"(adapter {s.req.lora_name!r}); generation stopped")
-                continue
-            s.prefilled = True
-            s.output_ids.append(tok)
-            self._advance(s, tok)
         cache = self.runner.encoder_cache
         if cache is not None and n_prefill_reqs:
             now_stats = cache.stats()
@@ -234,10 +271,46 @@ class LLMEngine:
             self.metrics.encoder_cache(*(now_stats[k] - last.get(k, 0) for k in ("hits", "misses", "evictions")),
                                        now_stats["bytes"])
             self._encoder_reported = now_stats
-        self.metrics.step(len(batch), n_prefill, len(batch) - n_prefill_reqs, elapsed)
+        return _Launched(batch, inputs, result, sampled, heads, t0, n_prefill_reqs, n_prefill)
+
+    def _complete(self, step: "_Launched") -> None:
+        """Read a launched step's tokens back; stop, detokenize and report. A sequence that finished
+        meanwhile (cancelled, failed, or stopped by its previous token) takes nothing from it."""
+        batch = step.batch
+        try:
+            sampled = step.sampled.result()
+        except Exception as e:
+            log.exception("step failed")
+            for s in batch:
+                if not s.finished:
+                    self._finish(s, "error", error=f"internal error during inference: {e}")
+            return
+        t_done = time.perf_counter()
+        elapsed = t_done - max(step.t0, self._last_done)  # overlapped steps: the interval between completions
+        self._last_done = t_done
+        orch = self.orchestrator
+        orch.observe_step(elapsed, step.inputs)
+        now = orch.clock()
+        bad = set(sampled.bad_rows)
+        for i, (s, tok) in enumerate(zip(batch, sampled.tokens)):
+            if s.finished:
+                continue
+            s.inflight -= 1
+            s.candidate.last_served = now
+            s.candidate.remaining = s.max_len - len(s.req.prompt_ids) - len(s.output_ids) - 1  # after this step's token
+            if i in step.heads:
+                self._answer_with_head(s, step.heads[i])
+                continue
+            if i in bad:  # this request alone fails; its neighbours in the batch carry on
+                log.warning("non-finite logits for request %s (adapter %s)", s.req.request_id, s.req.lora_name)
+                self._finish(s, "error", error=f"non-finite logits (NaN or inf) for this request "
+                                               f"(adapter {s.req.lora_name!r}); generation stopped")
+                continue
+            s.output_ids.append(tok)
+            self._advance(s, tok)
+        self.metrics.step(len(batch), step.n_prefill, len(batch) - step.n_prefill_reqs, elapsed)
         self.metrics.mode_step(orch.mode, orch.merged, elapsed)
         self.metrics.queue_depth(len(self.running), len(self.waiting))
-        return result
 
     def _schedule(self) -> tuple[list[Sequence], list[Sequence]]:
         """Ask the policy for the next batch and mode, switch, then admit what fits.
@@ -246,7 +319,7 @@ class LLMEngine:
         leaves out waits with its KV cache intact. Waiting requests are admitted (KV blocks reserved
         for prompt + max_tokens, adapter slot pinned) when they are picked and there is room.
         """
-        cands = self.running + list(self.waiting)
+        cands = [s for s in self.running if s.schedulable] + list(self.waiting)
         if not cands:
             return [], []
         orch = self.orchestrator
@@ -290,7 +363,7 @@ class LLMEngine:
             if len(batch) >= sch.max_batch_size:
                 break
             n = s.step_tokens
-            if s in batch or (n > budget and batch) or not orch.mode_impl.accepts(s.slot, orch.merged_slot):
+            if s in batch or not s.schedulable or (n > budget and batch) or not orch.mode_impl.accepts(s.slot, orch.merged_slot):
                 continue
             batch.append(s)
             budget -= n
@@ -383,7 +456,7 @@ class LLMEngine:
             reason = "stop"
         if reason is None and len(s.output_ids) >= sp.max_tokens:
             reason = "length"
-        if reason is None and s.num_tokens >= s.max_len:
+        if reason is None and len(s.req.prompt_ids) + len(s.output_ids) >= s.max_len:  # a token in flight is not counted
             reason = "length"
         old_len = len(s.text)
         # A finishing request takes its incomplete last character too, as a full decode would show it.
@@ -448,6 +521,7 @@ class LLMEngine:
         self._finish(s, "stop")
 
     def _finish(self, s: Sequence, reason: str, error: Optional[str] = None) -> None:
+        s.finished = True
         if s in self.running:
             self.running.remove(s)
         if s.blocks.blocks:
@@ -553,6 +627,20 @@ class LLMEngine:
                 self.waiting.remove(s)
             self._finish(s, reason, error)
         self._report_queue_depth()
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step whose forward and sampling are queued on the device, tokens not read back yet."""
+
+    batch: list[Sequence]
+    inputs: list[SeqInput]
+    result: StepResult
+    sampled: PendingSample
+    heads: dict  # batch row -> hidden state, for the rows a task head answers
+    t0: float
+    n_prefill_reqs: int
+    n_prefill: int
 
 
 def _fast_decode(tokenizer):

@@ -30,6 +30,7 @@ Triton is optional: this module imports where it is not installed and then runs 
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -342,20 +343,49 @@ def _check_float(name: str, *ts: torch.Tensor) -> None:
 # -- public API ----------------------------------------------------------------------------------------
 
 
-def _rms_launch(x2, r2, weight, eps, out2, res2) -> None:
-    T, H = x2.shape
+@functools.lru_cache(maxsize=1024)
+def _rms_params(T: int, H: int) -> tuple[int, tuple, dict]:
+    """The launch of :func:`_rms_kernel` for [T, H] rows, which depends on (T, H) only: (grid, the mean's
+    factor, the constexprs and options). Cached: every layer of a step makes the same call."""
     layout = torch_reduce_layout(T, H)
     bw, bh = layout if layout is not None else (min(32, _pow2(max(H // 4, 1))), 1)
     nt = bw * bh
     n_vec = -(-H // 4)
     n_iter = -(-n_vec // nt)
     block = min(_pow2(H), 4096)
-    has_res = r2 is not None
-    _rms_kernel[(T,)](x2, r2 if has_res else x2, weight, out2, res2 if has_res else x2, H,
-                      x2.stride(0), (r2 if has_res else x2).stride(0), out2.stride(0),
-                      (res2 if has_res else x2).stride(0), float(eps), _mean_factor(T, H),
-                      HAS_RES=has_res, BW=bw, BH=bh, LOG_BW=bw.bit_length() - 1, LOG_BH=bh.bit_length() - 1,
-                      N_ITER=n_iter, BLOCK=block, num_warps=4 if H <= 4096 else 8, enable_fp_fusion=False)
+    kw = dict(BW=bw, BH=bh, LOG_BW=bw.bit_length() - 1, LOG_BH=bh.bit_length() - 1, N_ITER=n_iter, BLOCK=block,
+              num_warps=4 if H <= 4096 else 8, enable_fp_fusion=False)
+    return (T,), _mean_factor(T, H), kw
+
+
+_promote = functools.lru_cache(maxsize=64)(torch.promote_types)
+
+
+@functools.lru_cache(maxsize=256)
+def _rotary_params(HQ: int, D: int) -> tuple[int, int, int, int]:
+    """(half, BD, BH, programs along heads) of :func:`_rotary_cache_kernel` for Hq heads of width D."""
+    half = D // 2
+    bd = _pow2(half)
+    bh = max(1, min(_pow2(HQ), 2048 // bd))
+    return half, bd, bh, -(-HQ // bh)
+
+
+@functools.lru_cache(maxsize=256)
+def _silu_params(N: int) -> tuple[int, int]:
+    """(BLOCK, programs along the row) of :func:`_silu_mul_kernel` for rows of N."""
+    block = min(_pow2(N), 2048)
+    return block, -(-N // block)
+
+
+def _rms_launch(x2, r2, weight, eps, out2, res2) -> None:
+    T, H = x2.shape
+    grid, factor, kw = _rms_params(T, H)
+    if r2 is None:
+        _rms_kernel[grid](x2, x2, weight, out2, x2, H, x2.stride(0), x2.stride(0), out2.stride(0), x2.stride(0),
+                          float(eps), factor, HAS_RES=False, **kw)
+    else:
+        _rms_kernel[grid](x2, r2, weight, out2, res2, H, x2.stride(0), r2.stride(0), out2.stride(0), res2.stride(0),
+                          float(eps), factor, HAS_RES=True, **kw)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional[torch.Tensor] = None,
@@ -373,10 +403,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: Optional
     _check_float("rms_norm", x, weight)
     shape = x.shape
     x2 = _rows(x, "x")
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = _promote(weight.dtype, x.dtype)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=x.device)
-    out2 = out.view(-1, shape[-1])
+    out2 = out if out.dim() == 2 else out.view(-1, shape[-1])
     if x2.shape[0] == 0:
         return out
     _rms_launch(x2, None, weight.contiguous(), eps, out2, None)
@@ -407,8 +437,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if residual_out is None:
         residual_out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if out is None:
-        out = torch.empty(shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    res2, out2 = residual_out.view(-1, shape[-1]), out.view(-1, shape[-1])
+        out = torch.empty(shape, dtype=_promote(weight.dtype, x.dtype), device=x.device)
+    res2 = residual_out if residual_out.dim() == 2 else residual_out.view(-1, shape[-1])
+    out2 = out if out.dim() == 2 else out.view(-1, shape[-1])
     if res2.stride(-1) != 1 or out2.stride(-1) != 1:
         raise ValueError("add_rms_norm: out and residual_out need a contiguous last dim")
     if x2.shape[0] == 0:
@@ -453,11 +484,8 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    half = D // 2
-    bd = _pow2(half)
-    bh = max(1, min(_pow2(HQ), 2048 // bd))
-    grid = (T, triton.cdiv(HQ, bh))
-    _rotary_cache_kernel[grid](q, k, v, cos, sin, k_pool, v_pool, slot_mapping, out,
+    half, bd, bh, n_prog = _rotary_params(HQ, D)
+    _rotary_cache_kernel[(T, n_prog)](q, k, v, cos, sin, k_pool, v_pool, slot_mapping, out,
                                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                cos.stride(0), sin.stride(0), k_pool.stride(0), k_pool.stride(1),
                                v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
@@ -486,11 +514,11 @@ def silu_mul(gate: torch.Tensor, up: Optional[torch.Tensor] = None, *, out: Opti
     g2, u2 = _rows(gate, "gate"), _rows(up, "up")
     if out is None:
         out = torch.empty(shape, dtype=gate.dtype, device=gate.device)
-    o2 = out.view(-1, shape[-1])
+    o2 = out if out.dim() == 2 else out.view(-1, shape[-1])
     T, N = g2.shape
     if T == 0 or N == 0:
         return out
-    block = min(_pow2(N), 2048)
-    _silu_mul_kernel[(T, triton.cdiv(N, block))](g2, u2, o2, N, g2.stride(0), u2.stride(0), o2.stride(0),
+    block, n_prog = _silu_params(N)
+    _silu_mul_kernel[(T, n_prog)](g2, u2, o2, N, g2.stride(0), u2.stride(0), o2.stride(0),
                                                 BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return out

@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VARIANTS = ("base", "lora", "mixture")
-# Fields of the per-step buffer before the block tables, each max_batch int32 long.
-_IDS, _POS, _SLOT, _LEN, _LORA, _DELORA = range(6)
-_FIELDS = 6
+# Fields of the per-step buffer before the block tables, each max_batch int32 long. _SRC: the row of the
+# previous step's sampled ids that holds this row's token (-1: _IDS holds it), for the step overlap.
+_IDS, _POS, _SLOT, _LEN, _LORA, _DELORA, _SRC = range(7)
+_FIELDS = 7
 
 
 def _static_mapping(indptr: torch.Tensor, slots: torch.Tensor, n: int) -> LoraBatchMapping:
@@ -59,6 +60,7 @@ class DecodeGraphs:
         self.host_np = self.host.numpy()
         self.buf = torch.zeros_like(self.host, device=dev)
         self.indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.prev = torch.zeros(n, dtype=torch.int64, device=dev)  # the previous step's sampled ids (_SRC reads them)
         with torch.cuda.device(dev):
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -132,7 +134,7 @@ class DecodeGraphs:
         h[:] = 0
         h[_SLOT * n:_SLOT * n + n] = kv.scratch_slot
         h[_LEN * n:_LEN * n + n] = 1
-        h[_LORA * n:_LORA * n + 2 * n] = -1
+        h[_LORA * n:_LORA * n + 3 * n] = -1  # _LORA, _DELORA, _SRC
         tables = h[_FIELDS * n:].reshape(n, self.max_blocks)
         tables[:, 0] = kv.scratch_block
         self.buf.copy_(self.host, non_blocking=True)
@@ -158,7 +160,8 @@ class DecodeGraphs:
     def _body(self, b: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner
         kv = r.kv
-        ids = self.field(_IDS, b).long()
+        src = self.field(_SRC, b).long()
+        ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)).clamp(min=0), self.field(_IDS, b).long())
         positions = self.field(_POS, b).long()
         slot_mapping = self.field(_SLOT, b).long()
         meta = AttentionMetadata(block_tables=self.tables(b), seq_lens=self.field(_LEN, b))
@@ -179,7 +182,7 @@ class DecodeGraphs:
 
     # -- replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list["SeqInput"]) -> "StepResult":
+    def run(self, seqs: list["SeqInput"], prev_tokens: Optional[torch.Tensor] = None) -> "StepResult":
         from vlora.engine.model_runner import StepResult
 
         r = self.runner
@@ -197,6 +200,7 @@ class DecodeGraphs:
             p = s.start_pos
             t = s.blocks.table()
             h[_IDS * m + i] = s.token_ids[0]
+            h[_SRC * m + i] = s.pending_row
             h[_POS * m + i] = p + s.rope_delta
             h[_SLOT * m + i] = t[p // bs] * bs + p % bs
             h[_LEN * m + i] = p + 1
@@ -210,7 +214,10 @@ class DecodeGraphs:
             h[_LEN * m + n:_LEN * m + b] = 0
             h[_LORA * m + n:_LORA * m + b] = -1
             h[_DELORA * m + n:_DELORA * m + b] = -1
+            h[_SRC * m + n:_SRC * m + b] = -1
         self.buf.copy_(self.host, non_blocking=True)
+        if prev_tokens is not None and any(s.pending_row >= 0 for s in seqs):
+            self.prev[:prev_tokens.shape[0]].copy_(prev_tokens)
         self._copied.record()
         g.replay()
         self.replays[(b, variant)] += 1

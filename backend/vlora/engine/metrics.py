@@ -1,6 +1,8 @@
-"""What the engine reports about itself. The Triton model implements this with ``pb_utils.MetricFamily``;
-tests and benchmarks may record into plain Python objects. Calls come from the engine thread, except
-``adapter_swap`` for host loads, which may also come from request and loader threads."""
+"""What the engine reports about itself. The Triton model implements this with ``pb_utils.MetricFamily``
+(vlora.server.metrics, which only accumulates here and applies the values from its own thread every 0.2 s);
+tests and benchmarks may record into plain Python objects. Calls come from the engine thread, several per
+step, so an implementation must not block or wake other threads per call; ``adapter_swap`` for host loads
+may also come from request and loader threads."""
 from __future__ import annotations
 
 from typing import Mapping, Optional, Protocol

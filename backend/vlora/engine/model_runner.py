@@ -27,7 +27,7 @@ from torch import nn
 
 from vlora.atmm.mapping import LoraBatchMapping
 from vlora.engine.attention import AttentionMetadata, get_attention_backend
-from vlora.engine.fused_ops import add_rms_norm, rms_norm, rotary_and_cache, silu_mul
+from vlora.engine.fused_ops import add_rms_norm, fused_available, rms_norm, rotary_and_cache, silu_mul
 from vlora.engine.kv_cache import PagedKVCache, SequenceBlocks
 from vlora.lora.adapter import VisionSites
 from vlora.lora.backends import LoraBackend
@@ -59,11 +59,19 @@ class WeightGroup:
     lora: list[tuple[tuple[int, int, LoraLinear], ...]]
     slots: Optional["GroupSlots"] = None  # the LoRA slot buffers of its wrapped modules, all layers
 
-    def forward(self, li: int, x: torch.Tensor) -> torch.Tensor:
-        """x [T, d_in] -> [T, sum of d_out]: one GEMM, then each module's LoRA into its columns."""
-        y = F.linear(x, self.stack[li], None if self.bias is None else self.bias[li])
-        for off, d, wrapper in self.lora[li]:
-            wrapper.add_lora(x, y[:, off:off + d])
+    def __post_init__(self) -> None:
+        # Each layer's weight and bias as views made once (the step's hot loop reads them; merges write the
+        # stack in place, which the views see).
+        self.weights = tuple(self.stack.unbind(0))
+        self.biases = tuple(self.bias.unbind(0)) if self.bias is not None else (None,) * self.stack.shape[0]
+
+    def forward(self, li: int, x: torch.Tensor, lora: bool = True) -> torch.Tensor:
+        """x [T, d_in] -> [T, sum of d_out]: one GEMM, then each module's LoRA into its columns
+        (``lora=False``: the step has no LoRA work, so the wrappers are not visited)."""
+        y = F.linear(x, self.weights[li], self.biases[li])
+        if lora:
+            for off, d, wrapper in self.lora[li]:
+                wrapper.add_lora(x, y[:, off:off + d])
         return y
 
 
@@ -103,6 +111,9 @@ class SeqInput:
     video: bool = False  # pixel_values are one video's frames
     vision_slot: int = -1  # adapter slot whose vision-side delta encodes the images, -1: the plain encoder
     vision_identity: str = ""  # the vision-side weights: the adapter's name@version, "" for the base model's
+    # A decode token still on the device: row ``pending_row`` of the previous step's sampled ids (the
+    # ``prev_tokens`` that :meth:`ModelRunner.forward` takes), read there instead of token_ids[0].
+    pending_row: int = -1
 
 
 class EncoderCache:
@@ -187,6 +198,7 @@ class StepPlan:
     decode_only: bool
     lora: LoraBatchMapping
     delora: Optional[LoraBatchMapping]
+    src: Optional[torch.Tensor] = None  # [T] int64: row of prev_tokens holding the token id, -1: ``ids`` holds it
 
 
 @dataclass
@@ -447,8 +459,14 @@ class ModelRunner:
             tables[i, :nb] = s.blocks.table()[:nb]
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])
-        host = torch.tensor(np.concatenate([np.asarray(ids), np.asarray(positions), np.asarray(slots), cu[1:] - 1]),
-                            dtype=torch.long)
+        parts = [np.asarray(ids), np.asarray(positions), np.asarray(slots), cu[1:] - 1]
+        pending = [(int(cu[i]), s.pending_row) for i, s in enumerate(seqs) if s.pending_row >= 0]
+        if pending:
+            src = np.full(len(ids), -1, dtype=np.int64)
+            for at, row in pending:
+                src[at] = row
+            parts.append(src)
+        host = torch.tensor(np.concatenate(parts), dtype=torch.long)
         meta = torch.from_numpy(np.concatenate([cu.astype(np.int32), np.asarray(ends, dtype=np.int32), tables.reshape(-1)]))
         if dev.type == "cuda":
             host, meta = host.pin_memory().to(dev, non_blocking=True), meta.pin_memory().to(dev, non_blocking=True)
@@ -462,18 +480,28 @@ class ModelRunner:
                                  cu_seqlens_q=None if decode_only else meta[:S + 1], max_q_len=max(lengths),
                                  fresh_rows=host[2 * T:3 * T] if fresh else None)
         pos = host[T:2 * T] if not mrope else torch.cat(axes, dim=1).to(dev, non_blocking=True)
-        return StepPlan(ids=host[:T], positions=pos, slot_mapping=host[2 * T:3 * T], last_index=host[3 * T:],
-                        attn=attn, decode_only=decode_only, lora=lora, delora=delora)
+        return StepPlan(ids=host[:T], positions=pos, slot_mapping=host[2 * T:3 * T], last_index=host[3 * T:3 * T + S],
+                        attn=attn, decode_only=decode_only, lora=lora, delora=delora,
+                        src=host[3 * T + S:] if pending else None)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqInput]) -> StepResult:
+    def forward(self, seqs: list[SeqInput], prev_tokens: Optional[torch.Tensor] = None) -> StepResult:
         """One packed step. A decode-only step replays a captured CUDA graph where one fits; any other
-        runs eagerly (the same layer code, with the prefill attention)."""
+        runs eagerly (the same layer code, with the prefill attention).
+
+        ``prev_tokens`` [B'] int64: the previous step's sampled ids, still on the device (-1 for a row
+        that sampled none; read as 0), where the sequences with a ``pending_row`` find their token: the
+        engine launches a step before it has read the last one's tokens back (step overlap)."""
+        if any(s.pending_row >= 0 for s in seqs) and prev_tokens is None:
+            raise ValueError("forward: a sequence reads its token from the previous step, but prev_tokens is None")
         if self.graphs is not None and self.graphs.serves(seqs):
-            return self.graphs.run(seqs)
+            return self.graphs.run(seqs, prev_tokens)
         plan = self.plan(seqs)
-        hidden = self.lm.embed_tokens(plan.ids)
-        n_enc = self._insert_images(seqs, plan.ids, hidden)
+        ids = plan.ids
+        if plan.src is not None:
+            ids = torch.where(plan.src >= 0, prev_tokens.index_select(0, plan.src.clamp(min=0)).clamp(min=0), ids)
+        hidden = self.lm.embed_tokens(ids)
+        n_enc = self._insert_images(seqs, ids, hidden)
         kv, scale = self.kv, self._attn_scale
         run = self.attention.decode if plan.decode_only else self.attention.prefill
 
@@ -500,9 +528,14 @@ class ModelRunner:
             positions = positions.expand(3, -1)
         cos, sin = self.lm.rotary_emb(hidden[None], positions[None] if positions.dim() == 1 else positions[:, None])
         cos, sin = cos[0], sin[0]
+        ctx = self.lora_ctx
+        lora = (ctx.mapping is not None and ctx.mapping.has_lora) or (ctx.delora is not None and ctx.delora.has_lora)
+        # The fused kernels add the residual in place (one allocation less per norm); the eager reference
+        # would add a copy for it.
+        inplace = fused_available(hidden)
         pending = None
-        for li, layer in enumerate(self.lm.layers):
-            hidden, pending = self._layer(li, layer, hidden, pending, cos, sin, slot_mapping, attend)
+        for li in range(self.num_layers):
+            hidden, pending = self._layer(li, hidden, pending, cos, sin, slot_mapping, attend, lora, inplace)
         if last_index is not None:
             hidden, pending = hidden.index_select(0, last_index), pending.index_select(0, last_index)
         norm = self.lm.norm
@@ -511,7 +544,8 @@ class ModelRunner:
 
     def _insert_images(self, seqs: list[SeqInput], ids: torch.Tensor, hidden: torch.Tensor) -> int:
         """Put the vision features of this step's prompts at their placeholder tokens; each distinct image
-        (or video) is encoded once, images and videos in one call each. Returns how many were encoded."""
+        (or video) is encoded once, images and videos in one call each. Returns how many were encoded.
+        The placeholders are found in the prompts' host token ids (``ids`` is not read: no device sync)."""
         with_images = [s for s in seqs if s.pixel_values is not None and len(s.pixel_values)]
         if not with_images:
             return 0
@@ -561,42 +595,68 @@ class ModelRunner:
         # token that happens to be the image token id (a random model samples it now and then) is text,
         # and must neither take an image's features nor fail the whole step. A prompt that continues a
         # cached prefix holds only the last placeholders of its images: it takes their last features.
-        mask = torch.zeros_like(ids, dtype=torch.bool)
+        # Found in the prompts' host token ids, so that nothing here waits for the device (a boolean mask
+        # or a count read back would sync the step); the rows go in with one index_copy_.
+        index: list[np.ndarray] = []
         rows: list[torch.Tensor] = []
         off, k = 0, 0
         for s in seqs:
             n = len(s.token_ids)
             if s.pixel_values is not None and len(s.pixel_values):
-                mask[off:off + n] = ids[off:off + n] == family.placeholder_id(loaded, s.video)
-                here = int(mask[off:off + n].sum())
-                if here:
-                    rows.append(torch.cat([feature_of[item] for item in items[k]])[-here:])
+                if getattr(s, "pending_row", -1) >= 0:
+                    raise RuntimeError("a prompt with images reads its token from the previous step")
+                at = np.flatnonzero(np.asarray(s.token_ids) == family.placeholder_id(loaded, s.video))
+                if len(at):
+                    rows.append(torch.cat([feature_of[item] for item in items[k]])[-len(at):])
+                    index.append(at + off)
                 k += 1
             off += n
         feats = torch.cat(rows).to(hidden.dtype) if rows else hidden.new_zeros(0, hidden.shape[-1])
-        n_slots_img = int(mask.sum())
+        n_slots_img = sum(len(a) for a in index)
         if n_slots_img != feats.shape[0]:
             raise RuntimeError(f"image placeholders ({n_slots_img} tokens) do not match image features ({feats.shape[0]})")
-        hidden[mask] = feats
+        if n_slots_img:
+            at = torch.from_numpy(np.concatenate(index).astype(np.int64))
+            if hidden.is_cuda:
+                at = at.pin_memory().to(hidden.device, non_blocking=True)
+            hidden.index_copy_(0, at, feats.to(hidden.device))
         return encoded
 
-    def _layer(self, li: int, layer: nn.Module, h: torch.Tensor, pending: Optional[torch.Tensor], cos: torch.Tensor,
-               sin: torch.Tensor, slot_mapping: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer_params(self) -> tuple:
+        """Per layer, what :meth:`_layer` reads from the modules, looked up once: (input norm weight, eps,
+        post-attention norm weight, eps, k pool, v pool) and the weight groups."""
+        cached = getattr(self, "_layer_params_cache", None)
+        if cached is None or cached[0] is not self.kv:
+            rows = []
+            for li, layer in enumerate(self.lm.layers):
+                ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+                rows.append((ln1.weight, ln1.variance_epsilon, ln2.weight, ln2.variance_epsilon,
+                             self.kv.k[li], self.kv.v[li]))
+            g = self.groups
+            cached = (self.kv, tuple(rows), (g["qkv"], g["o"], g["gate_up"], g["down"]))
+            self._layer_params_cache = cached
+        return cached
+
+    def _layer(self, li: int, h: torch.Tensor, pending: Optional[torch.Tensor], cos: torch.Tensor,
+               sin: torch.Tensor, slot_mapping: torch.Tensor, attend, lora: bool = True,
+               inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer: (residual stream, the previous layer's MLP output still to add) ->
-        (residual stream after attention, this layer's MLP output)."""
+        (residual stream after attention, this layer's MLP output). ``lora``: whether the step has LoRA
+        work (False skips the wrappers); ``inplace``: the residual add writes ``h`` in place (fused
+        kernels; ``h`` must be this step's own buffer)."""
+        _, rows, (qkv_g, o_g, gate_up_g, down_g) = self._layer_params()
+        w1, eps1, w2, eps2, k_pool, v_pool = rows[li]
         T = h.shape[0]
-        g = self.groups
-        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
         if pending is None:
-            x = rms_norm(h, ln1.weight, ln1.variance_epsilon)
+            x = rms_norm(h, w1, eps1)
         else:
-            x, h = add_rms_norm(pending, h, ln1.weight, ln1.variance_epsilon)
-        qkv = g["qkv"].forward(li, x)
-        qs, ks = self.q_size, self.kv_size
-        q = qkv[:, :qs].view(T, self.n_heads, self.head_dim)
-        k = qkv[:, qs:qs + ks].view(T, self.n_kv, self.head_dim)
-        v = qkv[:, qs + ks:].view(T, self.n_kv, self.head_dim)
-        q = rotary_and_cache(q, k, v, cos, sin, self.kv.k[li], self.kv.v[li], slot_mapping)
+            x, h = add_rms_norm(pending, h, w1, eps1, residual_out=h if inplace else None)
+        qkv = qkv_g.forward(li, x, lora)
+        # q, k and v as head views of the fused output (strided rows; the kernels read them in place)
+        q, k, v = qkv.view(T, self.n_heads + 2 * self.n_kv, self.head_dim).split(
+            (self.n_heads, self.n_kv, self.n_kv), dim=1)
+        q = rotary_and_cache(q, k, v, cos, sin, k_pool, v_pool, slot_mapping)
         o = attend(q, li)
-        x, h = add_rms_norm(g["o"].forward(li, o.reshape(T, qs)), h, ln2.weight, ln2.variance_epsilon)
-        return h, g["down"].forward(li, silu_mul(g["gate_up"].forward(li, x)))
+        x, h = add_rms_norm(o_g.forward(li, o.reshape(T, self.q_size), lora), h, w2, eps2,
+                            residual_out=h if inplace else None)
+        return h, down_g.forward(li, silu_mul(gate_up_g.forward(li, x, lora)), lora)

@@ -15,7 +15,9 @@ the number of tokens the request has generated so far. Requests without a seed g
 admission (:func:`make_seed`).
 
 Everything runs on the logits' device in float32, as one pass over the batch; only the chosen ids
-(and which rows were bad) come back to the host, in one transfer. Guards: temperature is divided in
+(and which rows were bad) come back to the host, in one transfer. :func:`sample_async` leaves them on
+the device (the next step can read them there) with their copy to pinned host memory in flight;
+:func:`sample` waits for it. Guards: temperature is divided in
 float32 with a floor of ``MIN_TEMPERATURE``; the top-p mask always keeps the most likely token; a row
 whose logits are not all finite (NaN, +-inf; an all -inf row included) is reported in ``bad_rows``
 and sampled no token, and the other rows are unaffected.
@@ -42,6 +44,32 @@ class SampleResult:
     bad_rows: list[int]
 
 
+class PendingSample:
+    """A batch's sampled ids on the device, with their copy to the host in flight.
+
+    ``tokens`` [B] int64 (-1: a row with non-finite logits) stays valid on the device: the engine's next
+    step reads its decode inputs from it without waiting. :meth:`result` waits for the copy (once)."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+        self._result = None
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = tokens, None
+
+    def result(self) -> SampleResult:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            chosen = self._host.tolist()
+            self._result = SampleResult(tokens=chosen, bad_rows=[i for i, t in enumerate(chosen) if t < 0])
+        return self._result
+
+
 def make_seed(params: SamplingParams) -> int:
     """The request's seed, or a random 64-bit one for a request that gave none (drawn once, at admission)."""
     return params.seed if params.seed is not None else secrets.randbits(64)
@@ -49,6 +77,11 @@ def make_seed(params: SamplingParams) -> int:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> SampleResult:
     """One token for each row of ``logits`` [B, V]; see the module docstring for the semantics."""
+    return sample_async(logits, params, seeds, steps).result()
+
+
+def sample_async(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> PendingSample:
+    """As :func:`sample`, without waiting: the ids stay on the device and their copy to the host is queued."""
     x = logits.float()
     dev = x.device
     finite = torch.isfinite(x).all(dim=-1)
@@ -69,8 +102,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         noise = gumbel_noise(ints[:, 1:], x.shape[-1])
         out = out.index_copy(0, idx, (scaled + noise).argmax(dim=-1))
         finite = finite.index_copy(0, idx, finite.index_select(0, idx) & ok)
-    chosen = torch.where(finite, out, torch.full_like(out, -1)).tolist()  # the one device -> host transfer
-    return SampleResult(tokens=chosen, bad_rows=[i for i, t in enumerate(chosen) if t < 0])
+    return PendingSample(torch.where(finite, out, torch.full_like(out, -1)))  # the one device -> host transfer
 
 
 def _top_p_mask(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,28 +1,40 @@
 """The Triton model's metrics: the engine's EngineMetrics reported as custom metric families (``vlora_*``) on
 Triton's own metrics endpoint, next to Triton's ``nv_*`` ones. Every series carries the model, its version and,
-with one instance per GPU, the instance and its device."""
+with one instance per GPU, the instance and its device.
+
+Every ``Metric.increment``/``set``/``observe`` of the Python backend is an IPC round trip from the stub
+process to the server, and ``set`` holds the GIL through it. Made per engine step, those calls (and the
+thread hand-offs they cost) slowed the engine thread inside the stub. So the engine's reports only
+accumulate plain Python values (counter increments, the latest gauge values, the histograms'
+observations), and one metrics thread applies them every ``FLUSH_INTERVAL_S`` (0.2 s): one
+increment per counter that moved, one set per gauge that changed, and one observe per histogram
+observation (Triton's histograms take no bucket counts). A scrape therefore lags the engine by at most
+the flush interval (plus the time of one flush); close() applies what is left before it returns.
+"""
 from __future__ import annotations
 
-import queue
 import threading
 import traceback
 from typing import Any, Optional
 
 BASE_LABEL = "__base__"  # the lora_name label of requests without an adapter
+FLUSH_INTERVAL_S = 0.2  # how often the metrics thread applies the engine's reports to Triton's metrics
 
 
 class TritonModelMetrics:
     """EngineMetrics on Triton's metrics endpoint through ``pb_utils.MetricFamily`` (``pb_utils``: Triton's
     triton_python_backend_utils, or a test's fake).
 
-    The engine calls these from its own thread; every update is queued and applied on a metrics
-    thread, so the engine never waits on the stub's IPC to the server.
+    The engine calls these from its own thread; they only accumulate, under one short lock, and the
+    metrics thread applies them every ``flush_interval_s`` (see the module docstring), so the engine
+    never waits on the stub's IPC to the server nor wakes another thread per step.
     """
 
     BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 
-    def __init__(self, pb_utils: Any, model_name: str, version: str, instance: str = "", device: str = "") -> None:
+    def __init__(self, pb_utils: Any, model_name: str, version: str, instance: str = "", device: str = "",
+                 flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
         # One model instance per GPU: each instance's series carries its name and device (Triton names the
         # instances of one instance_group entry alike on every GPU), so the gauges of two instances do not
         # overwrite each other (sum over them for the model).
@@ -85,53 +97,196 @@ class TritonModelMetrics:
         self._prefix = {k: f[k].Metric(labels=self._labels) for k in ("prefix_prompt", "prefix_reused", "prefix_evictions")}
         self._encoder = {k: f[k].Metric(labels=self._labels)
                          for k in ("encoder_hits", "encoder_misses", "encoder_evictions", "encoder_bytes")}
-        self._last_mode: Optional[str] = None
+        # The counters without per-request labels, by the first element of their accumulation key.
+        self._fixed = {"steps": self._steps, "prefill": self._prefill, "decode": self._decode, "switches": self._switches,
+                       **self._prefix, **{k: v for k, v in self._encoder.items() if k != "encoder_bytes"}}
+        self._histograms = {"batch_hist": self._batch_hist, "step_hist": self._step_hist, "switch_hist": self._switch_hist}
+        # Engine-side accumulation: plain Python values under one short lock, taken by flush().
+        self._lock = threading.Lock()
+        self._counts: dict[tuple, float] = {}  # counter key (family, label values...) -> increment since the last flush
+        self._gauges: dict[str, Any] = {}  # gauge -> latest value reported since the last flush
+        self._observed: dict[str, list[float]] = {"batch_hist": [], "step_hist": [], "switch_hist": []}
+        # What the flushing thread last applied (touched only under _flush_lock).
+        self._flush_lock = threading.Lock()
+        self._applied: dict[str, Any] = {}  # gauge -> value last set on Triton
         self._adapter_gauges: dict[str, tuple[int, int]] = {}  # lora_name -> (running, waiting) last set
-        self._per_label: dict[tuple[str, ...], Any] = {}  # touched only by the metrics thread
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._per_label: dict[tuple[str, ...], Any] = {}
+        self.flushes = 0  # flushes that applied something (for tests and benchmarks)
+        self.ipc_calls = 0  # Metric.increment/set/observe calls made on Triton (for tests and benchmarks)
+        self._interval = flush_interval_s
+        self._stop = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="vlora-metrics", daemon=True)
         self._thread.start()
 
-    # EngineMetrics, called on the engine thread.
+    # EngineMetrics, called on the engine thread (adapter_swap also on loader threads): plain Python only.
+    def _count(self, key: tuple, value: float) -> None:
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + value
+
     def request_admitted(self, lora_name: Optional[str]) -> None:
-        self._queue.put(("requests", (lora_name or BASE_LABEL,), 1))
+        self._count(("requests", lora_name or BASE_LABEL), 1)
 
     def request_finished(self, lora_name: Optional[str], finish_reason: str, num_output_tokens: int) -> None:
         name = lora_name or BASE_LABEL
-        self._queue.put(("finished", (name, finish_reason or "unknown"), 1))
-        if num_output_tokens:
-            self._queue.put(("output_tokens", (name,), num_output_tokens))
+        key = ("finished", name, finish_reason or "unknown")
+        with self._lock:
+            c = self._counts
+            c[key] = c.get(key, 0) + 1
+            if num_output_tokens:
+                key = ("output_tokens", name)
+                c[key] = c.get(key, 0) + num_output_tokens
 
     def step(self, batch_size: int, num_prefill_tokens: int, num_decode_tokens: int, duration_s: float) -> None:
-        self._queue.put(("step", batch_size, num_prefill_tokens, num_decode_tokens, duration_s))
+        with self._lock:
+            c = self._counts
+            c[("steps",)] = c.get(("steps",), 0) + 1
+            if num_prefill_tokens:
+                c[("prefill",)] = c.get(("prefill",), 0) + num_prefill_tokens
+            if num_decode_tokens:
+                c[("decode",)] = c.get(("decode",), 0) + num_decode_tokens
+            self._gauges["batch_last"] = batch_size
+            self._observed["batch_hist"].append(batch_size)
+            self._observed["step_hist"].append(duration_s)
 
     def queue_depth(self, running: int, waiting: int) -> None:
-        self._queue.put(("depth", running, waiting))
+        with self._lock:
+            self._gauges["depth"] = (running, waiting)
 
     def mode_step(self, mode: str, merged: Optional[str], duration_s: float) -> None:
-        self._queue.put(("mode", mode, duration_s))
+        with self._lock:
+            c = self._counts
+            key = ("mode_seconds", mode)
+            c[key] = c.get(key, 0) + duration_s
+            key = ("mode_steps", mode)
+            c[key] = c.get(key, 0) + 1
+            self._gauges["mode"] = mode
 
     def mode_switch(self, from_mode: str, to_mode: str, duration_s: float) -> None:
-        self._queue.put(("switch", duration_s))
+        with self._lock:
+            self._counts[("switches",)] = self._counts.get(("switches",), 0) + 1
+            self._observed["switch_hist"].append(duration_s)
 
     def adapter_requests(self, running, waiting) -> None:
-        self._queue.put(("adapters", dict(running), dict(waiting)))
+        with self._lock:
+            # The latest counts, and every adapter named since the last flush: one that came and went
+            # between two flushes still shows 0, as when every report was applied.
+            last = self._gauges.get("adapters")
+            seen = last[2] if last else set()
+            seen.update(k or BASE_LABEL for k in running)
+            seen.update(k or BASE_LABEL for k in waiting)
+            self._gauges["adapters"] = (dict(running), dict(waiting), seen)
 
     def adapter_swap(self, kind: str, lora_name: str) -> None:
-        self._queue.put((kind, (lora_name,), 1))
+        self._count((kind, lora_name), 1)
 
     def adapters_resident(self, gpu: int, host: int) -> None:
-        self._queue.put(("resident", gpu, host))
+        with self._lock:
+            self._gauges["resident"] = (gpu, host)
 
     def prefix_cache(self, prompt_tokens: int, reused_tokens: int, evictions: int) -> None:
-        self._queue.put(("prefix", prompt_tokens, reused_tokens, evictions))
+        with self._lock:
+            c = self._counts
+            for key, value in ((("prefix_prompt",), prompt_tokens), (("prefix_reused",), reused_tokens),
+                               (("prefix_evictions",), evictions)):
+                if value:
+                    c[key] = c.get(key, 0) + value
 
     def encoder_cache(self, hits: int, misses: int, evictions: int, bytes_used: int) -> None:
-        self._queue.put(("encoder", hits, misses, evictions, bytes_used))
+        with self._lock:
+            c = self._counts
+            for key, value in ((("encoder_hits",), hits), (("encoder_misses",), misses),
+                               (("encoder_evictions",), evictions)):
+                if value:
+                    c[key] = c.get(key, 0) + value
+            self._gauges["encoder_bytes"] = bytes_used
+
+    # Flushing, on the metrics thread (and in flush() and close()).
+    def flush(self) -> None:
+        """Apply everything reported so far to Triton's metrics now. The metrics thread does this every
+        ``flush_interval_s``; close() does it a last time."""
+        with self._flush_lock:
+            with self._lock:
+                counts, self._counts = self._counts, {}
+                gauges, self._gauges = self._gauges, {}
+                observed = self._observed
+                self._observed = {k: [] for k in observed}
+            if not (counts or gauges or any(observed.values())):
+                return
+            self.flushes += 1
+            for key, value in counts.items():
+                self._guarded(self._increment, key, value)
+            for name, value in gauges.items():
+                self._guarded(self._set_gauge, name, value)
+            for name, values in observed.items():
+                if values:
+                    self._guarded(self._observe, name, values)
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Stop the metrics thread after a last flush (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
         self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.flush()
+        self.flush()
+
+    def _guarded(self, apply, *args) -> None:
+        try:
+            apply(*args)
+        except Exception:  # a metric must never take the server down
+            self._log.log_warn(f"vlora: metrics update failed: {traceback.format_exc()}")
+
+    def _increment(self, key: tuple, value: float) -> None:
+        family = key[0]
+        if family in self._fixed:
+            metric = self._fixed[family]
+        elif family in ("mode_seconds", "mode_steps"):
+            seconds, steps, _ = self._modes[key[1]]
+            metric = seconds if family == "mode_seconds" else steps
+        else:
+            metric = self._labelled(family, key[1:])
+        metric.increment(value)
+        self.ipc_calls += 1
+
+    def _set(self, name: str, metric, value) -> None:
+        """Set a gauge when its value differs from what was last set."""
+        if self._applied.get(name) != value:
+            metric.set(value)
+            self.ipc_calls += 1
+            self._applied[name] = value
+
+    def _set_gauge(self, name: str, value) -> None:
+        if name == "batch_last":
+            self._set(name, self._batch_last, value)
+        elif name == "depth":
+            self._set("running", self._running, value[0])
+            self._set("waiting", self._waiting, value[1])
+        elif name == "mode":
+            if value not in self._modes:
+                raise KeyError(f"unknown inference mode {value!r}")
+            for m, (_, _, gauge) in self._modes.items():
+                self._set(f"mode_active:{m}", gauge, 1 if m == value else 0)
+        elif name == "resident":
+            self._set("resident:gpu", self._tiers["gpu"], value[0])
+            self._set("resident:cpu", self._tiers["cpu"], value[1])
+        elif name == "encoder_bytes":
+            self._set(name, self._encoder["encoder_bytes"], value)
+        elif name == "adapters":
+            self._set_adapter_gauges(*value)
+        else:
+            raise KeyError(f"unknown gauge {name!r}")
+
+    def _observe(self, name: str, values: list[float]) -> None:
+        # Triton's histograms take one observation per call: no bucket counts can be added at once.
+        metric = self._histograms[name]
+        for v in values:
+            metric.observe(v)
+        self.ipc_calls += len(values)
 
     def _labelled(self, family: str, values: tuple[str, ...]):
         key = (family,) + values
@@ -142,63 +297,13 @@ class TritonModelMetrics:
             self._per_label[key] = metric
         return metric
 
-    def _set_adapter_gauges(self, running: dict, waiting: dict) -> None:
+    def _set_adapter_gauges(self, running: dict, waiting: dict, seen: set) -> None:
         """Per-adapter gauges; an adapter that had requests and has none now goes back to 0."""
         now = {(k or BASE_LABEL): (running.get(k, 0), waiting.get(k, 0)) for k in set(running) | set(waiting)}
-        for name in set(now) | set(self._adapter_gauges):
+        for name in sorted(set(now) | set(self._adapter_gauges) | seen):
             value = now.get(name, (0, 0))
             if self._adapter_gauges.get(name) != value:
                 self._labelled("adapter_running", (name,)).set(value[0])
                 self._labelled("adapter_waiting", (name,)).set(value[1])
-        self._adapter_gauges = {k: v for k, v in now.items()}
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            try:
-                kind = item[0]
-                if kind == "step":
-                    _, bs, prefill, decode, duration = item
-                    self._steps.increment(1)
-                    if prefill:
-                        self._prefill.increment(prefill)
-                    if decode:
-                        self._decode.increment(decode)
-                    self._batch_last.set(bs)
-                    self._batch_hist.observe(bs)
-                    self._step_hist.observe(duration)
-                elif kind == "depth":
-                    self._running.set(item[1])
-                    self._waiting.set(item[2])
-                elif kind == "mode":
-                    _, mode, duration = item
-                    seconds, steps, active = self._modes[mode]
-                    seconds.increment(duration)
-                    steps.increment(1)
-                    if mode != self._last_mode:
-                        for m, (_, _, gauge) in self._modes.items():
-                            gauge.set(1 if m == mode else 0)
-                        self._last_mode = mode
-                elif kind == "switch":
-                    self._switches.increment(1)
-                    self._switch_hist.observe(item[1])
-                elif kind == "adapters":
-                    self._set_adapter_gauges(item[1], item[2])
-                elif kind == "prefix":
-                    for key, value in zip(("prefix_prompt", "prefix_reused", "prefix_evictions"), item[1:]):
-                        if value:
-                            self._prefix[key].increment(value)
-                elif kind == "encoder":
-                    for key, value in zip(("encoder_hits", "encoder_misses", "encoder_evictions"), item[1:4]):
-                        if value:
-                            self._encoder[key].increment(value)
-                    self._encoder["encoder_bytes"].set(item[4])
-                elif kind == "resident":
-                    self._tiers["gpu"].set(item[1])
-                    self._tiers["cpu"].set(item[2])
-                else:
-                    self._labelled(kind, item[1]).increment(item[2])
-            except Exception:  # a metric must never take the server down
-                self._log.log_warn(f"vlora: metrics update failed: {traceback.format_exc()}")
+                self.ipc_calls += 2
+        self._adapter_gauges = dict(now)

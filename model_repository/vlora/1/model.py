@@ -4,8 +4,11 @@ execute() validates each request and submits it to the engine, which runs on its
 whose images have more than limits.inline_image_pixels pixels is decoded and submitted by the image
 workers (a bounded pool; when its queue is full the request is refused as UNAVAILABLE), so execute()
 returns at once and a heavy request delays only itself. The engine reports every event through a
-callback that only enqueues; a response thread sends the responses (what queued up while it sent goes
-out together, each request's events merged into one response) and watches for cancelled requests.
+callback that only appends it to the outbox, and wakes the response thread once per engine step
+(AsyncEngine's ``after_outputs``), not once per token; the response thread sends the responses (what
+queued up while it sent goes out together, each request's events merged into one response) and watches
+for cancelled requests. Metric updates are accumulated and applied every 0.2 s (vlora.server.metrics):
+the engine thread shares the stub's GIL with these threads, so they wake as rarely as they can.
 finalize() drains the image workers and the engine, and joins the threads.
 
 The wire format (the Triton vLLM backend's: inputs, outputs, sampling parameters, errors) is
@@ -23,11 +26,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -83,8 +86,12 @@ class TritonPythonModel:
         self._metrics = TritonModelMetrics(pb_utils, args["model_name"], args["model_version"],
                                            args.get("model_instance_name", ""),
                                            f"cuda:{int(args['model_instance_device_id'])}" if gpu else "cpu")
-        self._responses: "queue.Queue[Any]" = queue.Queue()
-        self._engine = AsyncEngine(config, metrics=self._metrics, on_dead=self._engine_failed)
+        # Engine events and control items for the response thread, in order (deque appends are atomic);
+        # _wake is set when the response thread should look: after each engine step's events, and by _post.
+        self._outbox: deque = deque()
+        self._wake = threading.Event()
+        self._engine = AsyncEngine(config, metrics=self._metrics, on_dead=self._engine_failed,
+                                   after_outputs=self._wake.set)
         pb_utils.Logger.log_info(
             f"vlora: model {self._engine.model_info}; adapters {self._engine.list_adapters()}"
         )
@@ -178,42 +185,46 @@ class TritonPythonModel:
             stream=gen.stream,
             prefix="" if exclude_input or gen.stream else gen.prompt,
         )
-        # Registered before submit: the queue is FIFO, so the response thread knows the request
-        # before its first output arrives.
-        self._responses.put(("open", state))
+        # Registered before submit: the outbox is FIFO, so the response thread knows the request
+        # before its first output arrives (no wake-up needed: that output comes with one).
+        self._outbox.append(("open", state))
         try:
             # Blocks while the engine is full: that is what pushes back into Triton's queue (or, on an
             # image worker, into the image workers' bounded queue).
-            self._engine.submit(prepared, self._responses.put, fault=fault)
+            self._engine.submit(prepared, self._outbox.append, fault=fault)
         except EngineOverloaded as e:
-            self._responses.put(("close", request_id))
+            self._post(("close", request_id))
             self._wire.send_error(sender, str(e) or "server overloaded", unavailable=True)
         except InvalidRequest as e:
-            self._responses.put(("close", request_id))
+            self._post(("close", request_id))
             self._wire.send_error(sender, str(e))
         except Exception as e:
-            self._responses.put(("close", request_id))
+            self._post(("close", request_id))
             pb_utils.Logger.log_error(f"vlora: submit failed: {traceback.format_exc()}")
             self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}")
+
+    def _post(self, item: Any) -> None:
+        """Queue a control item for the response thread and wake it."""
+        self._outbox.append(item)
+        self._wake.set()
 
     def _response_loop(self) -> None:
         """Send what the engine produced; cancel requests whose clients went away."""
         inflight: dict[str, _InFlight] = {}
+        outbox, wake = self._outbox, self._wake
         last_poll = time.monotonic()
-        stop = False
+        stop = more = False
         while not stop:
-            try:
-                batch = [self._responses.get(timeout=CANCEL_POLL_S)]
-            except queue.Empty:
-                batch = []
+            if not more:  # a step's events are all in the outbox when it wakes us: one drain per step
+                wake.wait(CANCEL_POLL_S)
+            wake.clear()  # before draining: what is appended and woken for later is seen next time
             # Whatever queued up while the last sends ran goes out together: a request's events merge into
             # one response (the same text in fewer pieces), so a sender slower than the engine's token rate
             # sends less often instead of falling further behind.
-            while batch and len(batch) < MAX_DRAIN:
-                try:
-                    batch.append(self._responses.get_nowait())
-                except queue.Empty:
-                    break
+            batch = []
+            while outbox and len(batch) < MAX_DRAIN:
+                batch.append(outbox.popleft())
+            more = len(batch) == MAX_DRAIN and bool(outbox)  # else what came meanwhile comes with a wake-up
             for item in coalesce(batch):
                 if item is _STOP:
                     stop = True
@@ -246,7 +257,7 @@ class TritonPythonModel:
 
         def exit_when_sent() -> None:
             flushed = threading.Event()
-            self._responses.put(("flushed", flushed))
+            self._post(("flushed", flushed))
             flushed.wait(DEAD_FLUSH_S)
             time.sleep(0.5)  # the last sends and the log line reach the server
             os._exit(1)
@@ -291,7 +302,7 @@ class TritonPythonModel:
         try:
             self._engine.shutdown()
         finally:
-            self._responses.put(_STOP)
+            self._post(_STOP)
             self._response_thread.join(timeout=30)
             self._metrics.close()
         pb_utils.Logger.log_info("vlora: stopped")
