@@ -2,9 +2,13 @@
 # One device call for the engine (run from the repository root on the GPU machine): the ATMM extension
 # (a prebuilt one carried in .devpack/, else built, see build_atmm.sh), the engine's GPU tests, then the
 # engine benchmark. Needs no Triton server, so it skips device_env.sh.
-#   ENGINE_STEPS   default "test floor"
+#   ENGINE_STEPS   default "test floor"; "cache": benchmarks/cache_ttft.py (TTFT, encoder and prefix caches off/on)
 #   ENGINE_TESTS   default the engine's GPU tests (paged attention, graphs, parity with transformers + PEFT)
 #   FLOOR_ARGS     arguments of benchmarks/engine_floor.py (default --quick)
+#   CACHE_ARGS     arguments of benchmarks/cache_ttft.py (default none: LLaVA-1.5-7B and Qwen2-VL-7B)
+#   ATMM steps (in this order, after the engine's): "switch" (benchmarks/switch_probe.py: merge/swap/unmerge
+#   of rank 64 into q/k/v/o of 32 layers), "atmmbench" (benchmarks/atmm.py ${ATMM_BENCH_ARGS:---quick}),
+#   "atmm" (the ATMM and merge GPU tests, ATMM_TESTS, under `timeout ${ATMM_TEST_TIMEOUT:-300}`)
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" /tmp/site
@@ -25,5 +29,30 @@ fi
 if [[ " $STEPS " == *" floor "* ]]; then
   python3 benchmarks/engine_floor.py ${FLOOR_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/engine-floor.log" | tail -60
   rc=$(( rc | PIPESTATUS[0] ))
+fi
+if [[ " $STEPS " == *" cache "* ]]; then
+  t0=$(date +%s)
+  python3 benchmarks/cache_ttft.py ${CACHE_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/cache-ttft.log" | tail -30
+  rc=$(( rc | PIPESTATUS[0] ))
+  echo "benchmarks/cache_ttft.py: $(( $(date +%s) - t0 )) s"
+fi
+if [[ " $STEPS " == *" switch "* ]]; then
+  python3 benchmarks/switch_probe.py --json "$OUT/switch-probe.json" 2>&1 | tee "$OUT/switch-probe.log" | tail -12
+  rc=$(( rc | PIPESTATUS[0] ))
+fi
+if [[ " $STEPS " == *" atmmbench "* ]]; then
+  t0=$(date +%s)
+  python3 benchmarks/atmm.py ${ATMM_BENCH_ARGS:---quick} --out-dir "$OUT" --table-out "$OUT/tiling-table.json" 2>&1 |
+    tee "$OUT/atmm-bench.log" | tail -25
+  rc=$(( rc | PIPESTATUS[0] ))
+  echo "benchmarks/atmm.py: $(( $(date +%s) - t0 )) s"
+fi
+if [[ " $STEPS " == *" atmm "* ]]; then
+  t0=$(date +%s)
+  timeout "${ATMM_TEST_TIMEOUT:-300}" python3 -m pytest -q --maxfail=20 -p no:cacheprovider --durations=8 \
+    ${ATMM_TESTS:-tests/gpu/test_atmm_merge.py tests/gpu/test_atmm_gpu.py tests/gpu/test_atmm_stream.py \
+      tests/gpu/test_atmm_sm90.py tests/gpu/test_atmm_triton.py} 2>&1 | tee "$OUT/atmm-tests.log" | tail -30
+  rc=$(( rc | PIPESTATUS[0] ))
+  echo "ATMM GPU tests: $(( $(date +%s) - t0 )) s"
 fi
 exit $rc

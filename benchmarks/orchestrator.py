@@ -31,21 +31,24 @@ arrival are cancelled and counted as *censored*: their latency counts as (cutoff
 full output length, a lower bound that flatters the policy that had them.
 
 GPU (LLaVA-1.5-7B dimensions, random weights; the model folder is written under --work on first use): the full
-grid in two device calls of under 9 minutes each (``benchmarks/device_orchestrator.sh``, ``ORCH_PART=1`` then
-``2``; 6 s of arrivals and at most 4 s of drain per cell, no cell started after ``--deadline-s``):
+grid in one device call (``benchmarks/device_orchestrator.sh``). ``--budget-s`` fits the run into a wall-clock
+budget: once the model, the engine, the switch times and the calibrated rate are ready, every cell gets the same
+arrival window, the longest (up to ``--duration``, at least ``--min-duration``) with which all cells fit, each
+counted at its worst (its window, the whole ``--drain`` and the per-cell overhead); the window and the requests of
+each cell are reported. No cell starts once it could not end inside the budget, so a slow machine returns with
+what it measured. Cells run adapter count by skewness by rate, the four policies one after the other on the same
+stream, so that a cut-short run still holds whole comparisons:
 
-    python benchmarks/orchestrator.py --device cuda --require-atmm-ext --deadline-s 400 \\
-        --policies vlora,merge-only --json-out $OUT/orchestrator-part1.json --no-record
-    # copy the first call's JSON into the working tree (benchmarks/results/orchestrator-part1.json) so that it travels:
-    python benchmarks/orchestrator.py --device cuda --require-atmm-ext --deadline-s 400 \\
-        --policies unmerge-only,dlora --merge-into benchmarks/results/orchestrator-part1.json \\
+    python benchmarks/orchestrator.py --device cuda --require-atmm-ext --budget-s 400 \\
         --json-out $OUT/orchestrator.json --no-record
-    python benchmarks/orchestrator.py --report path/to/orchestrator.json   # here: verdicts, RESULTS.md line
+    python benchmarks/orchestrator.py --report path/to/orchestrator.json   # here: tables, verdicts, RESULTS.md line
 
-A second call with ``--merge-into FILE`` adds its cells to FILE's (same settings required), and reuses
-FILE's calibrated request rates so that every policy sees the same stream. ``--require-atmm-ext`` stops
-at once when the ATMM extension cannot serve (put a built ``vlora_atmm_ext*.so`` on PYTHONPATH, see
-``benchmarks/run_device.sh``). CPU smoke run (tiny model):
+``--report`` prints the tables (average and p99 token latency per cell, requests per cell), vlora's cut against
+each baseline, and for every missed comparison the measured step and switch costs beside the cost model's; then
+the same as a markdown section for RESULTS.md. A second run with ``--merge-into FILE`` adds its cells to FILE's
+(same settings required), and reuses FILE's calibrated request rates so that every policy sees the same stream.
+``--require-atmm-ext`` stops at once when the ATMM extension cannot serve (put a built ``vlora_atmm_ext*.so`` on
+PYTHONPATH, see ``benchmarks/run_device.sh``). CPU smoke run (tiny model; ``--budget-s 120`` runs the full grid):
 
     python benchmarks/orchestrator.py --device cpu --quick --no-record
 
@@ -85,11 +88,17 @@ MERGE_KEYS = ("model", "dtype", "rank", "prompt_tokens", "output_tokens", "max_b
 
 # Defaults per kind of run: a model of real width on a GPU, or the tiny model on a CPU.
 GPU_DEFAULTS = dict(preset="configs/models/llava-1.5-7b.yaml", rank=64, prompt_tokens=256, output_tokens=32,
-                    max_batch_size=32, slots=64, adapters="8,64,512", duration=6.0, drain=4.0, distinct_weights=8)
+                    max_batch_size=32, slots=64, adapters="8,64,512", duration=6.0, drain=3.0, distinct_weights=8,
+                    min_duration=2.5)
 CPU_DEFAULTS = dict(preset=None, rank=8, prompt_tokens=48, output_tokens=8, max_batch_size=8, slots=16,
-                    adapters="4,16,64", duration=2.0, drain=2.0, distinct_weights=4)
-QUICK = dict(skewness="0.1,0.9", gpu=dict(adapters="8,512", duration=4.0, drain=4.0),
+                    adapters="4,16,64", duration=2.0, drain=2.0, distinct_weights=4, min_duration=0.5)
+QUICK = dict(skewness="0.1,0.9", gpu=dict(adapters="8,512", duration=4.0, drain=3.0),
              cpu=dict(adapters="4,64", duration=1.0, drain=1.0))
+# What --budget-s counts per cell beyond its arrival window and drain (making the cell's stream, tokenizing its
+# prompts, filling the slots, the policy's orchestrator) and once per policy (its first warm-up batch, graphs it
+# lacks), in seconds: estimates with a margin; the run prints what the cells really took.
+CELL_OVERHEAD_S = {"gpu": 0.5, "cpu": 0.3}
+POLICY_WARMUP_S = {"gpu": 2.0, "cpu": 0.5}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -105,7 +114,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--adapters", help="numbers of adapters (GPU default 8,64,512)")
     p.add_argument("--rate", help="request rates in req/s (comma list); default: --load x measured capacity")
     p.add_argument("--load", default="1.0", help="rates as fractions of the measured unmerged capacity")
-    p.add_argument("--duration", type=float, help="seconds of arrivals per cell (GPU default 8)")
+    p.add_argument("--duration", type=float, help="seconds of arrivals per cell (GPU default 6; with --budget-s the most)")
+    p.add_argument("--min-duration", type=float, help="with --budget-s: the shortest arrival window a cell may get "
+                                                      "(GPU default 2.5 s, CPU 0.5 s)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="fit the whole run into this many seconds from its start: every cell gets the same arrival "
+                        "window, the longest with which all cells fit at their worst (see the module docstring)")
     p.add_argument("--drain", type=float, help="seconds after the last arrival before the rest is cancelled (censored)")
     p.add_argument("--prompt-tokens", type=int, help="prompt length (GPU default 256)")
     p.add_argument("--output-tokens", type=int, help="output tokens per request, EOS ignored (GPU default 32)")
@@ -126,7 +140,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--force-merge", action="store_true", help="merge even if FILE's settings differ")
     p.add_argument("--json-out", metavar="FILE", help="write the (merged) result here")
     p.add_argument("--no-record", action="store_true", help="do not write results/ or RESULTS.md")
-    p.add_argument("--report", metavar="FILE", help="no run: read FILE, print the tables and verdicts, record them")
+    p.add_argument("--report", metavar="FILE", help="no run: read FILE, print the tables, verdicts and a RESULTS.md "
+                                                    "section, record them (results/ and a RESULTS.md line)")
+    p.add_argument("--markdown", metavar="FILE", help="write the RESULTS.md section (markdown tables) here")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads on a CPU run (default 1: the tiny model gains nothing from more, and a busy "
                         "machine stalls multi-threaded steps)")
@@ -162,6 +178,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "distinct_weights": args.distinct_weights or base["distinct_weights"],
         "duration_s": args.duration if args.duration is not None else base["duration"],
         "drain_s": args.drain if args.drain is not None else base["drain"],
+        "min_duration_s": args.min_duration,
         "policies": csv(args.policies, str),
         "skewness": csv(QUICK["skewness"] if args.quick and args.skewness == "0.1,0.3,0.6,0.9" else args.skewness),
         "adapters": csv(args.adapters or base["adapters"], int),
@@ -172,6 +189,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
     }
+    if s["min_duration_s"] is None:
+        s["min_duration_s"] = min(base["min_duration"], s["duration_s"])
     bad = [p for p in s["policies"] if p not in POLICIES]
     if bad:
         raise SystemExit(f"--policies: unknown {bad}; known: {list(POLICIES)}")
@@ -179,6 +198,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--skewness: values in (0, 1]")
     if any(n < 2 or n > 1000 for n in s["adapters"]):
         raise SystemExit("--adapters: values in [2, 1000] (the workload generator's limit)")
+    if s["duration_s"] <= 0 or s["drain_s"] < 0 or not 0 < s["min_duration_s"] <= s["duration_s"]:
+        raise SystemExit("--duration > 0, --drain >= 0 and 0 < --min-duration <= --duration")
     if s["rates"] is not None and any(r <= 0 for r in s["rates"]):
         raise SystemExit("--rate: values > 0")
     if s["slots"] > 256 and gpu:
@@ -225,7 +246,9 @@ def build(s: dict[str, Any], model_dir: Path, work: Path):
         "lora.max_gpu_adapters": s["slots"], "lora.max_cpu_adapters": s["slots"], "lora.max_rank": s["rank"],
         "lora.target_modules": list(s["target_modules"]), "scheduler.max_batch_size": s["max_batch_size"],
         "cache.num_blocks": kv_blocks(s), "orchestrator.policy": "vlora", "orchestrator.cost_model": s["cost_model"],
-        "orchestrator.cost_model_dir": str(work / "cost-model")}
+        "orchestrator.cost_model_dir": str(work / "cost-model"),
+        # No tuner sidecar profiling on the GPU while cells are timed: the committed tiling table (or the default rule) serves.
+        "atmm.tune_at_load": "never"}
     if s["theta_s"] is not None:
         overrides["orchestrator.theta_s"] = s["theta_s"]
     cfg = EngineConfig().with_overrides(overrides)
@@ -342,6 +365,7 @@ class ComputeProbe:
 
 def set_policy(engine, policy: str) -> ComputeProbe:
     """Give the engine a fresh orchestrator for ``policy`` (base weights clean first)."""
+    engine.flush()
     from vlora.orchestrator.orchestrator import Orchestrator
     from vlora.orchestrator.policies import UNMERGE
 
@@ -524,6 +548,7 @@ def run_cell(engine, s: dict[str, Any], prompt: str, schedule: list, probe: Comp
             if now > cutoff:
                 censored_at = now
                 engine.fail_all("cancelled", "benchmark drain limit reached")
+                engine.flush()  # the step overlap's last step in flight: read back, its requests already failed
                 break
             if engine.step() is None:  # nothing could run: its adapters are still being copied into slots
                 stalled = now if stalled is None else stalled
@@ -548,6 +573,9 @@ def run_cell(engine, s: dict[str, Any], prompt: str, schedule: list, probe: Comp
     lost = [r for r in recs.values() if r["finish"] is None]
     lat = [r["finish"] - r["send"] for r in done] + [r["finish"] - r["send"] for r in censored]
     lat_tokens = sum(r["tokens"] for r in done) + out_tokens * len(censored)
+    # Each request's own latency per output token (a censored one: its lower bound over the full output).
+    per_token = [(r["finish"] - r["send"]) / max(r["tokens"], 1) for r in done] + \
+                [(r["finish"] - r["send"]) / out_tokens for r in censored]
     makespan = max((r["finish"] for r in recs.values() if r["finish"] is not None), default=wall)
     generated = sum(r["tokens"] for r in recs.values())
     mode_s = {m: orch.mode_seconds.get(m, 0.0) - before["mode_s"].get(m, 0.0) for m in set(orch.mode_seconds)}
@@ -560,6 +588,8 @@ def run_cell(engine, s: dict[str, Any], prompt: str, schedule: list, probe: Comp
         "avg_token_latency_ms": 1e3 * sum(lat) / lat_tokens if lat_tokens else float("nan"),
         "e2e_mean_s": statistics.fmean(lat) if lat else float("nan"),
         "e2e_p50_s": percentile(lat, 0.50), "e2e_p99_s": percentile(lat, 0.99),
+        "token_latency_p50_ms": 1e3 * percentile(per_token, 0.50), "token_latency_p99_ms": 1e3 * percentile(per_token, 0.99),
+        "arrival_window_s": s["duration_s"],
         "throughput_req_s": len(done) / makespan if makespan > 0 else 0.0,
         "throughput_tok_s": generated / makespan if makespan > 0 else 0.0,
         "output_tokens": generated, "makespan_s": makespan, "wall_s": wall,
@@ -601,40 +631,42 @@ def warm_policy(engine, prompt: str, names: list[str], bs: int) -> None:
 
 def run_grid(engine, s: dict[str, Any], prompt: str, names: list[str], load_of: dict[float, float],
              deadline: Optional[float] = None, partial: Optional[Path] = None) -> tuple[list, dict]:
-    """Every cell, policy by policy (one orchestrator each), adapter counts next (the slots are filled
-    once per count), then skewness and rate. Returns the cells and the LoRA compute path per policy.
+    """Every cell: adapter count, then skewness, then rate, and for each of these points the policies one
+    after the other on the same stream (a fresh orchestrator per cell; each policy's first cell follows one
+    warm-up batch through its own paths). Returns the cells and the LoRA compute path per policy.
 
     No cell starts after ``deadline`` (a time.perf_counter() value), so a run on a time-limited machine
-    ends with what it measured; ``partial`` is rewritten after every cell."""
+    ends with what it measured, whole points first; ``partial`` is rewritten after every cell."""
     from vlora.orchestrator.policies import UNMERGE
 
-    cells, compute_paths = [], {}
+    cells, paths = [], {p: set() for p in s["policies"]}
+    warmed: set[str] = set()
     done, t0 = 0, time.perf_counter()
     total = len(s["policies"]) * len(s["skewness"]) * len(s["adapters"]) * len(s["rates"])
-    for policy in s["policies"]:
-        if deadline is not None and time.perf_counter() > deadline:
-            print(f"deadline reached: policy {policy} not run", flush=True)
-            continue
-        probe = set_policy(engine, policy)
-        cfg = engine.orchestrator.cfg
-        switcher = cfg.resolved_switcher if policy != "unmerge-only" else None
-        warm_policy(engine, prompt, names, s["max_batch_size"])
-        print(f"policy {policy}: switcher {switcher}, unmerged LoRA compute {cfg.resolved_lora_compute} -> {probe.summary()}; "
-              f"theta {cfg.theta_s:g} s" + (f", merge_share {cfg.merge_share:g}" if policy == "dlora" else "")
-              + (f", cost model {engine.orchestrator.costs.source}" if policy == "vlora" else ""), flush=True)
-        paths = {probe.summary()}
-        for n in s["adapters"]:
-            for skew in s["skewness"]:
-                for rate in s["rates"]:
+    for n in s["adapters"]:
+        for skew in s["skewness"]:
+            for rate in s["rates"]:
+                schedule, eff = arrivals(s, n, skew, rate, names)
+                top = sum(1 for _, a in schedule if a == names[0]) / max(len(schedule), 1)
+                for policy in s["policies"]:
                     if deadline is not None and time.perf_counter() > deadline:
                         print(f"deadline reached: {policy} n={n} skew {skew:g} rate {rate:.2f} not run", flush=True)
                         continue
-                    schedule, eff = arrivals(s, n, skew, rate, names)
+                    probe = set_policy(engine, policy)
+                    cfg = engine.orchestrator.cfg
+                    switcher = cfg.resolved_switcher if policy != "unmerge-only" else None
+                    if policy not in warmed:
+                        warm_policy(engine, prompt, names, s["max_batch_size"])
+                        warmed.add(policy)
+                        print(f"policy {policy}: switcher {switcher}, unmerged LoRA compute {cfg.resolved_lora_compute} -> "
+                              f"{probe.summary()}; theta {cfg.theta_s:g} s"
+                              + (f", merge_share {cfg.merge_share:g}" if policy == "dlora" else "")
+                              + (f", cost model {engine.orchestrator.costs.source}" if policy == "vlora" else ""), flush=True)
+                        paths[policy].add(probe.summary())
                     ensure_resident(engine, names[:n] if n <= s["slots"] else names[:1])
                     r = run_cell(engine, s, prompt, schedule, probe)
                     engine.orchestrator.enter(UNMERGE, None)
-                    paths.add(r["compute_path"])
-                    top = sum(1 for _, a in schedule if a == names[0]) / max(len(schedule), 1)
+                    paths[policy].add(r["compute_path"])
                     cells.append({"policy": policy, "skewness": skew, "effective_skewness": eff, "num_adapters": n,
                                   "rate": rate, "load": load_of.get(round(rate, 4)), "top_adapter_share": top,
                                   "switcher": switcher, "lora_compute": cfg.resolved_lora_compute, **r})
@@ -643,7 +675,16 @@ def run_grid(engine, s: dict[str, Any], prompt: str, names: list[str], load_of: 
                     print(f"[{done}/{total}] {cell_line(cells[-1])} ({r['wall_s']:.1f} s; ETA {eta / 60:.1f} min)", flush=True)
                     if partial is not None:
                         partial.write_text(json.dumps({"partial": True, "cells": cells}, indent=1) + "\n")
-        used = sorted(paths - {"no unmerged LoRA compute"}) or ["no unmerged LoRA compute"]
+    if done:
+        spent = time.perf_counter() - t0
+        print(f"{done} cells in {spent:.0f} s: {spent / done:.2f} s a cell on average, warm-ups included "
+              f"({s['duration_s']:.2f} s of arrivals, up to {s['drain_s']:g} s of drain)", flush=True)
+    compute_paths = {}
+    for policy in s["policies"]:
+        if policy not in warmed:
+            continue
+        used = sorted(paths[policy] - {"no unmerged LoRA compute"}) or ["no unmerged LoRA compute"]
+        cfg = dataclasses.replace(engine.config.orchestrator, policy=policy)
         compute_paths[policy] = f"{cfg.resolved_lora_compute} -> {'; '.join(used)}"
     set_policy(engine, "unmerge-only")
     return cells, compute_paths
@@ -653,7 +694,8 @@ def cell_line(c: dict[str, Any]) -> str:
     modes = " ".join(f"{m} {100 * v:.0f}%" for m, v in sorted(c["mode_share"].items()) if v > 0.005)
     skew = f"{c['skewness']:g}" + ("" if c["effective_skewness"] == c["skewness"] else f" (uniform {c['effective_skewness']:.3f})")
     return (f"{c['policy']:12s} skew {skew} n={c['num_adapters']} rate {c['rate']:.2f}/s: {c['requests']} req, "
-            f"{c['avg_token_latency_ms']:.1f} ms/tok, p50 {c['e2e_p50_s']:.2f} s p99 {c['e2e_p99_s']:.2f} s, "
+            f"{c['avg_token_latency_ms']:.1f} ms/tok (p99 {c.get('token_latency_p99_ms', float('nan')):.1f}), "
+            f"e2e p50 {c['e2e_p50_s']:.2f} s p99 {c['e2e_p99_s']:.2f} s, "
             f"{c['throughput_req_s']:.2f} req/s {c['throughput_tok_s']:.0f} tok/s, steps {modes}, {c['switches']} switches, "
             f"{c['adapter_swaps']} swaps, {c['censored']} censored"
             + (f", {c['errors']} ERRORS {c['error_examples']}" if c["errors"] else "")
@@ -773,10 +815,11 @@ def print_report(result: dict[str, Any]) -> None:
               + f" ms at batch {'/'.join(map(str, cm['batch']))}; deLoRA branch +{cm['mixture_extra_ms_at_max_batch']:.2f} ms; "
               + "switch " + ", ".join(f"{k} {v:.2f} ms" for k, v in cm["switch_ms"].items()))
     policies = [p for p in POLICIES if any(c["policy"] == p for c in cells)]
-    print("\naverage token latency, ms/token (throughput tok/s) [censored]:")
-    print(f"{'skew':>5} {'n':>4} {'rate':>7} " + " ".join(f"{p:>22}" for p in policies))
     by = {cell_key(c): c for c in cells}
-    for key in sorted({k[1:] for k in by}):
+    points = sorted({k[1:] for k in by})
+    print("\naverage token latency, ms/token (throughput tok/s) [censored]; req: requests per cell (arrival window s):")
+    print(f"{'skew':>5} {'n':>4} {'rate':>7} {'req':>9} " + " ".join(f"{p:>22}" for p in policies))
+    for key in points:
         row = []
         for p in policies:
             c = by.get((p,) + key)
@@ -785,11 +828,12 @@ def print_report(result: dict[str, Any]) -> None:
                 continue
             censored = f"[{c['censored']}]" if c["censored"] else "   "
             row.append(f"{c['avg_token_latency_ms']:9.1f} ({c['throughput_tok_s']:6.0f}){censored}")
-        print(f"{key[0]:5g} {key[1]:4d} {key[2]:7.2f} " + " ".join(f"{x:>22}" for x in row))
-    print("\nend-to-end p99, s:")
-    for key in sorted({k[1:] for k in by}):
-        row = [f"{by[(p,) + key]['e2e_p99_s']:.2f}" if (p,) + key in by else "-" for p in policies]
-        print(f"{key[0]:5g} {key[1]:4d} {key[2]:7.2f} " + " ".join(f"{x:>22}" for x in row))
+        print(f"{key[0]:5g} {key[1]:4d} {key[2]:7.2f} {point_requests(by, key, policies):>9} " + " ".join(f"{x:>22}" for x in row))
+    print("\np99 token latency (each request's latency / its output tokens), ms/token; end-to-end p99, s:")
+    for key in points:
+        row = [f"{by[(p,) + key].get('token_latency_p99_ms', float('nan')):9.1f} ({by[(p,) + key]['e2e_p99_s']:5.2f} s)"
+               if (p,) + key in by else "-" for p in policies]
+        print(f"{key[0]:5g} {key[1]:4d} {key[2]:7.2f} {'':>9} " + " ".join(f"{x:>22}" for x in row))
     print(f"\ntarget: vlora's average token latency >= {100 * TARGET_CUT:.0f}% below every baseline at every skewness")
     for skew, v in result["verdicts"].items():
         mins = ", ".join(f"{b} {fmt_cut(x)}" for b, x in v["min_cut_by_baseline"].items())
@@ -797,6 +841,81 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"  skewness {skew}: {state}; smallest cut vs {mins}" + (f"; missing {v['missing']}" if v["missing"] else ""))
         for h in v["why_not"]:
             print(f"      {h}")
+
+
+def point_requests(by: dict, key: tuple, policies: list[str], window: bool = True) -> str:
+    """Requests of a (skewness, adapters, rate) point (every policy gets the same stream) and its arrival window."""
+    c = next((by[(p,) + key] for p in policies if (p,) + key in by), None)
+    if c is None:
+        return "-"
+    seconds = c.get("arrival_window_s") if window else None
+    return f"{c['requests']}" + (f" ({seconds:.3g})" if seconds else "")
+
+
+def markdown_section(result: dict[str, Any]) -> str:
+    """The run as a RESULTS.md section: settings, one table row per (skewness, adapters, rate) with each policy's
+    average token latency (p99 of the requests' own) and vlora's cut against each baseline, the costs, the verdicts."""
+    cells, st = result["cells"], result["settings"]
+    by = {cell_key(c): c for c in cells}
+    policies = [p for p in POLICIES if any(c["policy"] == p for c in cells)]
+    verdicts_ = result.get("verdicts") or verdicts(cells)
+    met = bool(verdicts_) and all(v["meets_target"] for v in verdicts_.values())
+    runs = result.get("runs", [])
+    cal = result.get("calibration") or {}
+    unm = cal.get("unmerged", {})
+    rates = sorted({round(c["rate"], 3) for c in cells})
+    reqs = [c["requests"] for c in cells]
+    commits = ", ".join(sorted({str(r.get("commit")) for r in runs})) or str(result.get("commit"))
+    walls = ", ".join("%.0f s" % r.get("wall_s", 0.0) for r in runs)
+    lines = [f"## Orchestrator policies on {result['device']} (issue 21): target {'met' if met else 'NOT met'}", ""]
+    lines.append(
+        f"`python benchmarks/orchestrator.py` ({len(runs)} run(s), commit {commits}, {walls} wall): "
+        f"{Path(st['model']).name}, {st['dtype']}, rank-{st['rank']} "
+        f"adapters on {'/'.join(st['target_modules'])} ({st['distinct_weights']} weight sets), MaxBS {st['max_batch_size']}, "
+        f"{st['slots']} slots, {st.get('prompt_tokens_actual', st['prompt_tokens'])}-token prompts and {st['output_tokens']} output "
+        f"tokens, open-loop Poisson at {', '.join(f'{r:g}' for r in rates)} req/s"
+        + (f" (the measured unmerged capacity x load: batch {cal.get('batch')} decode step {unm.get('decode_step_ms', 0):.1f} ms "
+           f"unmerged, {cal.get('base', {}).get('decode_step_ms', 0):.1f} ms base)" if unm else "")
+        + f"; {st['duration_s']:.3g} s of arrivals per cell ({min(reqs)}-{max(reqs)} requests), up to {st['drain_s']:g} s of drain "
+        "(requests unfinished then are censored: their latency is a lower bound).")
+    lines += ["", "Average token latency, ms/token (p99 of each request's latency per token) [censored requests]; "
+              "cut: vlora's average below the baseline's (target >= 20%):", "",
+              "| skewness | adapters | requests | " + " | ".join(policies) + " | cut vs " + " / ".join(b for b in BASELINES if b in policies) + " |",
+              "| --- | --- | --- | " + " | ".join("---" for _ in policies) + " | --- |"]
+    for key in sorted({k[1:] for k in by}):
+        row = []
+        for p in policies:
+            c = by.get((p,) + key)
+            row.append("-" if c is None else f"{c['avg_token_latency_ms']:.1f} ({c.get('token_latency_p99_ms', float('nan')):.1f})"
+                       + (f" [{c['censored']}]" if c["censored"] else ""))
+        v = by.get(("vlora",) + key)
+        cuts = []
+        for b in BASELINES:
+            if b not in policies:
+                continue
+            c = by.get((b,) + key)
+            cuts.append("-" if v is None or c is None else fmt_cut(1.0 - v["avg_token_latency_ms"] / c["avg_token_latency_ms"]))
+        rate = f" @ {key[2]:g}/s" if len(rates) > 1 else ""
+        lines.append(f"| {key[0]:g} | {key[1]}{rate} | {point_requests(by, key, policies, window=False)} | " + " | ".join(row)
+                     + " | " + " / ".join(cuts) + " |")
+    cm = result.get("cost_model")
+    if cm:
+        lines += ["", f"Cost model ({cm['source']}): decode base " + "/".join(f"{x:.2f}" for x in cm["base_ms"])
+                  + " ms, unmerged (one adapter per row) " + "/".join(f"{x:.2f}" for x in cm["unmerged_ms"])
+                  + f" ms at batch {'/'.join(map(str, cm['batch']))}; deLoRA branch +{cm['mixture_extra_ms_at_max_batch']:.2f} ms; "
+                  + "switch " + ", ".join(f"{k} {v:.2f} ms" for k, v in cm["switch_ms"].items()) + "."]
+    sw = result.get("switch")
+    if sw:
+        lines += ["", "Mode switch (median): " + ", ".join(
+            f"{k} swift {sw['swift'][k]['median_ms']:.2f} ms vs per-layer addmm {sw['per-layer'][k]['median_ms']:.2f} ms"
+            for k in ("merge", "swap", "unmerge")) + "."]
+    lines += ["", "Verdicts:"]
+    for skew, v in verdicts_.items():
+        mins = ", ".join(f"{b} {fmt_cut(x)}" for b, x in v["min_cut_by_baseline"].items() if b in policies)
+        lines.append(f"- skewness {skew}: {'met' if v['meets_target'] else 'NOT met'}; smallest cut vs {mins}"
+                     + (f"; missing {', '.join(v['missing'])}" if v["missing"] else ""))
+        lines += [f"  - {h}" for h in v["why_not"]]
+    return "\n".join(lines) + "\n"
 
 
 def summary_line(result: dict[str, Any]) -> str:
@@ -827,6 +946,12 @@ def summary_line(result: dict[str, Any]) -> str:
 def finish(result: dict[str, Any], args: argparse.Namespace, device: str) -> None:
     result["verdicts"] = verdicts(result["cells"])
     print_report(result)
+    markdown = markdown_section(result)
+    if getattr(args, "report", None):
+        print("\n-- RESULTS.md section --\n" + markdown)
+    if getattr(args, "markdown", None):
+        Path(args.markdown).write_text(markdown)
+        print(f"wrote {args.markdown}")
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
@@ -838,28 +963,45 @@ def finish(result: dict[str, Any], args: argparse.Namespace, device: str) -> Non
 # -- main --------------------------------------------------------------------------------------
 
 def estimate(s: dict[str, Any], n_rates: int, model_exists: bool) -> tuple[float, float, int]:
-    """(expected, worst-case) seconds and the number of cells. On a GPU at 7B width: ~100 s to write and
-    load the random model (~50 s when its folder exists), ~10 s to calibrate, a few seconds per policy
-    to warm up and fill the slots; a cell is its arrivals plus a drain of up to ``drain_s``."""
+    """(expected, worst-case) seconds and the number of cells. On an H100 at 7B width (2026-11-25): ~37 s to
+    write the random model (none when its folder exists), ~30 s to load it, capture its graphs and measure the
+    cost model, a few seconds for the switch times and the calibration, one warm-up per policy; a cell is its
+    arrivals, a drain of up to ``drain_s`` and ``CELL_OVERHEAD_S``."""
     cells = len(s["policies"]) * len(s["skewness"]) * len(s["adapters"]) * n_rates
-    gpu = s["device"].startswith("cuda")
-    setup = (100.0 if not model_exists else 50.0) if gpu else 5.0
-    setup += (10.0 if gpu else 2.0)  # the cost model, measured at build (seconds; cached per GPU after that)
-    setup += (0.0 if s["rates"] else 10.0) + len(s["policies"]) * (5.0 if gpu else 0.5)
-    per_cell = s["duration_s"] + 0.5
+    kind = "gpu" if s["device"].startswith("cuda") else "cpu"
+    setup = (30.0 + (0.0 if model_exists else 40.0)) if kind == "gpu" else 5.0
+    setup += (0.0 if s["rates"] else (5.0 if kind == "gpu" else 2.0)) + len(s["policies"]) * POLICY_WARMUP_S[kind]
+    per_cell = s["duration_s"] + CELL_OVERHEAD_S[kind]
     return setup + cells * (per_cell + 0.4 * s["drain_s"]), setup + cells * (per_cell + s["drain_s"]), cells
 
 
+def fit_to_budget(s: dict[str, Any], budget_s: float, elapsed_s: float, n_cells: int) -> dict[str, Any]:
+    """The arrival window every cell gets so that ``n_cells`` cells, each at its worst (window + the whole drain +
+    the per-cell overhead), and one warm-up per policy fit in what is left of ``budget_s``: the longest up to
+    ``duration_s``, at least ``min_duration_s`` (then the deadline may leave the last cells out). Also the latest
+    moment (seconds from the start) a cell may start and still end inside the budget."""
+    kind = "gpu" if s["device"].startswith("cuda") else "cpu"
+    left = budget_s - elapsed_s - len(s["policies"]) * POLICY_WARMUP_S[kind]
+    fit = left / max(n_cells, 1) - s["drain_s"] - CELL_OVERHEAD_S[kind]
+    window = math.floor(min(s["duration_s"], max(s["min_duration_s"], fit)) * 1000.0) / 1000.0  # whole ms, rounded down
+    worst_cell = window + s["drain_s"] + CELL_OVERHEAD_S[kind]
+    return {"budget_s": budget_s, "setup_s": round(elapsed_s, 1), "cells": n_cells, "window_s": window,
+            "fits": fit >= s["min_duration_s"], "worst_cell_s": round(worst_cell, 3),
+            "last_start_s": round(budget_s - worst_cell, 1), "cell_overhead_s": CELL_OVERHEAD_S[kind],
+            "policy_warmup_s": POLICY_WARMUP_S[kind]}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    t_start = time.perf_counter()  # --budget-s and --deadline-s count from here
     args = parse_args(argv)
     if args.report:
         result = json.loads(Path(args.report).read_text())
-        finish(result, argparse.Namespace(json_out=None, no_record=args.no_record), result["device"])
+        finish(result, argparse.Namespace(json_out=None, no_record=args.no_record, report=args.report,
+                                          markdown=args.markdown), result["device"])
         return 0
 
     import torch
 
-    t_start = time.perf_counter()
     s = resolve_settings(args)
     if s["device"] == "cpu":
         torch.set_num_threads(args.cpu_threads)
@@ -882,7 +1024,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"  {n_cells} cells of {s['duration_s']:g} s arrivals + up to {s['drain_s']:g} s drain; prompt {s['prompt_tokens']} tokens, "
           f"{s['output_tokens']} output tokens, rank {s['rank']} on {'/'.join(s['target_modules'])}, MaxBS {s['max_batch_size']}, "
           f"{s['slots']} adapter slots", flush=True)
-    print(f"  estimated time: {lo / 60:.1f} min (up to {hi / 60:.1f} min if every cell hits the drain limit)", flush=True)
+    if args.budget_s:
+        print(f"  within a budget of {args.budget_s:g} s: the cells' arrival window (at most {s['duration_s']:g} s, at least "
+              f"{s['min_duration_s']:g} s) is set once the set-up is done", flush=True)
+    else:
+        print(f"  estimated time: {lo / 60:.1f} min (up to {hi / 60:.1f} min if every cell hits the drain limit)", flush=True)
 
     from vlora.atmm.dispatch import default_kernels
 
@@ -907,7 +1053,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if s["device"].startswith("cuda"):
         free, total = torch.cuda.mem_get_info(engine.runner.device)
         mem = f"; device memory {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use"
-    print(f"model {model_dir} ready (write {t_model:.0f} s, load {t_build:.0f} s); {len(names)} adapters registered over "
+    graphs = engine.model_info.get("cuda_graphs") or {}
+    load_parts = f": CUDA graphs {graphs['capture_s']:.0f} s" if graphs.get("capture_s") is not None else ""
+    print(f"model {model_dir} ready (write {t_model:.0f} s, load {t_build:.0f} s{load_parts}); {len(names)} adapters registered over "
           f"{min(s['distinct_weights'], len(names))} distinct weight sets in {t_adapters:.1f} s, "
           + ("held in pinned host memory in the slots' dtype" if s["device"].startswith("cuda") else "float32 on the host")
           + f" (the values do not matter for speed; slots, swaps and merges do); prompt {p_len} tokens{mem}", flush=True)
@@ -920,7 +1068,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     calibration = None
     if s["rates"] is None:
+        t0 = time.perf_counter()
         calibration = calibrate(engine, s, prompt, names)
+        calibration["seconds"] = round(time.perf_counter() - t0, 2)
         cap = calibration["unmerged"]["capacity_req_s"]
         s["rates"] = [x * cap for x in s["loads"]]
         calibration["rates"] = {f"{x:g}": r for x, r in zip(s["loads"], s["rates"])}
@@ -934,7 +1084,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if calibration and not rates_given:
         load_of = {round(r, 4): float(x) for x, r in calibration["rates"].items()}
 
+    t_setup = time.perf_counter() - t_start
     deadline = t_start + args.deadline_s if args.deadline_s else None
+    budget = None
+    if args.budget_s:
+        n_cells = len(s["policies"]) * len(s["skewness"]) * len(s["adapters"]) * len(s["rates"])
+        budget = fit_to_budget(s, args.budget_s, time.perf_counter() - t_start, n_cells)
+        s["duration_s"] = budget["window_s"]
+        last = t_start + budget["last_start_s"]
+        deadline = min(deadline, last) if deadline is not None else last
+        print(f"budget {args.budget_s:g} s, {budget['setup_s']:.0f} s used by the set-up: {n_cells} cells of {s['duration_s']:.2f} s "
+              f"arrivals (~{min(s['rates']) * s['duration_s']:.0f}-{max(s['rates']) * s['duration_s']:.0f} requests each) + up to "
+              f"{s['drain_s']:g} s drain" + ("" if budget["fits"] else
+                                          f"; at the {s['min_duration_s']:g} s minimum NOT all cells fit: none starts after "
+                                          f"{budget['last_start_s']:.0f} s"), flush=True)
     partial = Path(args.json_out + ".partial") if args.json_out else None
     cells, compute_paths = run_grid(engine, s, prompt, names, load_of, deadline, partial)
 
@@ -943,14 +1106,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 **{k: s[k] for k in ("rank", "prompt_tokens", "prompt_tokens_actual", "output_tokens", "max_batch_size", "slots",
                                      "duration_s", "drain_s", "distinct_weights", "target_modules", "seed")},
                 "theta_s": engine.config.orchestrator.theta_s, "merge_share": engine.config.orchestrator.merge_share,
-                "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens, "kv_blocks": kv_blocks(s)}
+                "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens, "kv_blocks": kv_blocks(s),
+                "budget": budget}
     result = {
         "benchmark": "orchestrator", "device": dev, "commit": git_commit(), "torch": torch.__version__,
         "atmm_extension": ext_state, "settings": settings, "calibration": calibration, "switch": sw,
         "compute_paths": compute_paths, "cells": cells, "cost_model": {**costs.summary(), "full": costs.to_dict()},
         "runs": [{"date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(), "policies": s["policies"],
                   "skewness": s["skewness"], "adapters": s["adapters"], "rates": s["rates"],
-                  "wall_s": time.perf_counter() - t_start, "cost_model": costs.summary()}],
+                  "wall_s": time.perf_counter() - t_start, "setup_s": round(t_setup, 1),
+                  "duration_s": s["duration_s"], "cost_model": costs.summary()}],
         "notes": ["avg_token_latency_ms = sum of end-to-end latencies / total output tokens (V-LoRA's definition); "
                   "latency counts from the scheduled arrival",
                   "censored requests (unfinished at the drain limit) count (cutoff - arrival) with the full output length: "

@@ -251,6 +251,37 @@ def read_heads(adapter_root: Optional[str]) -> dict[str, dict[str, tuple[tuple[s
     return found or dict(DEMO_HEADS)
 
 
+HEAD_TASK_TYPES = {"count-circles": "counting", "color": "classification"}
+
+
+def write_soak_adapters(model_dir: Path, root: Path) -> Path:
+    """The soak's adapters for any LLaVA-family model folder (e.g. a random 7B one): the demo adapters
+    (``vlora.lora.demo``, random weights at the model's dimensions, the cycled adapter included) and, under
+    the demo head adapters' names, rank-8 q/v adapters with random task heads of the demo tasks, labels and
+    prompts (a random head still answers one of its labels). Existing folders are kept. Returns ``root``."""
+    import torch
+
+    from vlora.heads import TaskHead, has_heads, save_heads
+    from vlora.lora.demo import DemoAdapter, ensure_demo_adapters, write_adapter
+
+    model_dir, root = Path(model_dir), Path(root)
+    ensure_demo_adapters(model_dir, root, trained=False)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config", config)
+    hidden = int(text["hidden_size"])
+    for i, (name, tasks) in enumerate(sorted(DEMO_HEADS.items())):
+        folder = root / name
+        if has_heads(folder) and (folder / "adapter_config.json").is_file():
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        write_adapter(DemoAdapter(name, r=8, alpha=16, modules=("q_proj", "v_proj"), seed=900 + i), model_dir, text, folder)
+        g = torch.Generator().manual_seed(900 + i)
+        save_heads(folder, {task: TaskHead(task, HEAD_TASK_TYPES[task], labels, torch.randn(len(labels), hidden, generator=g) * 0.02,
+                                           torch.zeros(len(labels)), prompt)
+                            for task, (labels, prompt) in tasks.items()})
+    return root
+
+
 # -- the kinds of request --------------------------------------------------------------------------------
 
 class RequestKind:
@@ -479,6 +510,7 @@ class Admin(RequestKind):
             record.error = f"admin {action}: HTTP {status}: {message}"
             return record
         record.outcome, record.error = "unexpected", ""
+        state = ""
         try:
             answer = json.loads(payload["text_output"] if isinstance(payload["text_output"], str) else payload["text_output"][0])
             if action == "list":
@@ -487,12 +519,13 @@ class Admin(RequestKind):
                 good = answer["unloaded"].get("state") in ("unloaded", "unloading")
             else:
                 good = bool(answer["loaded"].get("loaded"))
+                state = str(answer["loaded"].get("state", ""))
             record.text = json.dumps(answer)[:200]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             good, record.text = False, f"{type(e).__name__}: {e}: {str(payload)[:200]}"
         if good:
             record.outcome = "ok"
-        elif action == "load" and ctx.unload_overlapped(t0, time.monotonic()) and '"state": "unload' in record.text:
+        elif action == "load" and ctx.unload_overlapped(t0, time.monotonic()) and state.startswith("unload"):
             # The load succeeded, but another client's unload of the same adapter completed before the
             # answer was written: the answer shows the adapter as it is then (the load and its answer are
             # two steps in the engine). Counted as a refusal we expect, and kept in the examples.
@@ -1052,7 +1085,7 @@ def main(argv=None) -> int:
                 return 2
             target = Target(server.http_url.replace("http://", ""), server.grpc_url, server.metrics_url)
             adapter_root = server.adapter_root
-        return soak(args, cfg, target, token, adapter_root, server, out_dir)
+        return soak(args, cfg, target, token, adapter_root, server, out_dir)[0]
     finally:
         if server is not None:
             say("stopping the server ...")
@@ -1061,7 +1094,9 @@ def main(argv=None) -> int:
 
 
 def soak(args, cfg: SoakConfig, target: Target, token: Optional[str], adapter_root: Optional[str], server,
-         out_dir: Path) -> int:
+         out_dir: Path) -> tuple[int, dict]:
+    """The soak against ``target``: returns the exit code (0 passed, 1 failed, 2 not serving) and the result
+    (also written to ``out_dir``/soak-<device>.json, and recorded unless ``args.no_record``)."""
     rng = random.Random(cfg.seed + 99)
     ctx = SoakContext(target=target, admin_token=token, adapters=DEMO_ADAPTERS,
                       cycle_adapter=args.cycle_adapter if token else None, heads=read_heads(adapter_root),
@@ -1076,9 +1111,12 @@ def soak(args, cfg: SoakConfig, target: Target, token: Optional[str], adapter_ro
     ok, why = health_check(ctx)
     if not ok:
         say(f"soak: the server at {target.http_url} is not serving: {why}")
-        return 2
-    ctx.adapters, ctx.cycle_adapter = choose_adapters(served_adapters(ctx), ctx.cycle_adapter)
-    ctx.heads = {a: t for a, t in ctx.heads.items() if a != ctx.cycle_adapter}
+        return 2, {"passed": False, "health_before": why}
+    listed = served_adapters(ctx)
+    ctx.adapters, ctx.cycle_adapter = choose_adapters(listed, ctx.cycle_adapter)
+    served = {a["name"] for a in listed if a.get("loaded", True)}
+    # Heads only of adapters this server serves (the demo heads are the fallback when the root is not readable).
+    ctx.heads = {a: t for a, t in ctx.heads.items() if a != ctx.cycle_adapter and (not served or a in served)}
     if not ctx.heads:
         say("soak: no adapter with task heads: the head requests are left out")
     log_path = server.log_path if server is not None else None
@@ -1100,7 +1138,7 @@ def soak(args, cfg: SoakConfig, target: Target, token: Optional[str], adapter_ro
             f"soak rate {rate:.2f} req/s = {cfg.load:g} x capacity")
         if rate <= 0:
             say("soak: capacity probe answered nothing")
-            return 1
+            return 1, {"passed": False, "probe": probe}
     else:
         rate = cfg.rate
     wait_idle(target.metrics_url, 60, sys.stdout)
@@ -1174,7 +1212,8 @@ def soak(args, cfg: SoakConfig, target: Target, token: Optional[str], adapter_ro
         path = record_result("soak", dev, result, line)
         if out_dir.resolve() != RESULTS.resolve():
             (out_dir / path.name).write_text(path.read_text())
-    return 0 if passed else 1
+    result["summary_line"] = line
+    return (0 if passed else 1), result
 
 
 if __name__ == "__main__":

@@ -67,3 +67,41 @@ def test_merge_refuses_other_settings(bench):
     new = {"settings": {"rank": 64, "output_tokens": 4}, "cells": []}
     with pytest.raises(SystemExit, match="rank"):
         bench.merge_results(old, new, force=False)
+
+
+def test_fit_to_budget_fits_every_cell_at_its_worst(bench):
+    s = {"device": "cuda", "policies": list(POLICIES), "duration_s": 6.0, "min_duration_s": 2.5, "drain_s": 3.0}
+    overhead, warm = bench.CELL_OVERHEAD_S["gpu"], bench.POLICY_WARMUP_S["gpu"]
+    fit = bench.fit_to_budget(s, budget_s=400.0, elapsed_s=85.0, n_cells=48)
+    window = fit["window_s"]
+    assert fit["fits"] and 2.5 <= window < 6.0
+    # 48 cells, each at its worst (window, the whole drain, the overhead), and the warm-ups end inside the budget
+    assert 85.0 + 4 * warm + 48 * (window + 3.0 + overhead) <= 400.0
+    assert fit["last_start_s"] == round(400.0 - fit["worst_cell_s"], 1)
+    # plenty of time: the longest window; too little: the shortest, and it says it does not fit
+    assert bench.fit_to_budget(s, 3600.0, 85.0, 48)["window_s"] == 6.0
+    tight = bench.fit_to_budget(s, 200.0, 85.0, 48)
+    assert tight["window_s"] == 2.5 and not tight["fits"]
+
+
+def test_budget_run_interleaves_policies_and_reports(bench, tiny_model_dir, tmp_path):
+    out = tmp_path / "budget.json"
+    args = common_args(tiny_model_dir)
+    args[args.index("--skewness") + 1] = "0.9,0.5"
+    assert bench.main(args + ["--policies", "vlora,unmerge-only", "--budget-s", "600", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    budget = result["settings"]["budget"]
+    assert budget["fits"] and budget["cells"] == 4 and budget["window_s"] == result["settings"]["duration_s"] == 0.4
+    # whole comparisons first: each (skewness, adapters, rate) point runs every policy on the same stream
+    assert [(c["skewness"], c["policy"]) for c in result["cells"]] == [
+        (0.9, "vlora"), (0.9, "unmerge-only"), (0.5, "vlora"), (0.5, "unmerge-only")]
+    for c in result["cells"]:
+        assert c["arrival_window_s"] == 0.4 and c["finished"] == c["requests"] > 0
+        assert c["token_latency_p99_ms"] >= c["token_latency_p50_ms"] > 0
+    by = {(c["skewness"], c["policy"]): c for c in result["cells"]}
+    assert by[(0.9, "vlora")]["requests"] == by[(0.9, "unmerge-only")]["requests"]
+    md = bench.markdown_section(result)
+    assert "| skewness | adapters | requests | vlora | unmerge-only | cut vs unmerge-only |" in md
+    v, u = by[(0.9, "vlora")], by[(0.9, "unmerge-only")]
+    assert f"| 0.9 | 3 | {v['requests']} | {v['avg_token_latency_ms']:.1f} ({v['token_latency_p99_ms']:.1f})" in md
+    assert bench.fmt_cut(1.0 - v["avg_token_latency_ms"] / u["avg_token_latency_ms"]) in md
