@@ -54,11 +54,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "backend"))
 
-from common import RESULTS, device_name, git_commit, record_result  # noqa: E402
+from common import (PRESETS, TINY, build_model_engine, device_name, git_commit, model_folder,  # noqa: E402
+                    model_parser, write_result)
 
 NAME = "cache-ttft"
-PRESETS = "configs/models/llava-1.5-7b.yaml,configs/models/qwen2-vl-7b.yaml"
-TINY = "tiny-llava,tiny-qwen2-vl"
 DECODER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 DELTA = 0.2  # typical size of one LoRA delta entry for a unit-RMS input
 WORDS = ("describe the picture in detail and list every object you can see in it then count the cars trucks "
@@ -75,38 +74,17 @@ QUESTIONS = ("Is the north bridge open today?", "Which road do the buses take?",
 
 # -- models, adapters, prompts --------------------------------------------------------------------
 
-def model_folder(preset: str, work: Path, cuda: bool) -> Path:
-    if preset == "tiny-llava":
-        from vlora.models.tiny import ensure_tiny_model
-
-        return ensure_tiny_model(work)
-    if preset == "tiny-qwen2-vl":
-        from vlora.models.tiny_qwen import ensure_tiny_qwen
-
-        return ensure_tiny_qwen(work, variant="qwen2_vl")
-    from vlora.models.random_init import make_random_model
-
-    path = Path(preset) if Path(preset).is_absolute() else ROOT / preset
-    return make_random_model(path, work / path.stem, device="cuda" if cuda else "cpu")
-
-
 def build(model_dir: Path, device, args: argparse.Namespace):
     """The engine, both caches on (phases switch them, see :func:`set_caches`), no decode graphs (every
     request asks for one token), no tuner sidecar and no merging (the same LoRA path in both phases)."""
-    from vlora.config import EngineConfig
-    from vlora.engine.builder import build_engine
-
     settings = {
-        "model.path": str(model_dir), "model.device": str(device),
-        "model.dtype": "bfloat16" if device.type == "cuda" else "float32", "lora.adapter_root": None,
-        "lora.max_gpu_adapters": 8, "lora.max_cpu_adapters": 8, "lora.max_rank": args.rank,
+        "lora.adapter_root": None, "lora.max_gpu_adapters": 8, "lora.max_cpu_adapters": 8, "lora.max_rank": args.rank,
         "lora.target_modules": list(DECODER_TARGETS), "scheduler.max_batch_size": max(32, args.batch),
         "orchestrator.policy": "unmerge-only", "limits.max_images": max(8, args.frames),
-        "cache.prefix_caching": True, "cache.encoder_cache_mb": args.encoder_cache_mb, "cache.num_blocks": args.num_blocks,
-        "engine.cuda_graphs": "off", "atmm.tune_at_load": "never"}
+        "cache.prefix_caching": True, "cache.encoder_cache_mb": args.encoder_cache_mb, "cache.num_blocks": args.num_blocks}
     if args.budget:
         settings["scheduler.max_num_batched_tokens"] = args.budget
-    return build_engine(EngineConfig().with_overrides(settings))
+    return build_model_engine(model_dir, device, settings)
 
 
 def register_adapter(engine, name: str, rank: int, seed: int, vision: bool) -> None:
@@ -314,7 +292,7 @@ def measure_model(preset: str, args: argparse.Namespace, device) -> dict:
 
     cuda = device.type == "cuda"
     t0 = time.perf_counter()
-    model_dir = model_folder(preset, Path(args.work), cuda)
+    model_dir = model_folder(preset, Path(args.work), cuda, tiny_dir=Path(args.work))
     t_made = time.perf_counter()
     engine = build(model_dir, device, args)
     t_built = time.perf_counter()
@@ -361,12 +339,8 @@ def measure_model(preset: str, args: argparse.Namespace, device) -> dict:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--presets", help=f"comma-separated model presets (default {PRESETS}; with --tiny {TINY})")
-    p.add_argument("--tiny", action="store_true", help="the tiny models and small sizes (a CPU smoke run)")
-    p.add_argument("--work", default="/tmp/vlora-bench", help="where the model folders are written")
-    p.add_argument("--out", default=str(RESULTS), help="folder for the JSON (default benchmarks/results)")
+    p = model_parser(__doc__, f"comma-separated model presets (default {PRESETS}; with --tiny {TINY})",
+                     "where the model folders are written", tiny_help="the tiny models and small sizes (a CPU smoke run)")
     p.add_argument("--rounds", type=int, default=None, help="rounds of each workload (default 6; --tiny 3)")
     p.add_argument("--frames", type=int, default=4, help="frames in a video chunk")
     p.add_argument("--stride", type=int, default=2, help="frames from one chunk's start to the next")
@@ -419,13 +393,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             gc.collect()
     result["wall_s"] = time.perf_counter() - t0
     result["summary"] = summary_line(result)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{NAME}-{result['device']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-    if not args.no_record:
-        record_result(NAME, result["device"], result, result["summary"])
+    write_result(NAME, args.out, result, result["summary"], record=not args.no_record)
     print(f"RESULTS {NAME} {result['device']}: {result['summary']}")
     return 1 if failed else 0
 

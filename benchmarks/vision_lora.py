@@ -39,40 +39,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "backend"))
 
-from common import RESULTS, device_name, git_commit, record_result  # noqa: E402
+from common import (PRESETS, TINY, build_model_engine, device_name, git_commit, model_folder,  # noqa: E402
+                    model_parser, write_result)
 
 NAME = "vision-lora"
-PRESETS = "configs/models/llava-1.5-7b.yaml,configs/models/qwen2-vl-7b.yaml"
-TINY = "tiny-llava,tiny-qwen2-vl"
 IMAGE_PX = 448  # square test images: LLaVA resizes them to its 336; Qwen2-VL keeps 448 (256 tokens each)
 DELTA = 0.2  # typical size of one LoRA delta entry for a unit-RMS input
 
 
-def model_folder(preset: str, work: Path, cuda: bool) -> Path:
-    if preset == "tiny-llava":
-        from vlora.models.tiny import ensure_tiny_model
-
-        return ensure_tiny_model()
-    if preset == "tiny-qwen2-vl":
-        from vlora.models.tiny_qwen import ensure_tiny_qwen
-
-        return ensure_tiny_qwen()
-    from vlora.models.random_init import make_random_model
-
-    path = Path(preset) if Path(preset).is_absolute() else ROOT / preset
-    return make_random_model(path, work / f"{path.stem}-vision", device="cuda" if cuda else "cpu",
-                             overrides={"text": {"num_hidden_layers": 2}})
-
-
 def build(model_dir: Path, device, rank: int, slots: int):
-    from vlora.config import EngineConfig
-    from vlora.engine.builder import build_engine
-
-    cfg = EngineConfig().with_overrides({
-        "model.path": str(model_dir), "model.device": str(device), "model.dtype": "bfloat16" if device.type == "cuda" else "float32",
+    return build_model_engine(model_dir, device, {
         "lora.max_rank": str(rank), "lora.max_gpu_adapters": str(slots), "lora.max_cpu_adapters": str(slots),
-        "cache.num_blocks": "64", "cache.encoder_cache_mb": "0", "engine.cuda_graphs": "off", "atmm.tune_at_load": "never"})
-    return build_engine(cfg)
+        "cache.num_blocks": "64", "cache.encoder_cache_mb": "0"})
 
 
 def register_vision_adapters(engine, count: int, rank: int, seed: int) -> list[int]:
@@ -175,11 +153,8 @@ def measure(engine, n_images: int, slots: list[int], reps: int, px: int = IMAGE_
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--presets", help=f"comma-separated model presets (default {PRESETS} on CUDA, {TINY} on a CPU)")
-    p.add_argument("--work", default="/tmp/vlora-bench", help="where the random model folders are written")
-    p.add_argument("--out", default=str(RESULTS), help="folder for the JSON (default benchmarks/results)")
+    p = model_parser(__doc__, f"comma-separated model presets (default {PRESETS} on CUDA, {TINY} on a CPU)",
+                     "where the random model folders are written")
     p.add_argument("--images", default="1,8,32", help="images per forward")
     p.add_argument("--adapters", type=int, default=4, help="vision-side adapters in the mixed forward")
     p.add_argument("--rank", type=int, default=16)
@@ -205,7 +180,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "image_px": IMAGE_PX},
         "models": []}
     for preset in (args.presets or (PRESETS if cuda else TINY)).split(","):
-        model_dir = model_folder(preset, Path(args.work), cuda)
+        model_dir = model_folder(preset, Path(args.work), cuda, suffix="-vision", overrides={"text": {"num_hidden_layers": 2}})
         engine = build(model_dir, device, args.rank, args.adapters + 1)
         slots = register_vision_adapters(engine, args.adapters, args.rank, seed=7)
         config = json.loads((model_dir / "config.json").read_text())
@@ -220,13 +195,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         del engine
         if cuda:
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{NAME}-{result['device']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-    if not args.no_record:
-        record_result(NAME, result["device"], result, summary_line(result))
+    write_result(NAME, args.out, result, summary_line(result), record=not args.no_record)
     return 0
 
 

@@ -92,11 +92,9 @@ def quiet_metrics(server) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def adapter_root(tmp_path_factory, tiny_model_dir, demo_adapter_root):
-    from vlora.models.tiny import ensure_tiny_vision_adapters
+    from adapter_edit import mixed_vision_root
 
-    root = tmp_path_factory.mktemp("cache-adapters")
-    shutil.copytree(demo_adapter_root / LANGUAGE_ONLY, root / LANGUAGE_ONLY)
-    return ensure_tiny_vision_adapters(tiny_model_dir, root)
+    return mixed_vision_root(tmp_path_factory.mktemp("cache-adapters"), tiny_model_dir, demo_adapter_root, LANGUAGE_ONLY)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from adapter_edit import clone_adapter  # noqa: E402
+from adapter_edit import clone_adapter, mixed_vision_root  # noqa: E402
 from engine_parity import _png, _ref_logits  # noqa: E402
 from test_qwen2_vl_engine import MAX_NEW, _png as _qwen_png, _reference as _qwen_reference, _run  # noqa: E402
 
@@ -27,7 +27,7 @@ from vlora.engine.builder import build_engine  # noqa: E402
 from vlora.lora.adapter import AdapterError, load_adapter  # noqa: E402
 from vlora.models import tiny_qwen  # noqa: E402
 from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER  # noqa: E402
-from vlora.models.tiny import VISION_ADAPTER_NAMES, ensure_tiny_vision_adapters  # noqa: E402
+from vlora.models.tiny import VISION_ADAPTER_NAMES  # noqa: E402
 
 LANGUAGE_ONLY = "demo-r8-qv"
 V8, V16 = VISION_ADAPTER_NAMES  # llava-vision-r8 (tower attention, projector, q/v), llava-vision-r16-mlp (vision only)
@@ -44,9 +44,7 @@ def _engine(model_dir, root, **overrides):
 
 @pytest.fixture(scope="module")
 def llava_root(tmp_path_factory, tiny_model_dir, demo_adapter_root):
-    root = tmp_path_factory.mktemp("vision-adapters")
-    shutil.copytree(demo_adapter_root / LANGUAGE_ONLY, root / LANGUAGE_ONLY)
-    return ensure_tiny_vision_adapters(tiny_model_dir, root)
+    return mixed_vision_root(tmp_path_factory.mktemp("vision-adapters"), tiny_model_dir, demo_adapter_root, LANGUAGE_ONLY)
 
 
 @pytest.fixture(scope="module")
