@@ -251,19 +251,26 @@ class RunnerConfig:
 
     ``cuda_graphs``: ``auto`` captures every decode step shape in ``graph_batch_sizes`` (up to
     ``scheduler.max_batch_size``) as a CUDA graph at model load and replays it, padding a decode batch to
-    the next captured size; steps that hold a prefill run eagerly. ``off`` runs every step eagerly. Only
+    the next captured size; steps that hold a prefill run eagerly unless ``prefill_graph_tokens`` covers them.
+    ``off`` runs every step eagerly. Only
     CUDA devices capture. ``attention``: the paged attention backend (``triton``: kernels that read the
-    KV cache in place; ``flash``: the same, but a prefill of long fresh prompts (4,096 tokens or more)
-    in fp16/bf16 runs PyTorch's FlashAttention-2 varlen kernel; ``torch``: the SDPA reference, what CPUs
+    KV cache in place; ``flash``: the same, but a prefill of long fresh prompts in fp16/bf16 runs cuDNN's
+    fused attention (up to 8 prompts, the longest of 1,024 tokens or more, no GQA) or PyTorch's FlashAttention-2 varlen
+    kernel (4,096 or more); ``torch``: the SDPA reference, what CPUs
     run); ``auto`` picks flash on CUDA sm80+, else triton where it imports, else torch. ``overlap``: launch
     each step before the last one's sampled tokens are read back, so the host's work for a step (reading
     the tokens, detokenizing, stop checks, reporting, scheduling and planning the next) runs while the
     GPU computes; a request that stops on a token (EOS, a stop string) costs one discarded decode row.
-    ``auto``: on for CUDA devices, off elsewhere (on a CPU nothing overlaps).
+    ``auto``: on for CUDA devices, off elsewhere (on a CPU nothing overlaps). ``prefill_graph_tokens``: with
+    ``cuda_graphs: auto``, steps that hold a prefill of up to this many tokens (every multiple of 64 is
+    captured; a step pads to the next) and no LoRA work replay a graph of the decoder too, the embedding and
+    images put in eagerly first; 0 (the default until its speed is measured: it is tested for exactness on
+    the GPU, not yet timed) runs every such step eagerly.
     """
 
     cuda_graphs: str = "auto"
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    prefill_graph_tokens: int = 0
     attention: str = "auto"
     overlap: str = "auto"
 
@@ -274,6 +281,8 @@ class RunnerConfig:
         _require(len(self.graph_batch_sizes) >= 1 and all(isinstance(b, int) and 1 <= b <= 1024 for b in self.graph_batch_sizes),
                  "engine.graph_batch_sizes must be integers in [1, 1024]")
         _require(self.attention in ATTENTION_BACKENDS, f"engine.attention must be one of {ATTENTION_BACKENDS}")
+        _require(isinstance(self.prefill_graph_tokens, int) and 0 <= self.prefill_graph_tokens <= 16384,
+                 "engine.prefill_graph_tokens must be an integer in [0, 16384]")
         if isinstance(self.overlap, bool):
             object.__setattr__(self, "overlap", "on" if self.overlap else "off")
         _require(self.overlap in ("auto", "on", "off"), "engine.overlap must be auto, on or off")

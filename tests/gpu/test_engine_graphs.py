@@ -33,13 +33,13 @@ SCRIPTS = {
 }
 
 
-def make(tiny_model_dir, demo_adapter_root, dtype: str, fast: bool):
+def make(tiny_model_dir, demo_adapter_root, dtype: str, fast: bool, prefill_graphs: int = 0):
     cfg = EngineConfig().with_overrides({
         "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
         "model.dtype": dtype, "lora.max_rank": "32", "lora.max_gpu_adapters": "4", "cache.num_blocks": "256",
         "orchestrator.policy": "vlora", "scheduler.max_batch_size": "8",
         "engine.cuda_graphs": "auto" if fast else "off", "engine.attention": "triton" if fast else "torch",
-        "engine.overlap": "on" if fast else "off"})
+        "engine.overlap": "on" if fast else "off", "engine.prefill_graph_tokens": str(prefill_graphs)})
     return build_engine(cfg)
 
 
@@ -128,3 +128,83 @@ def test_merged_and_mixture_steps_replay_graphs(tiny_model_dir, demo_adapter_roo
         # merge: a1 and a2 merged (base graphs) until they finish; the rest then runs as a mixture
         assert replays(variant) - before >= MAX_NEW - 1, (name, dict(graphs.replays))
     assert not eager_decodes, eager_decodes
+
+
+def _png(side: int, color: tuple[int, int, int]) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _prefill_run(engine):
+    """Base requests of different lengths, one with an image, arriving while others decode (steps that mix
+    decode rows and prompts): greedy tokens and every step's logits by (request, output index)."""
+    prompts = {"p0": "Hello there, what is this?", "p1": "Describe the scene in a few words, please. " * 6,
+               "p2": "<image> What colour is this?", "p3": "Count to ten. " * 20, "p4": "Which way does it move?"}
+    logits, seqs, pending = {}, {}, list(prompts)
+    steps = 0
+    while pending or engine.has_work():
+        if pending and steps % 3 == 0:  # a new prompt every third step
+            rid = pending.pop(0)
+            images = [_png(64, (200, 30, 30))] if "<image>" in prompts[rid] else []
+            req = GenerationRequest(rid, prompts[rid], images=images,
+                                    sampling=SamplingParams(max_tokens=24, ignore_eos=True))
+            engine.add_request(engine.inputs.prepare(req), lambda out: None)
+            seqs[rid] = engine.waiting[-1]
+        steps += 1
+        result = engine.step()
+        if result is None:
+            continue
+        for row, rid in enumerate(engine.last_step["request_ids"]):
+            s = seqs[rid]
+            logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].clone()
+    engine.flush()
+    return {rid: s.output_ids for rid, s in seqs.items()}, logits
+
+
+@pytest.mark.parametrize("dtype, rtol, exact", [("float32", 1e-4, True), ("bfloat16", 6e-2, False)])
+def test_prefill_graphs_match_eager_prefill(tiny_model_dir, demo_adapter_root, dtype, rtol, exact):
+    """Prefill steps replayed from the token-bucket graphs (padding to 64-token buckets, decode rows of other
+    requests in the same step, an image put in before the replay) against the same fast engine with every
+    prefill eager (engine.prefill_graph_tokens 0)."""
+    graphed = make(tiny_model_dir, demo_adapter_root, dtype, fast=True, prefill_graphs=1024)
+    pg = graphed.runner.prefill_graphs
+    assert pg is not None and pg.graphs and pg.sizes[0] == 64
+    eager_cfg = graphed.config.with_overrides({"engine.prefill_graph_tokens": "0"})
+    eager = build_engine(eager_cfg)
+    assert eager.runner.prefill_graphs is None
+    tokens, logits = _prefill_run(graphed)
+    ref_tokens, ref_logits = _prefill_run(eager)
+    assert sum(pg.replays.values()) >= 5, dict(pg.replays)
+    assert all(len(t) == 24 for t in tokens.values())
+    if exact:
+        assert tokens == ref_tokens
+    for key, want in ref_logits.items():
+        rid, i = key
+        if not exact and (i > 0 or tokens[rid][0] != ref_tokens[rid][0]):
+            continue  # bf16: compare the prefill's logits (same inputs); later inputs may differ
+        got = logits[key]
+        rel = (got - want).abs().max() / want.abs().max()
+        assert rel <= rtol, f"{key}: relative error {rel:.2e} > {rtol:.0e}"
+
+
+def test_prefill_graph_padding_writes_no_cache(tiny_model_dir, demo_adapter_root):
+    """A short prompt runs in the 64-token graph: its padding tokens write no KV anywhere."""
+    engine = make(tiny_model_dir, demo_adapter_root, "float32", fast=True, prefill_graphs=1024)
+    kv = engine.runner.kv
+    before_k = [k.clone() for k in kv.k]
+    req = GenerationRequest("short", "one two three", sampling=SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request(engine.inputs.prepare(req), lambda out: None)
+    seq = engine.waiting[-1]
+    n = len(seq.req.prompt_ids)
+    engine.step()
+    assert engine.runner.prefill_graphs.replays[64] == 1
+    rows = set(kv.slots(seq.blocks, 0, n))
+    for li, (k0, k1) in enumerate(zip(before_k, kv.k)):
+        changed = set((k0 != k1).any(dim=(1, 2)).nonzero().flatten().tolist())
+        assert changed <= rows and len(changed) == n, (li, sorted(changed - rows)[:5])
+    engine.flush()

@@ -175,8 +175,28 @@ def test_flash_prefill_fresh(dtype, n_kv, q_lens):
     q = torch.randn(sum(q_lens), H, D, device=DEV).to(dtype)
     backend = attn.get_attention_backend("flash", DEV)
     backend.min_tokens = 1  # every length through FlashAttention-2 here
+    backend.cudnn_min_tokens = 1 << 30
     out = backend.prefill(q, cache.k, cache.v, meta, SCALE, BS)
     check(out, prefill_oracle(q, cache.k, cache.v, cache.tables, q_lens, q_lens), dtype, f"flash prefill {q_lens} Hkv={n_kv}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_kv", [pytest.param(32, id="mha")])
+@pytest.mark.parametrize("q_lens", [pytest.param([1], id="one"), pytest.param([600], id="600"),
+                                    pytest.param([37, 1, 16, 300, 2048], id="mixed")])
+def test_cudnn_prefill_fresh(dtype, n_kv, q_lens):
+    """The flash backend's cuDNN path (one SDPA call per fresh prompt) against the fp32 reference (the
+    backend takes it without GQA only)."""
+    if not attn.cudnn_attention_available(DEV, dtype, H, n_kv, D):
+        pytest.skip(f"no cuDNN attention for {dtype} H={H} Hkv={n_kv} on this GPU")
+    cache = Cache(q_lens, n_kv, dtype, seed=sum(q_lens) + n_kv + 1)
+    meta = AttentionMetadata.for_prefill(cache.tables, q_lens, q_lens, DEV)
+    meta.fresh_rows = fresh_rows(cache.tables, q_lens)
+    q = torch.randn(sum(q_lens), H, D, device=DEV).to(dtype)
+    backend = attn.get_attention_backend("flash", DEV)
+    backend.cudnn_min_tokens = 1  # every length through cuDNN here
+    out = backend.prefill(q, cache.k, cache.v, meta, SCALE, BS)
+    check(out, prefill_oracle(q, cache.k, cache.v, cache.tables, q_lens, q_lens), dtype, f"cudnn prefill {q_lens} Hkv={n_kv}")
 
 
 @pytest.mark.skipif(not attn.flash_available(DEV), reason="no FlashAttention-2 kernel on this GPU")

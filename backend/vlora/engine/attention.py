@@ -7,8 +7,10 @@ Two backends share one interface and are chosen by name (:func:`get_attention_ba
   context split) and handles all query heads of a kv head together, so K/V are read once per group;
   with more than one split a small reduce kernel combines the partial results (flash-decoding).
   Prefill is flash-attention style with online softmax over BLOCK_M x BLOCK_N tiles.
-- ``"flash"``: the Triton kernels, except that a prefill of long fresh prompts (no cached context) in
-  fp16/bf16 runs PyTorch's FlashAttention-2 varlen kernel on the step's K/V read back packed.
+- ``"flash"``: the Triton kernels, except that a prefill of fresh prompts (no cached context) in fp16/bf16
+  runs a library kernel on the step's K/V read back packed: cuDNN's fused attention through SDPA, one
+  call per prompt, for a few prompts of 1,024 tokens or more; else PyTorch's FlashAttention-2 varlen kernel
+  for prompts of 4,096 tokens or more.
 - ``"torch"``: per-sequence gather + ``F.scaled_dot_product_attention``; exact, runs everywhere, is the
   CPU path and the test oracle.
 
@@ -79,6 +81,9 @@ class AttentionMetadata:
     # Prefill of fresh prompts only (no sequence continues cached context): each new token's pool row,
     # int64 [T], so a backend may read the step's K/V packed (:func:`flash_prefill`). None otherwise.
     fresh_rows: Optional[torch.Tensor] = None
+    # Prefill: each sequence's new-token count on the host (a backend may loop over sequences without a
+    # device read); empty where the builder did not give them.
+    q_lens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_tables.dim() != 2 or self.block_tables.dtype != torch.int32:
@@ -126,7 +131,8 @@ class AttentionMetadata:
         for s, t in enumerate(block_tables):
             tables[s, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
         return cls(block_tables=tables.to(device), seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32).to(device),
-                   cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device), max_q_len=max(q_lens, default=1))
+                   cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device), max_q_len=max(q_lens, default=1),
+                   q_lens=tuple(int(n) for n in q_lens))
 
     @classmethod
     def allocate_decode(cls, max_batch: int, max_blocks: int, device: torch.device) -> "AttentionMetadata":
@@ -177,10 +183,14 @@ class PrefillConfig:
 
 
 def choose_num_splits(batch: int, n_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Context splits for decode, from static shapes: enough programs for about two waves on ``num_sms``,
-    none shorter than MIN_TOKENS_PER_SPLIT keys."""
+    """Context splits for decode, from static shapes: enough programs for about two per SM on ``num_sms``,
+    none shorter than MIN_TOKENS_PER_SPLIT keys.
+
+    Measured on an H200 (132 SMs, ``benchmarks/step_kernels.py``, 32 kv heads, graphs as wide as 8,192
+    tokens): batch 8 (256 programs) takes 31 us with one split and 27 with two at context 700, 78 and 67 us
+    at 2,000; from batch 32 (1,024 programs) one split is best."""
     programs = batch * n_kv_heads
-    if programs >= num_sms:
+    if programs >= 2 * num_sms:
         return 1
     want = -(-2 * num_sms // max(programs, 1))
     cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
@@ -589,6 +599,73 @@ def flash_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, c
     return out
 
 
+# cuDNN's fused attention (through SDPA) for fresh prompts from this length on, for at most
+# CUDNN_MAX_SEQS prompts per step (one call each); see FlashPrefillBackend. Below it the Triton kernel's
+# one launch wins: at 600 tokens cuDNN saves 4 us of GPU time per layer but adds four launches (gathers,
+# output copy) to an eager step that its host already bounds.
+CUDNN_MIN_TOKENS = 1024
+CUDNN_MAX_SEQS = 8
+# Shorter prompts of such a step go to SDPA's own kernel choice (cuDNN refuses a 1-token prompt).
+CUDNN_MIN_SEQ_TOKENS = 16
+# The engine takes the cuDNN path for these head widths and without GQA only: what was measured and tested
+# (H = Hkv = 32, D = 128). The tiny Qwen2.5-VL test model (GQA, narrow heads) hit an illegal memory access
+# on an H200 with it, not reproduced with CUDA_LAUNCH_BLOCKING=1; GQA models keep FlashAttention-2 / Triton.
+CUDNN_HEAD_DIMS = (64, 128)
+
+
+@functools.lru_cache(maxsize=32)
+def cudnn_attention_available(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv_heads: int,
+                              head_dim: int) -> bool:
+    """Whether SDPA's cuDNN attention runs causal prefill of this shape on ``device`` (tried once on a
+    tiny input: the support rules for GQA, head widths and dtypes differ between torch and cuDNN versions)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = SDPBackend.CUDNN_ATTENTION
+    except (ImportError, AttributeError):
+        return False
+    if not torch.backends.cudnn.is_available() or torch.cuda.get_device_capability(device)[0] < 8:
+        return False
+    q = torch.zeros(1, n_heads, CUDNN_MIN_SEQ_TOKENS, head_dim, device=device, dtype=dtype)
+    k = torch.zeros(1, n_kv_heads, CUDNN_MIN_SEQ_TOKENS, head_dim, device=device, dtype=dtype)
+    try:
+        with sdpa_kernel([backend]):
+            F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=n_heads != n_kv_heads)
+        torch.cuda.synchronize(device)
+    except RuntimeError:
+        return False
+    return True
+
+
+def cudnn_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                  q_lens: Sequence[int], scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of fresh prompts with cuDNN's fused attention (SDPA restricted to it), one call per
+    prompt on [1, H, T, D] views: the step's K/V are read back from the pools at ``rows`` first. GQA runs
+    natively where :func:`cudnn_attention_available` says so. A prompt shorter than CUDNN_MIN_SEQ_TOKENS
+    (cuDNN has no kernel for one token) goes to SDPA's own choice. Only for fresh prompts.
+    Shape:  q [T, H, D] fp16/bf16  k_pool/v_pool [rows, Hkv, D]  rows [T] int64  sum(q_lens) == T"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    k = k_pool.index_select(0, rows)
+    v = v_pool.index_select(0, rows)
+    out = torch.empty_like(q) if out is None else out
+    gqa = q.shape[1] != k.shape[1]
+    start = 0
+    for n in q_lens:
+        end = start + n
+        args = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        if n >= CUDNN_MIN_SEQ_TOKENS:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                o = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[start:end].copy_(o[0].transpose(0, 1))
+        start = end
+    return out
+
+
 # -- backends ---------------------------------------------------------------------------------------
 
 
@@ -657,24 +734,37 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 class FlashPrefillBackend(TritonAttentionBackend):
-    """The Triton kernels, but a prefill of fresh prompts (fp16/bf16) whose longest prompt has at least
-    ``min_tokens`` tokens runs PyTorch's FlashAttention-2 varlen kernel (:func:`flash_prefill`); a
-    prefill that continues cached context, a shorter one, or fp32 stays on the Triton kernel.
+    """The Triton kernels, but a prefill of fresh prompts (fp16/bf16) runs a library kernel where it is
+    faster: at most ``cudnn_max_seqs`` prompts whose longest has at least ``cudnn_min_tokens`` tokens run
+    cuDNN's fused attention (:func:`cudnn_prefill`, where :func:`cudnn_attention_available`, without GQA and
+    for head widths in CUDNN_HEAD_DIMS); otherwise a
+    longest prompt of at least ``min_tokens`` runs PyTorch's FlashAttention-2 varlen kernel
+    (:func:`flash_prefill`). A prefill that continues cached context, a shorter one, or fp32 stays on the
+    Triton kernel.
 
-    Measured per layer call at the 7B shapes on an H100 (``benchmarks/prefill_attention.py``): one
-    prompt of 600 tokens, Triton 33 us against FlashAttention-2's 52 us; 2,300 tokens 455 against 465
-    us; 8,000 tokens 3,819 against 3,087 us. Hence the threshold."""
+    Measured per layer call at the 7B shapes (``benchmarks/prefill_attention.py``, H=32, D=128, bf16,
+    CUDA-graph replays). H100: one prompt of 600 tokens, Triton 33 us against FlashAttention-2's 52 us;
+    2,300 tokens 455 against 465 us; 8,000 tokens 3,819 against 3,087 us. H200, with cuDNN (its K/V
+    gather included): 600 tokens Triton 34 / FA2 34 / cuDNN 30 us; 2,300 tokens 237 / 238 / 136 us;
+    8,000 tokens 2,033 / 1,765 / 973 us (539 TFLOP/s, 0.69 of the matmul rate). Hence the thresholds."""
 
     name = "flash"
     min_tokens = FLASH_MIN_TOKENS
+    cudnn_min_tokens = CUDNN_MIN_TOKENS
+    cudnn_max_seqs = CUDNN_MAX_SEQS
 
     @classmethod
     def available(cls, device: torch.device) -> bool:
         return TritonAttentionBackend.available(device) and flash_available(device)
 
     def prefill(self, q, k_pool, v_pool, meta, scale, block_size, out=None):
-        if (meta.fresh_rows is None or meta.max_q_len < self.min_tokens
-                or q.dtype not in (torch.float16, torch.bfloat16)):
+        if meta.fresh_rows is None or q.dtype not in (torch.float16, torch.bfloat16):
+            return super().prefill(q, k_pool, v_pool, meta, scale, block_size, out=out)
+        if (meta.q_lens and meta.max_q_len >= self.cudnn_min_tokens and len(meta.q_lens) <= self.cudnn_max_seqs
+                and q.shape[1] == k_pool.shape[1] and q.shape[2] in CUDNN_HEAD_DIMS
+                and cudnn_attention_available(q.device, q.dtype, q.shape[1], k_pool.shape[1], q.shape[2])):
+            return cudnn_prefill(q, k_pool, v_pool, meta.fresh_rows, meta.q_lens, scale, out=out)
+        if meta.max_q_len < self.min_tokens:
             return super().prefill(q, k_pool, v_pool, meta, scale, block_size, out=out)
         o = flash_prefill(q, k_pool, v_pool, meta.cu_seqlens_q, meta.fresh_rows, meta.max_q_len, scale)
         if out is not None:

@@ -98,10 +98,11 @@ def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) 
 
 
 def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int, engine: LLMEngine) -> None:
-    """Capture the decode graphs (``engine.cuda_graphs``) once the orchestrator has placed the weights."""
+    """Capture the decode graphs (``engine.cuda_graphs``), then the prefill graphs (``engine.prefill_graph_tokens``),
+    once the orchestrator has placed the weights."""
     if runner.device.type != "cuda" or config.engine.cuda_graphs == "off":
         return
-    from vlora.engine.graphs import VARIANTS, DecodeGraphs
+    from vlora.engine.graphs import PREFILL_BUCKET, VARIANTS, DecodeGraphs, PrefillGraphs
 
     sizes = tuple(b for b in config.engine.graph_batch_sizes if b < config.scheduler.max_batch_size)
     sizes += (config.scheduler.max_batch_size,)
@@ -110,6 +111,14 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int
     runner.graphs.capture_all(VARIANTS if config.orchestrator.policy == "vlora" else ("base", "lora"))
     engine.model_info["cuda_graphs"] = {"batch_sizes": list(runner.graphs.sizes), "capture_s": round(runner.graphs.capture_s, 2),
                                         "memory_mib": round(runner.graphs.memory_bytes / 2**20, 1)}
+    max_tokens = min(config.engine.prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
+    if max_tokens >= PREFILL_BUCKET:
+        runner.prefill_graphs = PrefillGraphs(runner, max_tokens, config.scheduler.max_batch_size, max_model_len,
+                                              pool=runner.graphs.pool)
+        runner.prefill_graphs.capture_all()
+        engine.model_info["cuda_graphs"]["prefill_tokens"] = list(runner.prefill_graphs.sizes)
+        engine.model_info["cuda_graphs"]["prefill_capture_s"] = round(runner.prefill_graphs.capture_s, 2)
+        engine.model_info["cuda_graphs"]["prefill_memory_mib"] = round(runner.prefill_graphs.memory_bytes / 2**20, 1)
 
 
 def resolve_cost_model(config: EngineConfig, engine: LLMEngine) -> None:

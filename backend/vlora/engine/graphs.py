@@ -1,4 +1,5 @@
-"""CUDA graphs of decode steps, one per batch-size bucket and LoRA variant.
+"""CUDA graphs of decode steps, one per batch-size bucket and LoRA variant, and of the decoder for
+prefill steps without LoRA work, one per token-count bucket (:class:`PrefillGraphs`).
 
 A decode step's shapes depend only on its batch size, so each bucket (``engine.graph_batch_sizes``) is
 captured once and replayed with the batch padded up to it. Everything a replay reads sits at a fixed
@@ -222,3 +223,216 @@ class DecodeGraphs:
         g.replay()
         self.replays[(b, variant)] += 1
         return StepResult(logits=logits[:n], hidden=hidden[:n])
+
+
+# Prefill steps: token-count buckets (a step pads its tokens up to the next one).
+PREFILL_BUCKET = 64
+
+
+def prefill_buckets(max_tokens: int, step: int = PREFILL_BUCKET) -> tuple[int, ...]:
+    """Token counts captured for prefill steps: every multiple of ``step`` up to ``max_tokens`` (padding
+    costs at most ``step - 1`` rows of compute; 600 tokens run as 640)."""
+    return tuple(range(step, max_tokens + 1, step)) if max_tokens >= step else ()
+
+
+class PrefillGraphs:
+    """CUDA graphs of the decoder for steps that hold a prefill, one per token-count bucket.
+
+    An eager prefill issues about ten launches per layer from Python, and at a few hundred tokens its host
+    is slower than its GPU (600 tokens on an H200: 14-15 ms of wall against 12.3 ms of kernels). A replay
+    issues them all at once. What a step brings varies, so the graph starts after the embedding: the
+    step's token ids are embedded (and their images put in) eagerly into a fixed hidden-state buffer, and
+    the graph runs every decoder layer, the final norm and the LM head at the sequences' last tokens.
+    Fixed buffers hold positions, KV slots, the sequences' query offsets, context lengths and block
+    tables (as wide as the model's longest context) and the rows to read logits from. Padding tokens
+    belong to no sequence: their KV slot is -1 (not written), attention leaves them alone, and every
+    other kernel works row by row, so they touch no real row. Padding sequences have no tokens.
+
+    Served: steps with no LoRA work (base requests, merged mode) and 1-D positions (no M-RoPE prompt
+    with images), at most ``max_seqs`` sequences, ``max_tokens`` tokens. Everything else runs eagerly.
+    Attention inside the graphs is the Triton kernel (fresh prompts' cuDNN path reads host lengths).
+    The graphs share the decode graphs' memory pool."""
+
+    def __init__(self, runner: "ModelRunner", max_tokens: int, max_seqs: int, max_model_len: int,
+                 pool=None) -> None:
+        self.runner = runner
+        self.sizes = prefill_buckets(max_tokens)
+        self.max_tokens = self.sizes[-1] if self.sizes else 0
+        self.max_seqs = max_seqs
+        kv = runner.kv
+        self.max_blocks = -(-max_model_len // kv.block_size)
+        dev = runner.device
+        T, S = self.max_tokens, max_seqs
+        # int64: ids, positions, KV slots, the previous step's row (step overlap); then the logit rows
+        self.lhost = torch.zeros(4 * T + S, dtype=torch.int64).pin_memory()
+        self.lnp = self.lhost.numpy()
+        self.lbuf = torch.zeros_like(self.lhost, device=dev)
+        # int32: query offsets [S + 1], context lengths [S], block tables [S, max_blocks]
+        self.ihost = torch.zeros(2 * S + 1 + S * self.max_blocks, dtype=torch.int32).pin_memory()
+        self.inp = self.ihost.numpy()
+        self.ibuf = torch.zeros_like(self.ihost, device=dev)
+        self.hidden = torch.zeros(T, runner.lm.embed_tokens.weight.shape[1], dtype=runner.dtype, device=dev)
+        with torch.cuda.device(dev):
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.pool = pool
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.capture_s = 0.0
+        self.memory_bytes = 0
+        self.replays: Counter = Counter()  # bucket -> replays
+
+    def _l(self, i: int, n: int) -> torch.Tensor:
+        return self.lbuf[i * self.max_tokens:i * self.max_tokens + n]
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        S = self.max_seqs
+        return AttentionMetadata(block_tables=self.ibuf[2 * S + 1:].view(S, self.max_blocks), seq_lens=self.ibuf[S + 1:2 * S + 1],
+                                 cu_seqlens_q=self.ibuf[:S + 1], max_q_len=b)
+
+    def bucket(self, n: int) -> Optional[int]:
+        for b in self.sizes:
+            if b >= n:
+                return b
+        return None
+
+    def serves(self, seqs: list["SeqInput"]) -> bool:
+        if not self.sizes or len(seqs) > self.max_seqs:
+            return False
+        total = 0
+        limit = self.max_blocks * self.runner.kv.block_size
+        for s in seqs:
+            if s.slot >= 0 or s.delora_slot >= 0 or s.start_pos + len(s.token_ids) > limit:
+                return False
+            if s.mrope_positions is not None and s.start_pos < s.mrope_positions.shape[1]:
+                return False
+            total += len(s.token_ids)
+        return 0 < total <= self.max_tokens
+
+    # -- capture ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        if not self.sizes:
+            return
+        dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        free0, reserved0 = torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev)
+        t0 = time.perf_counter()
+        for i, b in enumerate(reversed(self.sizes)):  # largest first: smaller graphs reuse its memory
+            self._capture(b)
+            if (i + 1) % 8 == 0 or i + 1 == len(self.sizes):
+                log.info("CUDA graphs: captured %d/%d prefill graphs (%.1f s)", i + 1, len(self.sizes),
+                         time.perf_counter() - t0)
+        torch.cuda.synchronize(dev)
+        self.capture_s = time.perf_counter() - t0
+        self.memory_bytes = max(0, free0 - torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev) - reserved0)
+        log.info("CUDA graphs: %d prefill graphs (%d to %d tokens in steps of %d, up to %d sequences) in %.1f s, "
+                 "%.0f MiB of device memory more", len(self.sizes), self.sizes[0], self.sizes[-1], PREFILL_BUCKET,
+                 self.max_seqs, self.capture_s, self.memory_bytes / 2**20)
+
+    def _dummy_fill(self) -> None:
+        """A valid step for capture: one sequence of every token, whose keys all come from the cache's
+        scratch block; nothing is written to the cache (every slot -1)."""
+        kv = self.runner.kv
+        T, S = self.max_tokens, self.max_seqs
+        self._copied.synchronize()
+        self.lnp[:] = 0
+        self.lnp[2 * T:3 * T] = -1  # slots: nothing written
+        self.lnp[3 * T:4 * T] = -1
+        self.inp[:] = 0
+        self.inp[1:S + 1] = T  # sequence 0 has every token
+        self.inp[S + 1] = T
+        self.inp[2 * S + 1:2 * S + 1 + self.max_blocks] = kv.scratch_block
+        self.lbuf.copy_(self.lhost, non_blocking=True)
+        self.ibuf.copy_(self.ihost, non_blocking=True)
+        self._copied.record()
+
+    def _capture(self, b: int) -> None:
+        r = self.runner
+        self._dummy_fill()
+        side = torch.cuda.Stream(r.device)
+        side.wait_stream(torch.cuda.current_stream(r.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up: Triton compiles and cuBLAS picks its kernels outside the capture
+                self._body(b)
+        torch.cuda.current_stream(r.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            logits, hidden = self._body(b)
+        self.graphs[b] = (g, logits, hidden)
+
+    def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.runner
+        kv = r.kv
+        meta = self._meta(b)
+        scale = r._attn_scale
+
+        def attend(q: torch.Tensor, li: int) -> torch.Tensor:
+            return r.attention.prefill(q, kv.k[li], kv.v[li], meta, scale, kv.block_size)
+
+        ctx = r.lora_ctx
+        ctx.mapping = ctx.delora = None
+        T = self.max_tokens
+        last = self.lbuf[4 * T:4 * T + self.max_seqs]
+        return r._decoder(self.hidden[:b], self._l(1, b), self._l(2, b), attend, last)
+
+    # -- replay ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list["SeqInput"], prev_tokens: Optional[torch.Tensor] = None) -> "StepResult":
+        import numpy as np
+
+        from vlora.engine.model_runner import StepResult
+
+        r = self.runner
+        kv = r.kv
+        bs = kv.block_size
+        T, S = self.max_tokens, self.max_seqs
+        lengths = [len(s.token_ids) for s in seqs]
+        n, ns = sum(lengths), len(seqs)
+        b = self.bucket(n)
+        if b not in self.graphs:
+            self._capture(b)
+        g, logits, hidden = self.graphs[b]
+        self._copied.synchronize()  # the previous step's copies have read the host buffers
+        ln, im = self.lnp, self.inp
+        cu = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:ns + 1])
+        cu[ns + 1:] = n  # padding sequences: no tokens
+        tables = im[2 * S + 1:].reshape(S, self.max_blocks)
+        pending = False
+        for i, s in enumerate(seqs):
+            a, e, p = int(cu[i]), int(cu[i + 1]), s.start_pos
+            ln[a:e] = s.token_ids
+            ln[T + a:T + e] = np.arange(p + s.rope_delta, p + s.rope_delta + lengths[i])
+            ln[2 * T + a:2 * T + e] = kv.slots(s.blocks, p, p + lengths[i])
+            ln[3 * T + a:3 * T + e] = -1
+            if s.pending_row >= 0:
+                ln[3 * T + a] = s.pending_row
+                pending = True
+            t = s.blocks.table()
+            nb = -(-(p + lengths[i]) // bs)
+            tables[i, :nb] = t[:nb]
+            im[S + 1 + i] = p + lengths[i]
+        ln[T + n:T + b] = 0
+        ln[2 * T + n:2 * T + b] = -1  # padding tokens write no KV
+        ln[4 * T:4 * T + ns] = cu[1:ns + 1] - 1
+        ln[4 * T + ns:4 * T + S] = 0
+        im[:S + 1] = cu
+        im[S + 1 + ns:2 * S + 1] = 0
+        self.lbuf.copy_(self.lhost, non_blocking=True)
+        self.ibuf.copy_(self.ihost, non_blocking=True)
+        self._copied.record()
+        ids = self._l(0, n)
+        if pending:
+            if prev_tokens is None:
+                raise ValueError("a sequence reads its token from the previous step, but prev_tokens is None")
+            src = self._l(3, n)
+            ids = torch.where(src >= 0, prev_tokens.index_select(0, src.clamp(min=0)).clamp(min=0), ids)
+        self.hidden[:n].copy_(r.lm.embed_tokens(ids))
+        if b > n:
+            self.hidden[n:b].zero_()  # padding rows start clean each step
+        n_enc = r._insert_images(seqs, ids, self.hidden[:n])
+        g.replay()
+        self.replays[b] += 1
+        return StepResult(logits=logits[:ns], hidden=hidden[:ns], num_images_encoded=n_enc)

@@ -253,6 +253,7 @@ class ModelRunner:
         self._attn_scale = float(getattr(self.lm.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.attention = get_attention_backend("auto", self.device)
         self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
+        self.prefill_graphs = None  # PrefillGraphs (vlora.engine.graphs) once captured
         self.encoder_cache: Optional[EncoderCache] = None  # set_encoder_cache()
         # The family's vision-side projections that adapters may target; wrapped for LoRA with ``vision_lora``.
         self.vision_sites = loaded.family.vision_lora_sites(loaded) if loaded is not None else []
@@ -478,7 +479,7 @@ class ModelRunner:
         fresh = not decode_only and all(s.start_pos == 0 for s in seqs)
         attn = AttentionMetadata(block_tables=meta[2 * S + 1:].view(S, width), seq_lens=meta[S + 1:2 * S + 1],
                                  cu_seqlens_q=None if decode_only else meta[:S + 1], max_q_len=max(lengths),
-                                 fresh_rows=host[2 * T:3 * T] if fresh else None)
+                                 fresh_rows=host[2 * T:3 * T] if fresh else None, q_lens=tuple(lengths))
         pos = host[T:2 * T] if not mrope else torch.cat(axes, dim=1).to(dev, non_blocking=True)
         return StepPlan(ids=host[:T], positions=pos, slot_mapping=host[2 * T:3 * T], last_index=host[3 * T:3 * T + S],
                         attn=attn, decode_only=decode_only, lora=lora, delora=delora,
@@ -496,6 +497,8 @@ class ModelRunner:
             raise ValueError("forward: a sequence reads its token from the previous step, but prev_tokens is None")
         if self.graphs is not None and self.graphs.serves(seqs):
             return self.graphs.run(seqs, prev_tokens)
+        if self.prefill_graphs is not None and self.prefill_graphs.serves(seqs):
+            return self.prefill_graphs.run(seqs, prev_tokens)
         plan = self.plan(seqs)
         ids = plan.ids
         if plan.src is not None:
