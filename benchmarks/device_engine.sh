@@ -2,6 +2,8 @@
 # One device call for the engine (run from the repository root on the GPU machine): the ATMM extension
 # (a prebuilt one carried in .devpack/, else built, see build_atmm.sh), the engine's GPU tests, then the
 # engine benchmark. Needs no Triton server, so it skips device_env.sh.
+#   HOST_CHECK_US  default 10: first time a small kernel (step_kernels.py --check-host) and exit 3 on a slow host;
+#                  0 skips the check
 #   ENGINE_STEPS   default "test floor"; "cache": benchmarks/cache_ttft.py (TTFT, encoder and prefix caches off/on)
 #   ENGINE_TESTS   default the engine's GPU tests (paged attention, graphs, parity with transformers + PEFT)
 #   FLOOR_ARGS     arguments of benchmarks/engine_floor.py (default --quick)
@@ -13,11 +15,23 @@ set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" /tmp/site
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/backend:$PWD/client:$PWD/load${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,utilization.gpu,power.draw,clocks_throttle_reasons.active --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tee -a "$OUT/gpu.txt"
 # shellcheck source=/dev/null
 source benchmarks/build_atmm.sh
 STEPS=${ENGINE_STEPS:-"test floor"}
 rc=0
+# A host that runs every kernel several times slow (seen on some machines; the copy probe reads normal there)
+# spoils every timing: before any timed step, stop there unless HOST_CHECK_US is 0.
+if [[ "${HOST_CHECK_US:-10}" != "0" && " $STEPS " =~ \ (floor|cache|switch|atmmbench)\  ]]; then
+  python3 benchmarks/step_kernels.py --check-host "${HOST_CHECK_US:-10}" > "$OUT/host-check.log" 2>&1
+  hc=$?
+  tail -2 "$OUT/host-check.log"
+  if [[ $hc -eq 3 ]]; then
+    echo "slow host: no step run (HOST_CHECK_US=0 runs them anyway)"
+    exit 3
+  fi
+fi
 if [[ " $STEPS " == *" test "* ]]; then
   t0=$(date +%s)
   python3 -m pytest -q --maxfail=20 -p no:cacheprovider --durations=8 \

@@ -490,6 +490,7 @@ class Deadline:
 
 
 ATTENTION = "auto"  # engine.attention of the engine under test (--attention)
+PREFILL_GRAPHS = None  # engine.prefill_graph_tokens of the engine under test (--prefill-graph-tokens; None: the default)
 
 
 def build(model_dir: Path, device, dtype_name: str, slots: int, rank: int, max_batch: int, budget_tokens: int,
@@ -504,7 +505,8 @@ def build(model_dir: Path, device, dtype_name: str, slots: int, rank: int, max_b
         "scheduler.max_num_batched_tokens": budget_tokens, "orchestrator.policy": "unmerge-only",
         "limits.max_images": max(8, max_images),  # a video's frames are its images
         "atmm.tune_at_load": "never",  # no tuner sidecar sharing the GPU while we time
-        "engine.attention": ATTENTION})
+        "engine.attention": ATTENTION,
+        **({"engine.prefill_graph_tokens": PREFILL_GRAPHS} if PREFILL_GRAPHS is not None else {})})
     return build_engine(cfg)
 
 
@@ -921,6 +923,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="torch.profiler over 5 base decode steps")
     p.add_argument("--profile-batch", type=int, default=32)
     p.add_argument("--attention", default="auto", help="engine.attention: auto, flash, triton or torch")
+    p.add_argument("--prefill-graph-tokens", type=int, help="engine.prefill_graph_tokens (default: the config's)")
     p.add_argument("--profile-prefill", type=int, help="also profile prefill steps of one prompt of this many tokens")
     p.add_argument("--deadline-s", type=float, help="start no point after this many seconds (the rest is marked skipped)")
     p.add_argument("--no-record", action="store_true", help="no line in RESULTS.md, no copy in benchmarks/results")
@@ -929,9 +932,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    global ATTENTION
+    global ATTENTION, PREFILL_GRAPHS
     args = parse_args(argv)
     ATTENTION = args.attention
+    PREFILL_GRAPHS = args.prefill_graph_tokens
     import torch
 
     from vlora.engine.builder import resolve_device

@@ -1,5 +1,7 @@
 """Prefill attention kernels on the GPU: the Triton paged kernel against PyTorch's FlashAttention-2 varlen
-kernel (the ``flash`` backend, fresh prompts), per layer call at the 7B model's shapes (H=32, D=128,
+kernel (``fa2``) and cuDNN's fused attention through SDPA (``cudnn``: the prompt's K/V gathered from the
+pools, then SDPA on [1, H, T, D] views), and the ``flash`` backend (which picks one of them by its
+thresholds for fresh prompts), per layer call at the 7B model's shapes (H=32, D=128,
 bf16), for one prompt of T tokens; each timed as CUDA-graph replays, with its causal-attention FLOPs and
 the rate they imply beside the measured bf16 matmul rate (the floor).
 
@@ -38,11 +40,25 @@ def main() -> None:
         meta.fresh_rows = torch.tensor([table[p // BS] * BS + p % BS for p in range(T)], device=dev)
         flops = 4 * T * T / 2 * H * D  # QK^T and PV, causal half
         row = [f"T={T}"]
-        for name in ("triton", "flash"):
-            backend = attn.get_attention_backend(name, dev)
+        triton_backend = attn.get_attention_backend("triton", dev)
+        for name in ("triton", "fa2", "cudnn", "flash"):
             out = torch.empty_like(q)
-            run = lambda: backend.prefill(q, k, v, meta, D ** -0.5, BS, out=out)  # noqa: E731
-            run()
+            if name == "cudnn":
+                run = lambda: attn.cudnn_prefill(q, k, v, meta.fresh_rows, [T], D ** -0.5, out)  # noqa: E731
+            elif name == "fa2":
+                run = lambda: out.copy_(attn.flash_prefill(q, k, v, meta.cu_seqlens_q, meta.fresh_rows, T,  # noqa: E731
+                                                           D ** -0.5))
+            else:  # the engine's backends: the flash backend picks by the thresholds
+                backend = triton_backend if name == "triton" else attn.get_attention_backend(name, dev)
+                run = lambda: backend.prefill(q, k, v, meta, D ** -0.5, BS, out=out)  # noqa: E731
+            try:
+                run()
+            except RuntimeError as e:
+                row.append(f"{name} failed: {str(e).splitlines()[0][:120]}")
+                continue
+            if name != "triton":
+                ref = triton_backend.prefill(q, k, v, meta, D ** -0.5, BS)
+                row.append(f"[{name} max err vs triton {(out.float() - ref.float()).abs().max().item():.3g}]")
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
