@@ -9,8 +9,8 @@ Two backends share one interface and are chosen by name (:func:`get_attention_ba
   Prefill is flash-attention style with online softmax over BLOCK_M x BLOCK_N tiles.
 - ``"flash"``: the Triton kernels, except that a prefill of fresh prompts (no cached context) in fp16/bf16
   runs a library kernel on the step's K/V read back packed: cuDNN's fused attention through SDPA, one
-  call per prompt, for a few prompts of 1,024 tokens or more; else PyTorch's FlashAttention-2 varlen kernel
-  for prompts of 4,096 tokens or more.
+  call per prompt, for a few prompts of 1,024 tokens or more (no GQA); else PyTorch's FlashAttention-2
+  varlen kernel for prompts of 4,096 tokens or more.
 - ``"torch"``: per-sequence gather + ``F.scaled_dot_product_attention``; exact, runs everywhere, is the
   CPU path and the test oracle.
 
@@ -608,8 +608,9 @@ CUDNN_MAX_SEQS = 8
 # Shorter prompts of such a step go to SDPA's own kernel choice (cuDNN refuses a 1-token prompt).
 CUDNN_MIN_SEQ_TOKENS = 16
 # The engine takes the cuDNN path for these head widths and without GQA only: what was measured and tested
-# (H = Hkv = 32, D = 128). The tiny Qwen2.5-VL test model (GQA, narrow heads) hit an illegal memory access
-# on an H200 with it, not reproduced with CUDA_LAUNCH_BLOCKING=1; GQA models keep FlashAttention-2 / Triton.
+# (H = Hkv = 32, D = 128). The Qwen GPU tests (tiny Qwen2.5-VL: GQA, narrow heads) crashed once on an H200
+# with an illegal memory access while it applied to them; they passed with it off and with
+# CUDA_LAUNCH_BLOCKING=1, and the cause is not found. GQA models keep FlashAttention-2 / Triton.
 CUDNN_HEAD_DIMS = (64, 128)
 
 
