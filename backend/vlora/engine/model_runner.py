@@ -522,8 +522,8 @@ class ModelRunner:
         """Every decoder layer, the final norm and the LM head at ``last_index`` (None: every row).
 
         Each residual add is fused with the RMSNorm after it (:mod:`vlora.engine.fused_ops`: one kernel
-        on CUDA, the eager ops elsewhere, the same bits either way), so a layer hands the next its MLP
-        output still to be added."""
+        on CUDA, whose variance sum differs from eager's only in its last bits; the eager ops elsewhere),
+        so a layer hands the next its MLP output still to be added."""
         # [T] (1-D) or [3, T] (M-RoPE); the model's rotary embedding takes a batch of one. An M-RoPE
         # embedding (``mrope_section``) gets 1-D positions (text prompts, every decode step and its CUDA
         # graph) as three equal axes: transformers before 5.2x indexes its position ids as [3, batch, T].
