@@ -235,6 +235,47 @@ def prefill_buckets(max_tokens: int, step: int = PREFILL_BUCKET) -> tuple[int, .
     return tuple(range(step, max_tokens + 1, step)) if max_tokens >= step else ()
 
 
+def fill_prefill_host(ln, im, seqs: list["SeqInput"], b: int, T: int, S: int, max_blocks: int, kv) -> bool:
+    """Write one prefill step into :class:`PrefillGraphs`' host buffers for the ``b``-token graph; returns
+    whether a sequence reads its token from the previous step (``pending_row``).
+
+    ``ln`` int64 [4 T + S]: token ids, positions, KV slots (-1: padding, nothing written), the previous
+    step's row per token (-1: none), then each sequence's last-token row (padding sequences: 0).
+    ``im`` int32 [2 S + 1 + S max_blocks]: query offsets (padding sequences: empty at the end), context
+    lengths (padding: 0), block tables. Entries past what a sequence reads are left as they were."""
+    import numpy as np
+
+    bs = kv.block_size
+    lengths = [len(s.token_ids) for s in seqs]
+    n, ns = sum(lengths), len(seqs)
+    if n > b or b > T or ns > S:
+        raise ValueError(f"fill_prefill_host: {n} tokens of {ns} sequences for a {b}-token graph ({T}, {S} max)")
+    cu = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:ns + 1])
+    cu[ns + 1:] = n  # padding sequences: no tokens
+    tables = im[2 * S + 1:].reshape(S, max_blocks)
+    pending = False
+    for i, s in enumerate(seqs):
+        a, e, p = int(cu[i]), int(cu[i + 1]), s.start_pos
+        ln[a:e] = s.token_ids
+        ln[T + a:T + e] = np.arange(p + s.rope_delta, p + s.rope_delta + lengths[i])
+        ln[2 * T + a:2 * T + e] = kv.slots(s.blocks, p, p + lengths[i])
+        ln[3 * T + a:3 * T + e] = -1
+        if s.pending_row >= 0:
+            ln[3 * T + a] = s.pending_row
+            pending = True
+        nb = -(-(p + lengths[i]) // bs)
+        tables[i, :nb] = s.blocks.table()[:nb]
+        im[S + 1 + i] = p + lengths[i]
+    ln[T + n:T + b] = 0
+    ln[2 * T + n:2 * T + b] = -1  # padding tokens write no KV
+    ln[4 * T:4 * T + ns] = cu[1:ns + 1] - 1
+    ln[4 * T + ns:4 * T + S] = 0
+    im[:S + 1] = cu
+    im[S + 1 + ns:2 * S + 1] = 0
+    return pending
+
+
 class PrefillGraphs:
     """CUDA graphs of the decoder for steps that hold a prefill, one per token-count bucket.
 
@@ -380,13 +421,10 @@ class PrefillGraphs:
     # -- replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, seqs: list["SeqInput"], prev_tokens: Optional[torch.Tensor] = None) -> "StepResult":
-        import numpy as np
-
         from vlora.engine.model_runner import StepResult
 
         r = self.runner
         kv = r.kv
-        bs = kv.block_size
         T, S = self.max_tokens, self.max_seqs
         lengths = [len(s.token_ids) for s in seqs]
         n, ns = sum(lengths), len(seqs)
@@ -395,31 +433,7 @@ class PrefillGraphs:
             self._capture(b)
         g, logits, hidden = self.graphs[b]
         self._copied.synchronize()  # the previous step's copies have read the host buffers
-        ln, im = self.lnp, self.inp
-        cu = np.zeros(S + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cu[1:ns + 1])
-        cu[ns + 1:] = n  # padding sequences: no tokens
-        tables = im[2 * S + 1:].reshape(S, self.max_blocks)
-        pending = False
-        for i, s in enumerate(seqs):
-            a, e, p = int(cu[i]), int(cu[i + 1]), s.start_pos
-            ln[a:e] = s.token_ids
-            ln[T + a:T + e] = np.arange(p + s.rope_delta, p + s.rope_delta + lengths[i])
-            ln[2 * T + a:2 * T + e] = kv.slots(s.blocks, p, p + lengths[i])
-            ln[3 * T + a:3 * T + e] = -1
-            if s.pending_row >= 0:
-                ln[3 * T + a] = s.pending_row
-                pending = True
-            t = s.blocks.table()
-            nb = -(-(p + lengths[i]) // bs)
-            tables[i, :nb] = t[:nb]
-            im[S + 1 + i] = p + lengths[i]
-        ln[T + n:T + b] = 0
-        ln[2 * T + n:2 * T + b] = -1  # padding tokens write no KV
-        ln[4 * T:4 * T + ns] = cu[1:ns + 1] - 1
-        ln[4 * T + ns:4 * T + S] = 0
-        im[:S + 1] = cu
-        im[S + 1 + ns:2 * S + 1] = 0
+        pending = fill_prefill_host(self.lnp, self.inp, seqs, b, T, S, self.max_blocks, kv)
         self.lbuf.copy_(self.lhost, non_blocking=True)
         self.ibuf.copy_(self.ihost, non_blocking=True)
         self._copied.record()
