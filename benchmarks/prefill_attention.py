@@ -21,9 +21,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="600,2300,8000")
     ap.add_argument("--kv-heads", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    from vlora.atmm.timing import matmul_tflops
+    from vlora.atmm.timing import graph_time_us, matmul_tflops
     from vlora.engine import attention as attn
     from vlora.engine.attention import AttentionMetadata
 
@@ -59,19 +58,7 @@ def main() -> None:
             if name != "triton":
                 ref = triton_backend.prefill(q, k, v, meta, D ** -0.5, BS)
                 row.append(f"[{name} max err vs triton {(out.float() - ref.float()).abs().max().item():.3g}]")
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                run()
-            g.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.reps):
-                g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / args.reps
+            ms = graph_time_us([run]) / 1e3
             row.append(f"{name} {ms * 1e3:.0f} us ({flops / ms / 1e9:.0f} TFLOP/s, {flops / ms / 1e9 / peak:.2f} of matmul)")
         print("  ".join(row), flush=True)
 

@@ -6,7 +6,7 @@
 - the residual add + RMSNorm (``fused_ops.add_rms_norm``, PyTorch's summation order) against a one-pass
   kernel that keeps the row in registers (``fused_ops.add_rms_norm(..., impl="fast")``), for T rows of 4096.
 
-Each is timed as CUDA-graph replays of calls over rotated buffers larger than L2 (attention) or, for the
+Each is timed as CUDA-graph replays (``vlora.atmm.timing.graph_time_us``, median per call) of calls over rotated buffers larger than L2 (attention) or, for the
 norm, over the few rows a step has (they sit in L2 in a real step too).
 
     python benchmarks/step_kernels.py [--batches 1,8,32,64] [--contexts 700,2000] [--rows 1,8,32,64,600]
@@ -19,26 +19,11 @@ device call can stop before spending its time (benchmarks/device_engine.sh runs 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
-
-def replay_ms(fn, reps: int = 20) -> float:
-    """ms per call of ``fn`` (which makes ``calls`` launches itself), from CUDA-graph replays."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+from vlora.atmm.timing import graph_time_us
 
 
 def attention(batches, contexts, copy_gbs: float) -> None:
@@ -70,10 +55,9 @@ def attention(batches, contexts, copy_gbs: float) -> None:
                     continue
                 ws = attn.decode_workspace(B, H, D, splits, dev) if splits > 1 else None
 
-                def run(splits=splits, ws=ws, pools=pools):
-                    for k, v in pools:
-                        attn.paged_decode(q, k, v, wide, lens, D ** -0.5, BS, out=out, workspace=ws, num_splits=splits)
-                ms = replay_ms(run) / n_pools
+                calls = [functools.partial(attn.paged_decode, q, k, v, wide, lens, D ** -0.5, BS, out=out, workspace=ws,
+                                           num_splits=splits) for k, v in pools]
+                ms = graph_time_us(calls) / 1e3
                 row.append(f"{splits}: {ms * 1e3:.0f} us ({ms / floor_ms:.2f}x)")
             print("  ".join(row), flush=True)
             del pools
@@ -95,10 +79,9 @@ def norms(rows_list) -> dict:
         ref = fo.add_rms_norm(x, r, w, 1e-5, impl="torch")[0].float()
         res = {}
         for impl in ("triton", "fast"):
-            def run(impl=impl):
-                for xi, ri, o in zip(xs, rs, outs):
-                    fo.add_rms_norm(xi, ri, w, 1e-5, out=o, residual_out=ri, impl=impl)
-            ms = replay_ms(run, reps=10) / n
+            calls = [functools.partial(fo.add_rms_norm, xi, ri, w, 1e-5, out=o, residual_out=ri, impl=impl)
+                     for xi, ri, o in zip(xs, rs, outs)]
+            ms = graph_time_us(calls) / 1e3
             times[(impl, T)] = ms * 1e3
             bytes_ = 4 * T * H * 2
             row.append(f"{impl} {ms * 1e3:.1f} us ({bytes_ / ms / 1e6:.0f} GB/s)")

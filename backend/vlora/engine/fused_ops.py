@@ -409,12 +409,18 @@ def _silu_params(N: int) -> tuple[int, int]:
 RMS_FAST_MAX_H = 16384
 
 
+@functools.lru_cache(maxsize=1024)
+def _rms_fast_params(T: int, H: int) -> tuple[float, dict]:
+    """The mean's factor and the constexprs and options of :func:`_rms_fast_kernel` for [T, H] rows. Cached
+    like :func:`_rms_params`: every layer of a step makes the same call."""
+    block = _pow2(H)
+    return _mean_factor(T, H), dict(BLOCK=block, num_warps=max(1, min(16, block // 512)))
+
+
 def _rms_launch(x2, r2, weight, eps, out2, res2, fast: bool = False) -> None:
     T, H = x2.shape
     if fast and H <= RMS_FAST_MAX_H:
-        block = _pow2(H)
-        kw = dict(BLOCK=block, num_warps=max(1, min(16, block // 512)))
-        factor = _mean_factor(T, H)
+        factor, kw = _rms_fast_params(T, H)
         if r2 is None:
             _rms_fast_kernel[(T,)](x2, x2, weight, out2, x2, H, x2.stride(0), x2.stride(0), out2.stride(0),
                                    x2.stride(0), float(eps), factor, HAS_RES=False, **kw)

@@ -41,6 +41,14 @@ _IDS, _POS, _SLOT, _LEN, _LORA, _DELORA, _SRC = range(7)
 _FIELDS = 7
 
 
+def smallest_at_least(sizes: tuple[int, ...], n: int) -> Optional[int]:
+    """The first of the ascending ``sizes`` that holds ``n`` (a captured bucket), None if none does."""
+    for b in sizes:
+        if b >= n:
+            return b
+    return None
+
+
 def _static_mapping(indptr: torch.Tensor, slots: torch.Tensor, n: int) -> LoraBatchMapping:
     """A per-row mapping over fixed buffers (one segment per row). Its host tuples are placeholders: the
     ``rows`` path of the LoRA backends reads the device buffers only."""
@@ -80,10 +88,7 @@ class DecodeGraphs:
 
     # -- which steps replay ----------------------------------------------------------------------
     def bucket(self, n: int) -> Optional[int]:
-        for b in self.sizes:
-            if b >= n:
-                return b
-        return None
+        return smallest_at_least(self.sizes, n)
 
     def serves(self, seqs: list["SeqInput"]) -> bool:
         return (len(seqs) <= self.max_batch and all(len(s.token_ids) == 1 and s.pixel_values is None for s in seqs)
@@ -331,10 +336,7 @@ class PrefillGraphs:
                                  cu_seqlens_q=self.ibuf[:S + 1], max_q_len=b)
 
     def bucket(self, n: int) -> Optional[int]:
-        for b in self.sizes:
-            if b >= n:
-                return b
-        return None
+        return smallest_at_least(self.sizes, n)
 
     def serves(self, seqs: list["SeqInput"]) -> bool:
         if not self.sizes or len(seqs) > self.max_seqs:
