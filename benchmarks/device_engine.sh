@@ -21,17 +21,22 @@ nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tee -a "
 source benchmarks/build_atmm.sh
 STEPS=${ENGINE_STEPS:-"test floor"}
 rc=0
-# A host that runs every kernel several times slow (seen on some machines; the copy probe reads normal there)
-# spoils every timing: before any timed step, stop there unless HOST_CHECK_US is 0.
-if [[ "${HOST_CHECK_US:-10}" != "0" && " $STEPS " =~ \ (floor|cache|switch|atmmbench)\  ]]; then
-  python3 benchmarks/step_kernels.py --check-host "${HOST_CHECK_US:-10}" > "$OUT/host-check.log" 2>&1
-  hc=$?
-  tail -2 "$OUT/host-check.log"
+# A host that runs every kernel several times slow (seen on some machines; the copy probe reads normal there,
+# and a host can turn slow during a call) spoils every timing: right before each timed step, check again and
+# stop there unless HOST_CHECK_US is 0. The GPU's load, power and clocks go to the log beside the figure: a
+# busy GPU while this call is idle means another tenant shares it.
+host_check() {
+  [[ "${HOST_CHECK_US:-10}" == "0" ]] && return 0
+  nvidia-smi --query-gpu=utilization.gpu,power.draw,clocks.sm,clocks.mem,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader | sed "s/^/[host check before $1] GPU util, power, clocks, temp, throttle: /" | tee -a "$OUT/host-check.log"
+  python3 benchmarks/step_kernels.py --check-host "${HOST_CHECK_US:-10}" >> "$OUT/host-check.log" 2>&1
+  local hc=$?
+  tail -1 "$OUT/host-check.log"
   if [[ $hc -eq 3 ]]; then
-    echo "slow host: no step run (HOST_CHECK_US=0 runs them anyway)"
+    echo "slow host before $1: no timed step run (HOST_CHECK_US=0 runs them anyway)"
     exit 3
   fi
-fi
+}
 if [[ " $STEPS " == *" test "* ]]; then
   t0=$(date +%s)
   python3 -m pytest -q --maxfail=20 -p no:cacheprovider --durations=8 \
@@ -41,20 +46,24 @@ if [[ " $STEPS " == *" test "* ]]; then
   echo "engine GPU tests: rc=$rc, $(( $(date +%s) - t0 )) s"
 fi
 if [[ " $STEPS " == *" floor "* ]]; then
+  host_check floor
   python3 benchmarks/engine_floor.py ${FLOOR_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/engine-floor.log" | tail -60
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" cache "* ]]; then
+  host_check cache
   t0=$(date +%s)
   python3 benchmarks/cache_ttft.py ${CACHE_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/cache-ttft.log" | tail -30
   rc=$(( rc | PIPESTATUS[0] ))
   echo "benchmarks/cache_ttft.py: $(( $(date +%s) - t0 )) s"
 fi
 if [[ " $STEPS " == *" switch "* ]]; then
+  host_check switch
   python3 benchmarks/switch_probe.py --json "$OUT/switch-probe.json" 2>&1 | tee "$OUT/switch-probe.log" | tail -12
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" atmmbench "* ]]; then
+  host_check atmmbench
   t0=$(date +%s)
   python3 benchmarks/atmm.py ${ATMM_BENCH_ARGS:---quick} --out-dir "$OUT" --table-out "$OUT/tiling-table.json" 2>&1 |
     tee "$OUT/atmm-bench.log" | tail -25

@@ -54,6 +54,7 @@ Writes ``<out>/engine-floor-<device>.json`` (with ``<out>/engine-floor-<device>.
 one line in benchmarks/RESULTS.md. A Qwen2-VL model is named ``engine-floor-qwen`` (Qwen2.5-VL:
 ``engine-floor-qwen2.5``) instead, so that its results sit beside LLaVA's. A point that fails is recorded with its error and the run goes on.
 Exits 1 when the plain step fails or does not match transformers, or the engine part stops early;
+exits 3 on a slow host (``--slow-host-x``: the first plain point far above its floor; nothing is recorded);
 targets missed do not change the exit status.
 """
 from __future__ import annotations
@@ -414,10 +415,15 @@ def weight_file_bytes(model_dir: Path) -> int:
 
 # -- the plain baseline ---------------------------------------------------------------------------
 
+class SlowHost(RuntimeError):
+    """The plain graphed step runs far above its memory floor: this host's timings are not usable."""
+
+
 def run_plain(model_dir: Path, device, dtype, dims: ModelDims, batches: list[int], contexts: list[int],
-              steps: int, warmup: int, deadline: "Deadline") -> dict:
+              steps: int, warmup: int, deadline: "Deadline", copy_gbs: float = 0.0, slow_host_x: float = 0.0) -> dict:
     """Load the model folder, check the plain step against transformers, time every decode point in
-    both attention variants; everything is freed before returning."""
+    both attention variants; everything is freed before returning. Raises SlowHost when the first point
+    takes more than ``slow_host_x`` times its memory floor at ``copy_gbs`` (0: no check)."""
     import torch
 
     from plain_decode import PlainDecoder, check_against_hf
@@ -472,6 +478,11 @@ def run_plain(model_dir: Path, device, dtype, dims: ModelDims, batches: list[int
                 out["points"][key] = p
                 print(f"plain bs{b} ctx{ctx}: " + (f"masked {p['masked_ms']:.2f} ms, exact {p['exact_ms']:.2f} ms"
                                                    if "error" not in p else p["error"]), flush=True)
+                if slow_host_x and copy_gbs and "error" not in p and len(out["points"]) == 1:
+                    x = min(p["masked_ms"], p["exact_ms"]) / decode_floor(dims, b, ctx, copy_gbs)["floor_ms"]
+                    if x > slow_host_x:
+                        raise SlowHost(f"the plain graphed step bs{b} ctx{ctx} takes {x:.1f}x its memory floor "
+                                       f"(limit {slow_host_x:g}x; 1.3-1.9x on normal H100/H200 hosts)")
     finally:
         dec.release()
         del dec
@@ -925,6 +936,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--attention", default="auto", help="engine.attention: auto, flash, triton or torch")
     p.add_argument("--prefill-graph-tokens", type=int, help="engine.prefill_graph_tokens (default: the config's)")
     p.add_argument("--profile-prefill", type=int, help="also profile prefill steps of one prompt of this many tokens")
+    p.add_argument("--slow-host-x", type=float, default=3.0,
+                   help="exit 3 (nothing recorded) when the first plain point takes more than this many times its "
+                        "memory floor: some device hosts run every kernel 4-12x slow (0: no check)")
     p.add_argument("--deadline-s", type=float, help="start no point after this many seconds (the rest is marked skipped)")
     p.add_argument("--no-record", action="store_true", help="no line in RESULTS.md, no copy in benchmarks/results")
     p.add_argument("--cpu-threads", type=int, default=1)
@@ -999,8 +1013,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     check_failed = False
     if not args.skip_plain:
         try:
-            plain = run_plain(model_dir, device, dtype, dims, batches, contexts, args.steps, min(args.warmup, 3), deadline)
+            plain = run_plain(model_dir, device, dtype, dims, batches, contexts, args.steps, min(args.warmup, 3), deadline,
+                              rates["copy_gbs"], args.slow_host_x if device.type == "cuda" else 0.0)
             check_failed = not plain["check"]["passed"]
+        except SlowHost as e:
+            print(f"slow host: {e}; nothing recorded", flush=True)
+            return 3
         except Exception as e:
             plain = {"error": f"{type(e).__name__}: {e}", "points": {}}
             check_failed = True

@@ -265,12 +265,18 @@ class RunnerConfig:
     ``cuda_graphs: auto``, steps that hold a prefill of up to this many tokens (every multiple of 64 is
     captured; a step pads to the next) and no LoRA work replay a graph of the decoder too, the embedding and
     images put in eagerly first; 0 (the default until its speed is measured: it is tested for exactness on
-    the GPU, not yet timed) runs every such step eagerly.
+    the GPU, not yet timed) runs every such step eagerly. ``gemv_max_rows``: steps of at most this many
+    rows (tokens; 0..16) run their projections (q/k/v, o, gate/up with SiLU * up fused where the layer has
+    no LoRA work, down, and the LM head) as memory-bound Triton kernels (:mod:`vlora.engine.gemv`) instead
+    of cuBLAS, on CUDA in bf16/fp16 (fp32 keeps cuBLAS); a row gives the same bits in any step of up to that
+    many rows, so a graph's padded bucket and the eager step agree. Pick a captured batch size (e.g. 16)
+    so that a decode step and its bucket fall on the same side. 0 (the default until measured): cuBLAS.
     """
 
     cuda_graphs: str = "auto"
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     prefill_graph_tokens: int = 0
+    gemv_max_rows: int = 0
     attention: str = "auto"
     overlap: str = "auto"
 
@@ -283,6 +289,8 @@ class RunnerConfig:
         _require(self.attention in ATTENTION_BACKENDS, f"engine.attention must be one of {ATTENTION_BACKENDS}")
         _require(isinstance(self.prefill_graph_tokens, int) and 0 <= self.prefill_graph_tokens <= 16384,
                  "engine.prefill_graph_tokens must be an integer in [0, 16384]")
+        _require(isinstance(self.gemv_max_rows, int) and not isinstance(self.gemv_max_rows, bool)
+                 and 0 <= self.gemv_max_rows <= 16, "engine.gemv_max_rows must be an integer in [0, 16]")
         if isinstance(self.overlap, bool):
             object.__setattr__(self, "overlap", "on" if self.overlap else "off")
         _require(self.overlap in ("auto", "on", "off"), "engine.overlap must be auto, on or off")

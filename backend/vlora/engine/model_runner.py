@@ -11,6 +11,9 @@ Each step is described once by a :class:`StepPlan` (token ids, positions, KV slo
 tables, lengths, LoRA segments), built on the host and copied to the device in two transfers; the
 layers only read it. Decode-only steps replay CUDA graphs captured per batch-size bucket
 (:mod:`vlora.engine.graphs`); steps that hold a prefill run eagerly with the varlen prefill attention.
+Steps of at most ``engine.gemv_max_rows`` rows run their projections and the LM head through the
+memory-bound kernels of :mod:`vlora.engine.gemv` (SiLU * up fused into gate/up where a layer has no LoRA
+work), which give a row the same bits in any such step: the eager step and its graph's padded bucket agree.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlora.atmm.mapping import LoraBatchMapping
+from vlora.engine import gemv
 from vlora.engine.attention import AttentionMetadata, get_attention_backend
 from vlora.engine.fused_ops import add_rms_norm, fused_available, rms_norm, rotary_and_cache, silu_mul
 from vlora.engine.kv_cache import PagedKVCache, SequenceBlocks
@@ -50,6 +54,8 @@ class WeightGroup:
 
     Shape: stack [L, sum of d_out, d_in]; bias [L, sum of d_out] or None; modules: (name, row offset,
     d_out) in order; lora[layer]: (row offset, d_out, wrapper) of the modules with a LoRA wrapper.
+    ``gemv_rows``: calls of at most this many rows run :mod:`vlora.engine.gemv`'s kernels where they serve
+    (``engine.gemv_max_rows``; 0: always cuBLAS).
     """
 
     name: str
@@ -58,6 +64,7 @@ class WeightGroup:
     modules: tuple[tuple[str, int, int], ...]
     lora: list[tuple[tuple[int, int, LoraLinear], ...]]
     slots: Optional["GroupSlots"] = None  # the LoRA slot buffers of its wrapped modules, all layers
+    gemv_rows: int = 0
 
     def __post_init__(self) -> None:
         # Each layer's weight and bias as views made once (the step's hot loop reads them; merges write the
@@ -68,11 +75,22 @@ class WeightGroup:
     def forward(self, li: int, x: torch.Tensor, lora: bool = True) -> torch.Tensor:
         """x [T, d_in] -> [T, sum of d_out]: one GEMM, then each module's LoRA into its columns
         (``lora=False``: the step has no LoRA work, so the wrappers are not visited)."""
-        y = F.linear(x, self.weights[li], self.biases[li])
+        if x.shape[0] <= self.gemv_rows and gemv.available(x):
+            y = gemv.linear_rows(x, self.weights[li], self.biases[li], impl="triton")
+        else:
+            y = F.linear(x, self.weights[li], self.biases[li])
         if lora:
             for off, d, wrapper in self.lora[li]:
                 wrapper.add_lora(x, y[:, off:off + d])
         return y
+
+    def forward_silu(self, li: int, x: torch.Tensor, lora: bool = True) -> torch.Tensor:
+        """The gate/up group: x [T, d_in] -> ``silu(gate) * up`` [T, d_out / 2]. One kernel with the activation
+        in its epilogue where the gemv kernels serve and the layer has no LoRA work (LoRA adds into the
+        projection's columns before the activation), else :meth:`forward` and ``silu_mul``."""
+        if x.shape[0] <= self.gemv_rows and not (lora and self.lora[li]) and gemv.available(x):
+            return gemv.gate_up_silu(x, self.weights[li], self.biases[li], impl="triton")
+        return silu_mul(self.forward(li, x, lora))
 
 
 @dataclass
@@ -252,6 +270,7 @@ class ModelRunner:
         self.kv: Optional[PagedKVCache] = None  # allocate_kv() once the weights and LoRA buffers are placed
         self._attn_scale = float(getattr(self.lm.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.attention = get_attention_backend("auto", self.device)
+        self.gemv_max_rows = 0  # set_gemv_max_rows()
         self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
         self.prefill_graphs = None  # PrefillGraphs (vlora.engine.graphs) once captured
         self.encoder_cache: Optional[EncoderCache] = None  # set_encoder_cache()
@@ -430,6 +449,16 @@ class ModelRunner:
         """Choose the paged attention backend by name (``auto``, ``triton``, ``torch``)."""
         self.attention = get_attention_backend(name, self.device)
 
+    def set_gemv_max_rows(self, rows: int) -> None:
+        """Steps of at most ``rows`` rows (0..16) run the projections and the LM head through
+        :mod:`vlora.engine.gemv` where it serves (``engine.gemv_max_rows``; 0: cuBLAS). Captured graphs keep
+        the kernels they were captured with: set this before capturing (or capture again)."""
+        if not 0 <= rows <= gemv.MAX_ROWS:
+            raise ValueError(f"gemv_max_rows must be in [0, {gemv.MAX_ROWS}], got {rows}")
+        self.gemv_max_rows = rows
+        for g in self.groups.values():
+            g.gemv_rows = rows
+
     def plan(self, seqs: list[SeqInput]) -> StepPlan:
         """The step's metadata, built once on the host and copied to the device: every layer reads it."""
         if not seqs:
@@ -543,7 +572,11 @@ class ModelRunner:
             hidden, pending = hidden.index_select(0, last_index), pending.index_select(0, last_index)
         norm = self.lm.norm
         h_last, _ = add_rms_norm(pending, hidden, norm.weight, norm.variance_epsilon)
-        return self.lm_head(h_last).float(), h_last
+        head = self.lm_head
+        if (h_last.shape[0] <= self.gemv_max_rows and type(head) is nn.Linear and head.weight.dtype == h_last.dtype
+                and gemv.available(h_last)):
+            return gemv.linear_rows(h_last, head.weight, head.bias, impl="triton").float(), h_last
+        return head(h_last).float(), h_last
 
     def _insert_images(self, seqs: list[SeqInput], ids: torch.Tensor, hidden: torch.Tensor) -> int:
         """Put the vision features of this step's prompts at their placeholder tokens; each distinct image
@@ -662,4 +695,4 @@ class ModelRunner:
         o = attend(q, li)
         x, h = add_rms_norm(o_g.forward(li, o.reshape(T, self.q_size), lora), h, w2, eps2,
                             residual_out=h if inplace else None)
-        return h, down_g.forward(li, silu_mul(gate_up_g.forward(li, x, lora)), lora)
+        return h, down_g.forward(li, gate_up_g.forward_silu(li, x, lora), lora)

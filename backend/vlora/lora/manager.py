@@ -339,6 +339,7 @@ class LoraManager:
     def acquire(self, name: Optional[str]) -> Optional[int]:
         """Pin a slot holding ``name``, ready to be read (-1 for the base model), waiting for its read and
         copy; None only when every slot is pinned. For callers outside the engine loop."""
+        deadline = time.monotonic() + max(self.cfg.load_timeout_s, 1.0)
         while True:
             slot = self.try_acquire(name)
             if slot is not None:
@@ -349,8 +350,13 @@ class LoraManager:
                 fut.exception()  # wait for the read; try_acquire raises its error
             elif self.copies.in_flight:
                 self.copies.synchronize()
-            else:
+            elif all(self._pins[s] > 0 for s in self._slot_lru):
                 return None
+            elif time.monotonic() > deadline:
+                raise AdapterError(f"adapter {name!r}: no slot became ready within {self.cfg.load_timeout_s:g} s "
+                                   f"(pins {list(self._pins)}, read pending: {fut is not None})")
+            else:  # a read or a copy finished between try_acquire's look and this one: look again
+                time.sleep(0.001)
 
     def try_acquire(self, name: Optional[str]) -> Optional[int]:
         """Pin a slot holding ``name``, ready to be read (-1 for the base model), without waiting.
