@@ -33,7 +33,8 @@ from vlora_load.summary import queue_built, read_records, window_stats  # noqa: 
 CPU_DEFAULTS = ["--length-scale", "0.05", "--image-size", "64", "--device", "cpu",
                 "--serve-arg=--max-batch-size 8 --max-queue-size 8 --set scheduler.max_waiting=4"]
 KEEP = ("report.md", "summary.json", "sweep.json", ".png")  # what is copied next to the benchmarks
-RAW = ("requests.csv", "server_timeline.csv", "plan.json", "clock.json", "locust_stats.csv", "locust_failures.csv")
+RAW = ("requests.csv", "server_timeline.csv", "server_instances.json", "process_cpu.json", "plan.json", "clock.json",
+       "locust_stats.csv", "locust_failures.csv")
 
 
 def floats(text: str) -> list[float]:
@@ -186,7 +187,8 @@ def closed_loop(args, workload, target, work, names, heads, settings, server, ex
     result = {"commit": git_commit(), "device": device_name(), "gpus": gpus, "users": args.closed_users,
               "workload": workload.describe(), "server_flags": extra,
               **{k: s.get(k) for k in ("requests", "ok", "errors", "window_s", "throughput_rps", "output_tokens_per_s",
-                                       "avg_token_latency_s", "ttft_p50_s", "e2e_p50_s", "e2e_p99_s", "server")},
+                                       "avg_token_latency_s", "ttft_p50_s", "e2e_p50_s", "e2e_p99_s", "server",
+                                       "process_cpu")},
               "steady": steady}
     line = (f"{workload.name}, {gpus} GPU(s), {args.closed_users} closed-loop users, {workload.duration_s:g} s: ")
     if steady is not None:
@@ -195,6 +197,14 @@ def closed_loop(args, workload, target, work, names, heads, settings, server, ex
     line += (f"{s['throughput_rps']:.2f} req/s, {s['output_tokens_per_s']:.0f} tok/s, avg token latency "
              f"{_ms(s['avg_token_latency_s'])}, {s['errors']} errors (V-LoRA paper: 6.07 / 11.48 / 23.97 req/s on "
              f"1 / 2 / 4 A100s)")
+    roles = (s.get("process_cpu") or {}).get("roles") or {}
+    if roles:  # what may bound the run: the load generator, Triton's front end or the model instances
+        line += "; CPU cores (all / busiest process): " + ", ".join(
+            f"{k} {r['cores']:.2f}/{r['max_process_cores']:.2f}" for k, r in sorted(roles.items()))
+    per_device = [i for i in (s.get("server") or {}).get("instances") or [] if i.get("device")]
+    if per_device:  # the vlora_* series of each model instance, by its device label
+        line += "; output tokens by device: " + ", ".join(
+            f"{i['device']} {i['output_tokens'] or 0:,.0f}" for i in per_device)
     record_result(args.name, device_name(), result, line)
     return 0 if s["errors"] == 0 else 1
 

@@ -167,6 +167,10 @@ def _fmt(x, unit: str = "", scale: float = 1.0, digits: int = 3) -> str:
     return f"{x}{unit}"
 
 
+def _count(x) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
 def run_markdown(summary: dict, plots: dict[str, str], settings: dict) -> str:
     s = summary
     lines = [
@@ -204,6 +208,17 @@ def run_markdown(summary: dict, plots: dict[str, str], settings: dict) -> str:
         lines += ["", f"Server, from its metrics endpoint ({server.get('scrapes', 0)} scrapes): peak mean batch size "
                   f"{_fmt(server.get('max_batch_size_mean'))}, peak Triton queue {_fmt(server.get('max_triton_queue'))}, "
                   f"peak engine waiting {_fmt(server.get('max_waiting'))}; modes seen: {server.get('modes') or 'none exported'}."]
+        inst = [i for i in server.get("instances") or [] if i.get("instance") or i.get("device")]
+        if inst:
+            lines += ["", "Per model instance (the `instance` and `device` labels of the vlora_* series):", "",
+                      "| instance | device | engine steps | output tokens |", "| --- | --- | --- | --- |"]
+            lines += [f"| {i['instance']} | {i['device']} | {_count(i.get('steps'))} | {_count(i.get('output_tokens'))} |"
+                      for i in inst]
+    roles = (s.get("process_cpu") or {}).get("roles") or {}
+    if roles:
+        lines += ["", f"CPU cores used over {s['process_cpu']['window_s']:g} s of the run (all processes of a role / "
+                  "the busiest one): " + ", ".join(f"{k} {r['cores']:.2f} / {r['max_process_cores']:.2f} "
+                                                   f"({r['processes']} processes)" for k, r in sorted(roles.items())) + "."]
     if s.get("error_messages"):
         lines += ["", "Failures by kind:", ""]
         lines += [f"- {n} x `{m}`" for m, n in s["error_messages"].items()]

@@ -24,7 +24,8 @@ from typing import Optional, Sequence, TextIO
 from vlora_load import report
 from vlora_load.generators import WorkloadGenerator
 from vlora_load.heads import HeadPolicy
-from vlora_load.scrape import MetricsScraper, parse_prometheus
+from vlora_load.proccpu import CPU_FILE, CpuSampler
+from vlora_load.scrape import INSTANCES_FILE, MetricsScraper, parse_prometheus
 from vlora_load.summary import read_records, summarize, timeline_stats
 from vlora_load.workload import Workload
 
@@ -106,6 +107,7 @@ def run_point(workload: Workload, target: Target, out_dir: Path, adapter_names: 
     if scheduled is not None:
         _say(out, f"[{out_dir.name}] {scheduled} requests scheduled over {workload.duration_s:g}s")
     scraper = MetricsScraper(target.metrics_url).start()
+    cpu = CpuSampler()
     log_path = out_dir / "locust.log"
     t_launch = time.monotonic()
     with open(log_path, "wb") as log:
@@ -114,8 +116,12 @@ def run_point(workload: Workload, target: Target, out_dir: Path, adapter_names: 
         tail = _CsvTail(out_dir / "requests.csv")
         last = 0.0
         try:
+            last_cpu = 0.0
             while proc.poll() is None:
                 time.sleep(0.25)
+                if time.monotonic() - last_cpu >= 1.0:  # the last sample is taken while the generator still runs
+                    last_cpu = time.monotonic()
+                    cpu.sample()
                 if time.monotonic() - last >= progress_interval_s:
                     last = time.monotonic()
                     _say(out, _progress_line(out_dir.name, time.monotonic() - t_launch, tail.poll(), scheduled,
@@ -131,6 +137,7 @@ def run_point(workload: Workload, target: Target, out_dir: Path, adapter_names: 
         raise RuntimeError(f"locust exited with code {code}; see {log_path}:\n" + _tail(log_path, 30))
     clock = json.loads((out_dir / "clock.json").read_text())
     scraper.write(out_dir / "server_timeline.csv", clock["t0_monotonic"])
+    report.write_json(out_dir / CPU_FILE, cpu.cores())
     summary = finish_run(out_dir)
     _say(out, f"[{out_dir.name}] done: {summary['requests']} requests, {summary['ok']} answered, "
               f"{summary['rejected']} rejected, {summary['errors'] - summary['rejected']} other failures, "
@@ -150,8 +157,14 @@ def finish_run(out_dir: Path) -> dict:
     clock = json.loads((out_dir / "clock.json").read_text())
     timeline = read_timeline(out_dir / "server_timeline.csv")
     records = read_records(out_dir / "requests.csv")
-    summary = summarize(records, workload, scheduled=plan.get("scheduled"),
-                        extra={"server": timeline_stats(timeline), "started_at": clock["t0_unix"]})
+    server = timeline_stats(timeline)
+    instances_path = out_dir / INSTANCES_FILE
+    if instances_path.exists():
+        server["instances"] = json.loads(instances_path.read_text())
+    extra = {"server": server, "started_at": clock["t0_unix"]}
+    if (out_dir / CPU_FILE).exists():
+        extra["process_cpu"] = json.loads((out_dir / CPU_FILE).read_text())
+    summary = summarize(records, workload, scheduled=plan.get("scheduled"), extra=extra)
     summary["run"] = out_dir.name
     report.write_json(out_dir / "summary.json", summary)
     plots: dict[str, str] = {}

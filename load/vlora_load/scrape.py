@@ -10,10 +10,16 @@ Every ``interval_s`` the scraper reads the Prometheus text once and keeps one ro
 - the inference mode when the orchestrator exports one: any ``vlora_*mode*`` family with a ``mode``
   label; a gauge names the current mode by its largest value, a ``*_total`` counter by its largest
   increase over the interval.
+
+Beside the timeline (which sums every model instance), ``server_instances.json`` holds each instance's own
+series: the ``vlora_*`` samples carry ``instance`` and ``device`` labels when the server runs one model
+instance per GPU, and :func:`instance_series` gives each (instance, device) its engine steps and output
+tokens over the run, so a multi-GPU run shows that every device served.
 """
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 import threading
@@ -107,13 +113,48 @@ class MetricsScraper:
         return build_timeline(snaps, t0)
 
     def write(self, path: Path, t0: float) -> list[dict]:
-        rows = self.timeline(t0)
+        """The timeline CSV at ``path``, and each instance's series beside it (``server_instances.json``)."""
+        with self._lock:
+            snaps = list(self.snapshots)
+        (path.parent / INSTANCES_FILE).write_text(json.dumps(instance_series(snaps), indent=1))
+        rows = build_timeline(snaps, t0)
         with open(path, "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=TIMELINE_COLUMNS)
             w.writeheader()
             for row in rows:
                 w.writerow(row)
         return rows
+
+
+INSTANCES_FILE = "server_instances.json"
+INSTANCE_COUNTERS = {"steps": "vlora_engine_steps_total", "output_tokens": "vlora_output_tokens_total"}
+
+
+def instance_series(snaps: list[Snapshot]) -> list[dict]:
+    """One entry per (instance, device) label pair seen on the last scrape's ``vlora_*`` samples: its engine
+    steps and output tokens between the first and the last scrape (None: the counter is not exported).
+    Samples without those labels (one instance, or a server that does not label them) form one entry with
+    empty names."""
+    if not snaps:
+        return []
+    first, last = snaps[0].samples, snaps[-1].samples
+    keys = sorted({(labels.get("instance", ""), labels.get("device", "")) for name, labels, _ in last
+                   if name.startswith("vlora_")})
+    out = []
+    for inst, dev in keys:
+        entry: dict = {"instance": inst, "device": dev}
+        for field_name, metric in INSTANCE_COUNTERS.items():
+            end = _labelled(last, metric, inst, dev)
+            start = _labelled(first, metric, inst, dev) or 0.0
+            entry[field_name] = None if end is None else max(end - start, 0.0)
+        out.append(entry)
+    return out
+
+
+def _labelled(samples, name: str, instance: str, device: str) -> Optional[float]:
+    values = [v for n, labels, v in samples
+              if n == name and labels.get("instance", "") == instance and labels.get("device", "") == device]
+    return sum(values) if values else None
 
 
 def build_timeline(snaps: list[Snapshot], t0: float) -> list[dict]:

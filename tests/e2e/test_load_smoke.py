@@ -61,6 +61,15 @@ def test_smoke_load_run_answers_every_request_in_full(server, demo_adapter_root,
     with open(out / "server_timeline.csv", newline="") as fh:
         timeline = list(csv.DictReader(fh))
     assert any(float(r["batch_size_last"] or 0) >= 1 for r in timeline), "no batch size scraped from the server"
+    # Each model instance's own series (the instance/device labels of the vlora_* samples) ran the requests.
+    instances = json.loads((out / "server_instances.json").read_text())
+    assert instances and sum(i["output_tokens"] or 0 for i in instances) > 0, instances
+    assert all(i["device"] for i in instances), instances
+    # The CPU of each role was sampled while the generator ran: the server, its model instance, the generator.
+    roles = json.loads((out / "process_cpu.json").read_text())["roles"]
+    assert {"tritonserver", "stub", "locust", "grpc_worker"} <= set(roles), roles
+    assert roles["stub"]["cores"] > 0 and roles["stub"]["processes"] >= 1, roles
+    assert "CPU cores used over" in report
 
     # The reports can be rebuilt from the raw files alone (what a GPU run without matplotlib needs).
     for name in ("report.md", "summary.json", "timeline.png"):

@@ -281,7 +281,7 @@ def test_gate_up_silu_against_reference(dtype, config, M, I, K):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_a_rows_bits_do_not_depend_on_the_other_rows(dtype, config):
     """Row i alone, inside 8 or 16 rows, at another position, or beside other rows: the same bits."""
-    N, K = 96, 640
+    N, K = 96, 320
     x = _randn(16, K, dtype=dtype, seed=1)
     w = _randn(N, K, dtype=dtype, seed=2, scale=0.05)
     b = _randn(N, dtype=dtype, seed=3)
@@ -325,7 +325,8 @@ def test_interpreter_engine_runs_the_kernels(tiny_model_dir, demo_adapter_root, 
     run = gemv._run
     monkeypatch.setattr(gemv, "_run", lambda kind, x, *a: launched.append((kind, x.shape[0])) or run(kind, x, *a))
     tokens, logits = _run(engine, {"base": None, "mlp": "demo-r32-mlp"}, max_tokens=3)
-    assert ("linear", 2) in launched and ("linear", 1) in launched  # decode rows; the LM head of each prefill
+    # two decode rows: q/k/v, o, gate/up (LoRA steps: unfused), down of every layer, the LM head (prefill too)
+    assert launched.count(("linear", 2)) >= 2 * (4 * engine.runner.num_layers + 1)
     for rid, steps in ref_logits.items():
         for i, (got, want) in enumerate(zip(logits[rid], steps)):
             if i and tokens[rid][:i] != ref_tokens[rid][:i]:

@@ -10,6 +10,7 @@ import pytest
 
 from vlora.config import ConfigError
 from vlora_load.generators import WorkloadGenerator
+from vlora_load import report
 from vlora_load.heads import HeadPolicy
 from vlora_load.scrape import build_timeline, current_mode, parse_prometheus, Snapshot
 from vlora_load.summary import percentile, queue_built, summarize
@@ -213,3 +214,29 @@ def test_metrics_timeline_and_mode():
     gauge = parse_prometheus('vlora_inference_mode{mode="merge"} 0\nvlora_inference_mode{mode="mixture"} 1\n')
     assert current_mode(gauge, None) == "mixture"
     assert current_mode(parse_prometheus("vlora_batch_size 2\n"), None) == ""
+
+
+def test_instance_series_per_device_label():
+    """Two model instances on two GPUs: each (instance, device) gets its own steps and tokens over the run,
+    and the report lists both (the timeline itself sums them)."""
+    from vlora_load.scrape import instance_series
+
+    text = ('vlora_engine_steps_total{model="vlora",instance="vlora_0",device="cuda:0"} %d\n'
+            'vlora_engine_steps_total{model="vlora",instance="vlora_0",device="cuda:1"} %d\n'
+            'vlora_output_tokens_total{model="vlora",instance="vlora_0",device="cuda:0"} %d\n'
+            'vlora_output_tokens_total{model="vlora",instance="vlora_0",device="cuda:1"} %d\n'
+            'nv_inference_pending_request_count{model="vlora"} 0\n')
+    snaps = [Snapshot(0.0, parse_prometheus(text % (0, 0, 0, 0))), Snapshot(1.0, parse_prometheus(text % (3, 5, 90, 150))),
+             Snapshot(2.0, parse_prometheus(text % (10, 12, 300, 360)))]
+    series = instance_series(snaps)
+    assert series == [{"instance": "vlora_0", "device": "cuda:0", "steps": 10.0, "output_tokens": 300.0},
+                      {"instance": "vlora_0", "device": "cuda:1", "steps": 12.0, "output_tokens": 360.0}]
+    assert build_timeline(snaps, t0=0.0)[2]["tokens_per_s"] == pytest.approx(420.0)  # both instances summed
+    # One unlabelled instance: one entry with empty names.
+    one = [Snapshot(0.0, parse_prometheus("vlora_output_tokens_total 5\n")),
+           Snapshot(1.0, parse_prometheus("vlora_output_tokens_total 25\n"))]
+    assert instance_series(one) == [{"instance": "", "device": "", "steps": None, "output_tokens": 20.0}]
+    wl = Workload.from_dict({"name": "x", "applications": [{"name": "app", "kind": "visual_retrieval"}]})
+    summary = summarize([record()], wl, scheduled=1, extra={"server": {"scrapes": 3, "instances": series}})
+    page = report.run_markdown(summary, {}, {})
+    assert "| vlora_0 | cuda:0 | 10 | 300 |" in page and "| vlora_0 | cuda:1 | 12 | 360 |" in page
