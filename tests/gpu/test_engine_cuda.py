@@ -21,3 +21,18 @@ def test_engine_matches_transformers_peft_on_cuda(tiny_model_dir, demo_adapter_r
     engine = make_engine(tiny_model_dir, demo_adapter_root, "cuda", dtype)
     reference = make_reference(tiny_model_dir, demo_adapter_root, "cuda", torch_dtype)
     check_mixed_batch(engine, reference, rtol=rtol, exact_tokens=exact)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_engine_on_a_gpu_other_than_the_current_one(tiny_model_dir, demo_adapter_root):
+    """One model instance per GPU: Triton builds each instance's engine on a thread whose current device is
+    cuda:0. Built for the last GPU from here (graphs, events, side streams included), the engine still
+    matches transformers + PEFT there, stepping as its engine thread does (that device current)."""
+    dev = f"cuda:{torch.cuda.device_count() - 1}"
+    assert torch.cuda.current_device() == 0
+    engine = make_engine(tiny_model_dir, demo_adapter_root, dev, "float32")
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs, "no decode graph was captured"
+    reference = make_reference(tiny_model_dir, demo_adapter_root, dev, torch.float32)
+    with torch.cuda.device(dev):
+        check_mixed_batch(engine, reference, rtol=1e-4, exact_tokens=True)
+    assert torch.cuda.current_device() == 0

@@ -67,11 +67,22 @@ def eos_token_ids(loaded) -> set[int]:
 
 
 def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) -> LLMEngine:
+    """Load the model and adapters' manager, allocate the KV cache, capture the graphs: the engine on
+    ``model.device``. On a CUDA device other than the caller's current one (one model instance per GPU)
+    everything is built with that device current: events, side streams, graph captures and kernels that
+    launch on the current device (Triton's, the ATMM extension's) all land on it."""
+    device = resolve_device(config.model.device)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return _build_engine(config, metrics, device)
+    return _build_engine(config, metrics, device)
+
+
+def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device) -> LLMEngine:
     from vlora.engine.inputs import InputProcessor
     from vlora.lora.manager import LoraManager
     from vlora.models.family import load_model
 
-    device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     model_dir, adapter_root = resolve_model_and_adapters(config)
     t0 = time.perf_counter()
