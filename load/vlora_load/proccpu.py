@@ -29,7 +29,10 @@ def role_of(cmdline: list[str]) -> Optional[str]:
 
 
 class CpuSampler:
-    """Samples the CPU time of every process whose command line names a role (see ``ROLES``)."""
+    """Samples the CPU time of every process whose command line names a role (see ``ROLES``).
+
+    Each process counts from the first to the last sample that saw it under its role: a process that
+    exits (or turns zombie, its command line gone) before the last sample keeps what it used."""
 
     def __init__(self) -> None:
         try:
@@ -37,37 +40,43 @@ class CpuSampler:
         except ImportError:  # pragma: no cover - psutil comes with locust
             psutil = None
         self._psutil = psutil
-        self.first: Optional[tuple[float, dict]] = None
-        self.last: Optional[tuple[float, dict]] = None
+        self.t_first: Optional[float] = None
+        self.t_last: Optional[float] = None
+        self.seen: dict[int, list] = {}  # pid -> [role, CPU seconds at its first sample, at its last]
 
     def sample(self) -> None:
         if self._psutil is None:
             return
-        times: dict[int, tuple[str, float]] = {}
+        now = time.monotonic()
         for p in self._psutil.process_iter(["pid", "cmdline", "cpu_times"]):
             try:
                 role = role_of(p.info["cmdline"] or [])
                 ct = p.info["cpu_times"]
             except (self._psutil.Error, TypeError):
                 continue
-            if role is not None and ct is not None:
-                times[p.info["pid"]] = (role, ct.user + ct.system)
-        snap = (time.monotonic(), times)
-        if self.first is None:
-            self.first = snap
-        self.last = snap
+            if role is None or ct is None:
+                continue
+            used = ct.user + ct.system
+            entry = self.seen.get(p.info["pid"])
+            if entry is None or entry[0] != role:
+                # first seen after the first sample: it started in the window and counts from 0
+                self.seen[p.info["pid"]] = [role, used if self.t_first is None else 0.0, used]
+            else:
+                entry[2] = used
+        if self.t_first is None:
+            self.t_first = now
+        self.t_last = now
 
     def cores(self) -> dict:
         """``{"window_s": seconds sampled, "roles": {role: ...}}``, per role: ``cores`` (CPU seconds per
         second over the window, all its processes), ``max_process_cores`` (the busiest one) and
         ``processes``; {} before two samples."""
-        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+        if self.t_first is None or self.t_last is None or self.t_last <= self.t_first:
             return {}
-        dt = self.last[0] - self.first[0]
+        dt = self.t_last - self.t_first
         out: dict[str, dict] = {}
-        for pid, (role, t_end) in self.last[1].items():
-            t_start = self.first[1].get(pid, (role, 0.0))[1]  # a process started in the window counts from 0
-            used = max(t_end - t_start, 0.0) / dt
+        for role, first, last in self.seen.values():
+            used = max(last - first, 0.0) / dt
             r = out.setdefault(role, {"cores": 0.0, "max_process_cores": 0.0, "processes": 0})
             r["cores"] += used
             r["max_process_cores"] = max(r["max_process_cores"], used)

@@ -240,3 +240,40 @@ def test_instance_series_per_device_label():
     summary = summarize([record()], wl, scheduled=1, extra={"server": {"scrapes": 3, "instances": series}})
     page = report.run_markdown(summary, {}, {})
     assert "| vlora_0 | cuda:0 | 10 | 300 |" in page and "| vlora_0 | cuda:1 | 12 | 360 |" in page
+
+
+def test_cpu_sampler_keeps_a_process_that_exits_before_the_last_sample(monkeypatch):
+    """The generator's processes end (or turn zombie, their command line gone) before the run's last
+    sample: each keeps the CPU it used while it was seen; a process that started later counts from 0."""
+    from types import SimpleNamespace
+
+    from vlora_load import proccpu
+
+    procs = {1: (["python", "-m", "vlora_load.grpc_worker"], 1.0), 2: (["tritonserver", "--x"], 5.0)}
+
+    class FakePsutil:
+        Error = RuntimeError
+
+        @staticmethod
+        def process_iter(attrs):
+            for pid, (cmd, cpu) in procs.items():
+                yield SimpleNamespace(info={"pid": pid, "cmdline": cmd, "cpu_times": SimpleNamespace(user=cpu, system=0.0)})
+
+    clock = iter([0.0, 1.0, 2.0])
+    monkeypatch.setattr(proccpu.time, "monotonic", lambda: next(clock))
+    s = proccpu.CpuSampler()
+    s._psutil = FakePsutil
+    s.sample()
+    procs[1] = (["python", "-m", "vlora_load.grpc_worker"], 1.5)
+    procs[2] = (["tritonserver", "--x"], 5.2)
+    procs[3] = (["triton_python_backend_stub", "m"], 0.8)  # started after the first sample
+    s.sample()
+    procs[1] = ([], 1.5)  # a zombie: no command line
+    procs[2] = (["tritonserver", "--x"], 5.4)
+    procs[3] = (["triton_python_backend_stub", "m"], 1.6)
+    s.sample()
+    got = s.cores()
+    assert got["window_s"] == 2.0
+    assert got["roles"]["grpc_worker"]["cores"] == pytest.approx(0.25)
+    assert got["roles"]["tritonserver"]["cores"] == pytest.approx(0.2)
+    assert got["roles"]["stub"] == {"cores": pytest.approx(0.8), "max_process_cores": pytest.approx(0.8), "processes": 1}
