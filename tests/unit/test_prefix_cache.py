@@ -155,3 +155,31 @@ def test_encoder_cache_reuses_features_and_evicts_within_its_budget(tiny_model_d
     assert {k: v[0] for k, v in _run(small, specs).items()} == {k: v[0] for k, v in off.items()}
     s = small.runner.encoder_cache.stats()
     assert s["evictions"] > 0 and s["bytes"] <= 1.5 * one
+
+
+def test_a_waiting_prompt_is_charged_without_its_cached_prefix(tiny_model_dir, root):
+    """With a token budget smaller than a prompt, a request whose prompt is mostly cached joins the running
+    decode at once: the scheduler charges it the tokens it will run, not its whole length (which would make
+    it wait until the batch drained)."""
+    cfg = EngineConfig().with_overrides({
+        "model.path": str(tiny_model_dir), "lora.adapter_root": str(root), "model.device": "cpu",
+        "model.dtype": "float32", "lora.max_rank": "32", "lora.max_gpu_adapters": "4", "cache.num_blocks": "512",
+        "cache.prefix_caching": "on", "scheduler.max_num_batched_tokens": "64"})
+    engine = build_engine(cfg)
+    _run(engine, [("warm", None, SYSTEM + "How many cars? ASSISTANT:", [])])  # caches the system prompt's blocks
+    n_prompt = len(engine.tokenizer(SYSTEM + "Is it raining? ASSISTANT:")["input_ids"])
+    assert n_prompt > 64, n_prompt  # the whole prompt exceeds the budget: alone, it would run by itself
+    long = GenerationRequest("busy", "USER: count the lanes. ASSISTANT:",
+                             sampling=SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request(engine.inputs.prepare(long), lambda o: None)
+    engine.step()  # its prefill
+    engine.step()  # decoding now
+    req = GenerationRequest("cached", SYSTEM + "Is it raining? ASSISTANT:",
+                            sampling=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    engine.add_request(engine.inputs.prepare(req), lambda o: None)
+    seq = engine.waiting[-1]
+    engine.step()
+    assert sorted(engine.last_step["request_ids"]) == ["busy", "cached"], engine.last_step
+    assert seq.cached_tokens >= 6 * 16 and seq.prefilled
+    while engine.has_work():
+        engine.step()

@@ -348,12 +348,19 @@ class LLMEngine:
                 break
             s = by_id[c.request_id]
             n = s.step_tokens
-            if n > budget and batch:
-                continue  # a prompt larger than the whole budget still runs, alone
             if s not in self.running:
+                # A waiting prompt is charged what it will run: its length less the cached prefix that
+                # admission finds. Without the prefix cache that is its whole length, known now.
+                if n > budget and batch and not self.config.cache.prefix_caching:
+                    continue
                 if not self._admit_one(s):
                     continue
                 new.append(s)
+                n = s.step_tokens
+                if n > budget and batch:
+                    continue  # admitted (its blocks and slot held): it runs in a later step
+            elif n > budget and batch:
+                continue  # a prompt larger than the whole budget still runs, alone
             batch.append(s)
             budget -= n
         # Top up with running requests the mode can serve, so a request that could run never idles
