@@ -4,7 +4,11 @@
 # engine benchmark. Needs no Triton server, so it skips device_env.sh.
 #   HOST_CHECK_US  default 10: first time a small kernel (step_kernels.py --check-host) and exit 3 on a slow host;
 #                  0 skips the check
-#   ENGINE_STEPS   default "test floor"; "cache": benchmarks/cache_ttft.py (TTFT, encoder and prefix caches off/on)
+#   ENGINE_STEPS   default "test floor"; "cache": benchmarks/cache_ttft.py (TTFT, encoder and prefix caches off/on);
+#                  "gemv" (run first): benchmarks/gemv_probe.py ${GEMV_ARGS} times the decode-row projection kernels
+#                  against cuBLAS and writes $OUT/gemv-table.json, exported as VLORA_GEMV_TABLE to the later steps
+#                  (their GPU tests: ENGINE_TESTS=tests/gpu/test_gemv_gpu.py; the engine with them: FLOOR_ARGS with
+#                  --variants base,gemv, or --gemv-max-rows 16)
 #   ENGINE_TESTS   default the engine's GPU tests (paged attention, graphs, parity with transformers + PEFT)
 #   FLOOR_ARGS     arguments of benchmarks/engine_floor.py (default --quick)
 #   CACHE_ARGS     arguments of benchmarks/cache_ttft.py (default none: LLaVA-1.5-7B and Qwen2-VL-7B)
@@ -37,13 +41,26 @@ host_check() {
     exit 3
   fi
 }
+if [[ " $STEPS " == *" gemv "* ]]; then
+  host_check gemv
+  t0=$(date +%s)
+  python3 benchmarks/gemv_probe.py ${GEMV_ARGS:-} --out "$OUT" --table-out "$OUT/gemv-table.json" 2>&1 |
+    tee "$OUT/gemv-probe.log" | tail -45
+  rc=$(( rc | PIPESTATUS[0] ))
+  if [[ -s "$OUT/gemv-table.json" ]]; then
+    export VLORA_GEMV_TABLE="$OUT/gemv-table.json"
+    echo "VLORA_GEMV_TABLE=$VLORA_GEMV_TABLE for the later steps"
+  fi
+  echo "benchmarks/gemv_probe.py: $(( $(date +%s) - t0 )) s"
+fi
 if [[ " $STEPS " == *" test "* ]]; then
   t0=$(date +%s)
   python3 -m pytest -q --maxfail=20 -p no:cacheprovider --durations=8 \
     ${ENGINE_TESTS:-tests/gpu/test_paged_attention_gpu.py tests/gpu/test_engine_graphs.py tests/gpu/test_engine_cuda.py} \
     2>&1 | tee "$OUT/engine-tests.log" | tail -40
-  rc=${PIPESTATUS[0]}
-  echo "engine GPU tests: rc=$rc, $(( $(date +%s) - t0 )) s"
+  trc=${PIPESTATUS[0]}
+  rc=$(( rc | trc ))
+  echo "engine GPU tests: rc=$trc, $(( $(date +%s) - t0 )) s"
 fi
 if [[ " $STEPS " == *" floor "* ]]; then
   host_check floor

@@ -7,6 +7,7 @@ next to a plain PyTorch decode step captured in a CUDA graph (benchmarks/plain_d
     python benchmarks/engine_floor.py --quick --profile                # plus torch.profiler over 5 decode steps
     python benchmarks/engine_floor.py --device cpu --quick --no-record # the tiny model on a CPU (a smoke run)
     python benchmarks/engine_floor.py --preset configs/models/qwen2-vl-7b.yaml --quick --deadline-s 200  # Qwen2-VL-7B
+    python benchmarks/engine_floor.py --batches 1,8 --contexts 700 --variants base,gemv --skip-plain   # cuBLAS vs gemv
 
 The 7B model folder is written under ``--work`` on first use (random weights, the folder
 engine_decode.py uses). Points whose KV cache cannot fit are skipped and say so: on an 80 GB card, batch
@@ -17,7 +18,10 @@ What is measured (every point in this one process, on this one device):
   (prompts of that many random tokens, prefilled by the engine; EOS ignored), the mean of ``--steps``
   steps after ``--warmup``, between device synchronisations. Three workloads: ``base`` (no adapter),
   ``lora`` (one distinct rank-``--rank`` adapter per request over q/k/v/o, unmerged, in device slots) and
-  ``merged`` (every request on one adapter, merged into the weights by the merge-only policy).
+  ``merged`` (every request on one adapter, merged into the weights by the merge-only policy); ``gemv``:
+  ``base`` with ``engine.gemv_max_rows`` at ``--gemv-rows`` (the decode-row projection kernels of
+  vlora.engine.gemv; the decode graphs are captured again for it, then again as they were), so that one
+  run times both on one machine. ``--gemv-max-rows`` sets it for the whole engine instead.
 - plain: the same decode shape in plain PyTorch, one CUDA graph per step, on the same weights (the same
   model folder, loaded once more and freed before the engine is built: the two with their KV caches do
   not fit in device memory at once). It is checked first against a transformers forward.
@@ -284,12 +288,13 @@ def evaluate_targets(decode: list[dict], prefill: list[dict], plain: dict) -> li
 
     ok = {(r["variant"], r["batch"], r["context"]): r for r in decode if r.get("ms") is not None}
     for (variant, b, c), r in sorted(ok.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
-        if variant != "base":
+        if variant not in ("base", "gemv"):
             continue
-        add(f"base decode bs{b} ctx{c} <= {TARGETS['base_x_floor']}x floor", r["ms"] / r["floor_ms"], TARGETS["base_x_floor"])
+        what = "base decode" if variant == "base" else "base decode with gemv"  # gemv: the decode-row kernels on
+        add(f"{what} bs{b} ctx{c} <= {TARGETS['base_x_floor']}x floor", r["ms"] / r["floor_ms"], TARGETS["base_x_floor"])
         p = plain.get("points", {}).get(f"{b}x{c}", {})
         best = min((p[k] for k in ("masked_ms", "exact_ms") if p.get(k) is not None), default=None)
-        add(f"base decode bs{b} ctx{c} faster than plain graphed", None if best is None else r["ms"] / best, 1.0,
+        add(f"{what} bs{b} ctx{c} faster than plain graphed", None if best is None else r["ms"] / best, 1.0,
             "" if best is not None else "plain not measured")
     for r in decode:
         if r["variant"] == "base" and r.get("ms") is None:
@@ -502,6 +507,7 @@ class Deadline:
 
 ATTENTION = "auto"  # engine.attention of the engine under test (--attention)
 PREFILL_GRAPHS = None  # engine.prefill_graph_tokens of the engine under test (--prefill-graph-tokens; None: the default)
+GEMV_ROWS = None  # engine.gemv_max_rows of the engine under test (--gemv-max-rows; None: the default)
 
 
 def build(model_dir: Path, device, dtype_name: str, slots: int, rank: int, max_batch: int, budget_tokens: int,
@@ -517,8 +523,28 @@ def build(model_dir: Path, device, dtype_name: str, slots: int, rank: int, max_b
         "limits.max_images": max(8, max_images),  # a video's frames are its images
         "atmm.tune_at_load": "never",  # no tuner sidecar sharing the GPU while we time
         "engine.attention": ATTENTION,
-        **({"engine.prefill_graph_tokens": PREFILL_GRAPHS} if PREFILL_GRAPHS is not None else {})})
+        **({"engine.prefill_graph_tokens": PREFILL_GRAPHS} if PREFILL_GRAPHS is not None else {}),
+        **({"engine.gemv_max_rows": GEMV_ROWS} if GEMV_ROWS is not None else {})})
     return build_engine(cfg)
+
+
+def set_gemv_rows(engine, rows: int) -> None:
+    """Switch the runner's decode-row kernels (engine.gemv_max_rows) and capture its graphs again: a graph
+    keeps the kernels it was captured with. The decode graphs are captured at once (the variants it had),
+    the prefill graphs when a step first needs them."""
+    runner = engine.runner
+    engine.flush()
+    if runner.gemv_max_rows == rows:
+        return
+    runner.set_gemv_max_rows(rows)
+    graphs = runner.graphs
+    if graphs is not None:
+        had = tuple(sorted({v for _, v in graphs.graphs}))
+        graphs.graphs.clear()
+        free_memory(runner.device)
+        graphs.capture_missing(had)
+    if runner.prefill_graphs is not None:
+        runner.prefill_graphs.graphs.clear()
 
 
 def kv_capacity_blocks(engine) -> Optional[int]:
@@ -609,7 +635,7 @@ def decode_max_tokens(batch: int, warmup: int, steps: int) -> int:
 
 def decode_point(engine, variant: str, batch: int, context: int, names: list[str], steps: int, warmup: int) -> dict:
     """One engine decode point: ms per step (mean over ``steps``), with what ran checked."""
-    if variant in ("base", "sync"):
+    if variant in ("base", "sync", "gemv"):
         adapters = [None] * batch
     elif variant == "lora":
         adapters = [names[i % len(names)] for i in range(batch)]
@@ -635,7 +661,7 @@ def decode_point(engine, variant: str, batch: int, context: int, names: list[str
         raise RuntimeError(f"lora: {distinct} distinct slots ran, expected {len(set(adapters))}")
     if variant == "merged" and (last.get("mode") != "merge" or last.get("merged") != names[0]):
         raise RuntimeError(f"merged: the step ran mode {last.get('mode')!r} with {last.get('merged')!r} merged")
-    if variant in ("base", "sync") and distinct:
+    if variant in ("base", "sync", "gemv") and distinct:
         raise RuntimeError(f"{variant}: {distinct} adapter slots ran")
     return {"ms": 1e3 * total / steps, "median_step_ms": 1e3 * statistics.median(per), "steps": steps,
             "prefill_steps": prefill_steps, "context_mean": statistics.mean(ctx0), "context_max": max(ctx0),
@@ -882,6 +908,21 @@ def print_profile(p: dict) -> None:
         print(f"  {k['us_per_step']:9.1f} us/step  {k['calls_per_step']:6.1f} calls/step  {k['name']}", flush=True)
 
 
+def gemv_status(engine) -> dict:
+    """The decode-row kernels' table (VLORA_GEMV_TABLE or the committed one) and the launch of each of the
+    decoder's projections, so that the numbers say what ran."""
+    import os
+
+    from vlora.engine import gemv
+
+    r = engine.runner
+    shapes = {name: ("silu" if name == "gate_up_silu" else "linear", g.stack.shape[1], g.stack.shape[2])
+              for name, g in ((n, r.groups[n.replace("_silu", "")]) for n in ("qkv", "o", "gate_up", "gate_up_silu", "down"))}
+    shapes["lm_head"] = ("linear", r.lm_head.weight.shape[0], r.lm_head.weight.shape[1])
+    return {"table_file": os.environ.get(gemv.TABLE_ENV), "triton": gemv.triton_available(),
+            "launches": {name: gemv.config_for(*s).label() for name, s in shapes.items()}}
+
+
 def atmm_status() -> dict:
     """Whether the ATMM CUDA extension is importable here, and which tiling table it serves."""
     try:
@@ -924,7 +965,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                                    f"{QWEN_MEDIA!r} (auto: that on Qwen2-VL models, none on LLaVA)")
     p.add_argument("--media-reps", type=int, default=3)
     p.add_argument("--variants", default="base,lora,merged",
-                   help="base, lora, merged, and sync: the base model without the step overlap (engine.overlap off)")
+                   help="base, lora, merged, sync: the base model without the step overlap (engine.overlap off), and "
+                        "gemv: the base model with engine.gemv_max_rows at --gemv-rows")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--slots", type=int, help="adapter slots (default: the largest batch, as memory allows)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
@@ -935,6 +977,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--profile-batch", type=int, default=32)
     p.add_argument("--attention", default="auto", help="engine.attention: auto, flash, triton or torch")
     p.add_argument("--prefill-graph-tokens", type=int, help="engine.prefill_graph_tokens (default: the config's)")
+    p.add_argument("--gemv-max-rows", type=int, help="engine.gemv_max_rows of the engine (default: the config's, 0)")
+    p.add_argument("--gemv-rows", type=int, default=16, help="engine.gemv_max_rows of the gemv variant (default 16)")
     p.add_argument("--profile-prefill", type=int, help="also profile prefill steps of one prompt of this many tokens")
     p.add_argument("--slow-host-x", type=float, default=3.0,
                    help="exit 3 (nothing recorded) when the first plain point takes more than this many times its "
@@ -946,10 +990,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    global ATTENTION, PREFILL_GRAPHS
+    global ATTENTION, PREFILL_GRAPHS, GEMV_ROWS
     args = parse_args(argv)
     ATTENTION = args.attention
     PREFILL_GRAPHS = args.prefill_graph_tokens
+    GEMV_ROWS = args.gemv_max_rows
     import torch
 
     from vlora.engine.builder import resolve_device
@@ -970,9 +1015,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     prefills = ints(args.prefill or grid["prefill"])
     images = ints(args.images or grid["images"])
     variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in ("base", "lora", "merged", "sync")]
+    bad = [v for v in variants if v not in ("base", "lora", "merged", "sync", "gemv")]
     if bad:
-        raise SystemExit(f"--variants: unknown {bad}; known: base, lora, merged, sync (base without the step overlap)")
+        raise SystemExit(f"--variants: unknown {bad}; known: base, lora, merged, sync (base without the step overlap), "
+                         f"gemv (base with the decode-row kernels)")
     dtype = torch.bfloat16 if cuda else torch.float32
     dtype_name = "bfloat16" if cuda else "float32"
     deadline = Deadline(args.deadline_s)
@@ -998,7 +1044,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "dims": dataclasses.asdict(dims), "vision_dims": dataclasses.asdict(vdims), "rates": rates,
         "settings": {"attention": args.attention, "batches": batches, "contexts": contexts, "prefill": prefills, "images": images, "rank": args.rank,
                      "steps": args.steps, "warmup": args.warmup, "variants": variants, "quick": args.quick,
-                     "media": media},
+                     "media": media, "gemv_max_rows": args.gemv_max_rows, "gemv_rows": args.gemv_rows},
         "floors": {"decode": "bytes / copy rate: decoder weights + final norm + LM head + KV read (B x context) + KV written "
                              "(B tokens) (+ distinct adapters' A and B for lora); embedding rows left out",
                    "prefill": "FLOPs / matmul rate: 2 x projection params x T + causal attention 2 x 2 x L x H x D x T^2 / 2 "
@@ -1077,7 +1123,7 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
     block = engine.config.cache.block_size
     result["engine"] = {"build_s": build_s, "slots": slots, "slot_bytes": slot_bytes, "kv_capacity_tokens": cap * block if cap else None,
                         "model_info": {k: v for k, v in engine.model_info.items() if isinstance(v, (str, int, float, dict, list, type(None)))},
-                        "config": engine.config.to_dict()}
+                        "config": engine.config.to_dict(), "gemv": gemv_status(engine)}
     if cuda:
         free, total = torch.cuda.mem_get_info(device)
         result["engine"]["memory_gib"] = {"free": free / GIB, "total": total / GIB}
@@ -1087,16 +1133,27 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
     decode_rows: list[dict] = result["decode"]
     lora_path = None
     overlap = engine.overlap
+    gemv_rows = engine.runner.gemv_max_rows
+    if gemv_rows or "gemv" in variants:
+        g = result["engine"]["gemv"]
+        print(f"gemv: engine.gemv_max_rows {gemv_rows}, table {g['table_file'] or 'the committed one'}, launches "
+              + ", ".join(f"{k} {v}" for k, v in g["launches"].items()), flush=True)
     for variant in variants:
         engine.flush()
         engine.overlap = overlap if variant != "sync" else False  # sync: the base model, each step read back before the next
+        if variant == "gemv":
+            t0 = time.perf_counter()
+            set_gemv_rows(engine, args.gemv_rows)
+            print(f"gemv: engine.gemv_max_rows {args.gemv_rows}, graphs captured again in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
         if variant == "merged":
             set_policy(engine, "merge-only")
         elif variant == "lora" and hasattr(probe, "reset"):
             probe.reset()
         for ctx in contexts:
             for b in batches:
-                row: dict[str, Any] = {"variant": variant, "batch": b, "context": ctx}
+                row: dict[str, Any] = {"variant": variant, "batch": b, "context": ctx,
+                                       "gemv_max_rows": engine.runner.gemv_max_rows}
                 n_ad = min(b, slots) if variant == "lora" else 0
                 row.update(decode_floor(dims, b, ctx, rates["copy_gbs"], adapters=n_ad, rank=args.rank))
                 max_tokens = decode_max_tokens(b, args.warmup, args.steps)
@@ -1123,6 +1180,8 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
             lora_path = lora_compute_path(probe)
         if variant == "merged":
             probe = set_policy(engine, "unmerge-only")  # the adapter is taken out of the weights again
+        if variant == "gemv":
+            set_gemv_rows(engine, gemv_rows)
     engine.flush()
     engine.overlap = overlap
     result["engine"]["step_overlap"] = overlap
@@ -1247,7 +1306,7 @@ def print_tables(res: dict) -> None:
           f"{'lora':>8} {'floor':>7} {'x base':>6} | {'merged':>8} {'x base':>6}", flush=True)
     for c in res["settings"]["contexts"]:
         for b in res["settings"]["batches"]:
-            base, lora, merged, sync = (rows.get((v, b, c), {}) for v in ("base", "lora", "merged", "sync"))
+            base, lora, merged, sync, gv = (rows.get((v, b, c), {}) for v in ("base", "lora", "merged", "sync", "gemv"))
             p = plain.get("points", {}).get(f"{b}x{c}", {})
             bm = base.get("ms")
             print(f"{c:>5} {b:>4} | {_f(bm):>8} {_f(base.get('floor_ms')):>7} "
@@ -1255,7 +1314,9 @@ def print_tables(res: dict) -> None:
                   f"{_f(lora.get('ms')):>8} {_f(lora.get('floor_ms')):>7} "
                   f"{_f(lora['ms'] / bm if bm and lora.get('ms') else None):>6} | {_f(merged.get('ms')):>8} "
                   f"{_f(merged['ms'] / bm if bm and merged.get('ms') else None, '.3f'):>6}"
-                  + (f" | no overlap {_f(sync.get('ms'))}" if sync else ""), flush=True)
+                  + (f" | no overlap {_f(sync.get('ms'))}" if sync else "")
+                  + (f" | gemv {_f(gv.get('ms'))} ({_f(gv['ms'] / gv['floor_ms'] if gv.get('ms') else None)}x floor, "
+                     f"{_f(gv['ms'] / bm if bm and gv.get('ms') else None, '.3f')}x base)" if gv else ""), flush=True)
     print("\nprefill, one prompt", flush=True)
     for r in res["prefill"]:
         print(f"  {r['tokens']:>6} tokens: {_f(r.get('ms')):>8} ms, floor {r['floor_ms']:.2f} ms "
@@ -1283,6 +1344,10 @@ def summary_line(res: dict) -> str:
             if v == "base"]
     if base:
         parts.append("base decode ms (x floor): " + ", ".join(base))
+    gv = [f"bs{b}/ctx{c} {r['ms']:.1f} ({r['ms'] / r['floor_ms']:.2f}x)" for (v, b, c), r in sorted(d.items(), key=lambda kv: (kv[0][2], kv[0][1]))
+          if v == "gemv"]
+    if gv:
+        parts.append(f"with gemv (engine.gemv_max_rows {res.get('settings', {}).get('gemv_rows')}) ms (x floor): " + ", ".join(gv))
     plain = res.get("plain", {})
     pl = [f"bs{b}/ctx{c} {plain_best(plain, b, c):.1f}" for (v, b, c) in sorted(d, key=lambda k: (k[2], k[1]))
           if v == "base" and plain_best(plain, b, c) is not None]

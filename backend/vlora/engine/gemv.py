@@ -7,19 +7,24 @@ projections for steps of up to ``engine.gemv_max_rows`` rows (:class:`vlora.conf
 
 Each program owns ``block_n`` output columns over the whole of K (``split_k`` = 1) and streams its
 [block_n, block_k] weight tiles, coalesced along K, through a ``num_stages`` deep pipeline of shared
-memory (cp.async: 16-byte loads, several tiles in flight per program); the rows, padded to 16, multiply
-on the tensor cores (``tl.dot``, fp32 accumulation). ``split_k`` > 1 splits K over that many programs
-per column block, writes fp32 partial sums and adds them in a second kernel in a fixed order
-(deterministic; used only where the probe measures it faster).
+memory (cp.async of 16 bytes, ``num_stages - 1`` tiles in flight per program); the rows, padded to 16,
+multiply on the tensor cores (``tl.dot``: mma.sync m16n8k16, or wgmma with ``swap`` and 64-column tiles;
+fp32 accumulation). ``split_k`` > 1 splits K over that many programs per column block, writes fp32
+partial sums and adds them in a second kernel in a fixed order (deterministic; for the probe to weigh).
+The 16-byte copies need what Triton specialises at launch: x and w 16-byte aligned with row pitches of a
+multiple of 16 elements (every LLaMA width; the engine's activations and weight stacks are); elsewhere
+Triton emits plain loads without the pipeline (the same results, slower).
 
 **Bit-stability across rows:** a row's result depends only on that row and the weights: the rows are
 always padded to 16 and reduced by the same ``tl.dot`` chain for every M, and the launch (block sizes,
 warps, split) is chosen per (N, K), never per M. So the eager path (T rows) and a CUDA graph's padded
-bucket give the same bits for the same row. The fused gate/up keeps eager's roundings: gate and up are
+bucket give the same bits for the same row (a tensor core computes each output element from its own row
+and column; tests/gpu/test_gemv_gpu.py checks the bits). The fused gate/up keeps eager's roundings: gate and up are
 rounded to the dtype, ``silu`` (``g / (1 + expf(-g))``, libdevice expf as in PyTorch) is rounded, then the
 product (see :func:`vlora.engine.fused_ops.silu_mul`). With a bias, ``acc + bias`` is rounded once, as in
 cuBLAS's epilogue. Against cuBLAS the results differ only in the fp32 summation order (a last bit of
-the bf16 output here and there).
+the bf16 output here and there); so do the fused gate/up and the plain one (LoRA steps) where the table
+gives their two kinds different launches.
 
 Launch parameters come from :data:`TABLE` (committed, keyed by kind and (N, K)) with :func:`default_config`
 elsewhere; ``VLORA_GEMV_TABLE=path.json`` (what ``benchmarks/gemv_probe.py`` writes) overrides entries.
@@ -29,8 +34,9 @@ CUDA graphs.
 
 bf16 and fp16 only: an fp32 ``tl.dot`` would round its inputs to tf32, so fp32 (and CPU tensors, rows
 beyond :data:`MAX_ROWS`, or no triton) takes the torch reference (``F.linear``) under ``impl="auto"``.
-Under ``TRITON_INTERPRET=1`` CPU tensors take the kernels too (the CPU tests); the interpreter casts to
-bf16 by truncation, so it matches in fp16 and to within a bf16 step in bf16.
+Under ``TRITON_INTERPRET=1`` CPU tensors take the kernels too (the CPU tests): there the tile products are
+summed by numpy instead of ``tl.dot`` (see :func:`_mma`), and bf16 casts truncate, so the interpreter checks
+the kernels' indexing, masking and row independence, fp16 to a rounding and bf16 to within a step.
 """
 from __future__ import annotations
 
@@ -55,7 +61,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 MAX_ROWS = 16  # rows are padded to one 16-row tensor-core tile
-BLOCK_M = 16
 TABLE_ENV = "VLORA_GEMV_TABLE"
 KINDS = ("linear", "silu")  # linear_rows; gate_up_silu (N is then 2 x the intermediate size)
 
@@ -98,9 +103,9 @@ def table_key(kind: str, N: int, K: int) -> str:
     return f"{kind}:{N}x{K}"
 
 
-# The committed launch table. Not yet measured: these are the default rule's choices for the LLaVA-1.5-7B
-# (LLaMA-7B) decode shapes, written out so that a probe's measured best (benchmarks/gemv_probe.py, which
-# prints these lines) replaces them in one edit.
+# The committed launch table for the LLaVA-1.5-7B (LLaMA-7B) decode shapes. Not measured yet: first guesses
+# (16-column programs where 32 would give fewer than two per SM), written out so that a probe's measured best
+# (benchmarks/gemv_probe.py prints these lines) replaces them in one edit.
 TABLE: dict[str, GemvConfig] = {
     "linear:12288x4096": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),  # q/k/v
     "linear:4096x4096": GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4),   # o
@@ -130,7 +135,8 @@ def load_table(path: Optional[str] = None) -> dict[str, GemvConfig]:
     table = dict(TABLE)
     path = path if path is not None else os.environ.get(TABLE_ENV)
     if path:
-        data = json.loads(open(path).read())
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
         for key, cfg in data.get("configs", data).items():
             kind, _, shape = key.partition(":")
             n, _, k = shape.partition("x")
@@ -190,8 +196,10 @@ if triton is not None:
             g = acc.to(DT).to(tl.float32)
             u = acc_u.to(DT).to(tl.float32)
             s = tl.div_rn(g, 1.0 + _exp(-g)).to(DT).to(tl.float32)  # F.silu, rounded
-            return (s * u).to(DT)
-        return acc.to(DT)
+            y = (s * u).to(DT)
+        else:
+            y = acc.to(DT)
+        return y
 
     @triton.jit
     def _mma(xv, wv, acc, SWAP: tl.constexpr, UPCAST: tl.constexpr):
@@ -202,11 +210,15 @@ if triton is not None:
             xf = xv.to(tl.float32)
             wf = wv.to(tl.float32)
             if SWAP:
-                return acc + tl.sum(wf[:, None, :] * xf[None, :, :], axis=2)
-            return acc + tl.sum(xf[:, None, :] * wf[None, :, :], axis=2)
-        if SWAP:
-            return tl.dot(wv, tl.trans(xv), acc)
-        return tl.dot(xv, tl.trans(wv), acc)
+                out = acc + tl.sum(wf[:, None, :] * xf[None, :, :], axis=2)
+            else:
+                out = acc + tl.sum(xf[:, None, :] * wf[None, :, :], axis=2)
+        else:
+            if SWAP:
+                out = tl.dot(wv, tl.trans(xv), acc)
+            else:
+                out = tl.dot(xv, tl.trans(wv), acc)
+        return out
 
     @triton.jit(do_not_specialize=["M"])
     def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
@@ -320,15 +332,18 @@ def _use_kernel(impl: str, x: torch.Tensor, w: torch.Tensor, name: str) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=256)
-def _launch(kind: str, N: int, K: int) -> tuple:
-    """(config, grid, K per split, EVEN_K, EVEN_N, reduce block) of a (kind, N, K) call; N is the output
-    columns (for silu: the intermediate size)."""
-    cfg = config_for(kind, 2 * N if kind == "silu" else N, K)
+def _plan(cfg: GemvConfig, N: int, K: int) -> tuple:
+    """(config, grid, K per split, EVEN_K, EVEN_N, reduce block) of a launch over N output columns."""
     split = max(1, min(cfg.split_k, -(-K // cfg.block_k)))
-    k_split = -(-(-(-K // split)) // cfg.block_k) * cfg.block_k
+    k_split = -(-(-(-K // split)) // cfg.block_k) * cfg.block_k  # a whole number of K tiles per split
     grid = (-(-N // cfg.block_n), split)
     return cfg, grid, k_split, K % cfg.block_k == 0, N % cfg.block_n == 0, min(1024, _pow2_at_least(N))
+
+
+@functools.lru_cache(maxsize=256)
+def _launch(kind: str, N: int, K: int) -> tuple:
+    """:func:`_plan` of a (kind, N, K) call from the table; N is the output columns (silu: the intermediate size)."""
+    return _plan(config_for(kind, 2 * N if kind == "silu" else N, K), N, K)
 
 
 def _run(kind: str, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], N: int,
@@ -348,14 +363,8 @@ def _run(kind: str, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
         raise ValueError(f"gemv: out must be {x.dtype} [{M}, {N}] with a contiguous last dim")
     if M == 0 or N == 0:
         return out
-    if config is None:
-        cfg, grid, k_split, even_k, even_n, rblock = _launch(kind, N, K)
-    else:  # an explicit launch (the probe, tests)
-        cfg = config
-        split = max(1, min(cfg.split_k, -(-K // cfg.block_k)))
-        k_split = -(-(-(-K // split)) // cfg.block_k) * cfg.block_k
-        grid = (-(-N // cfg.block_n), split)
-        even_k, even_n, rblock = K % cfg.block_k == 0, N % cfg.block_n == 0, min(1024, _pow2_at_least(N))
+    # the table's launch, or an explicit one (the probe, tests)
+    cfg, grid, k_split, even_k, even_n, rblock = _launch(kind, N, K) if config is None else _plan(config, N, K)
     split = grid[1]
     silu = kind == "silu"
     b = bias if bias is not None else w
