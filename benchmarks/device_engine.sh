@@ -28,11 +28,15 @@ rc=0
 # A host that runs every kernel several times slow (seen on some machines; the copy probe reads normal there,
 # and a host can turn slow during a call) spoils every timing: right before each timed step, check again and
 # stop there unless HOST_CHECK_US is 0. The GPU's load, power and clocks go to the log beside the figure: a
-# busy GPU while this call is idle means another tenant shares it.
+# busy GPU while this call is idle means something else runs on it. (The slow "hosts" seen were most likely
+# ATMM tuner sidecars that GPU tests had started and left running on an H200, which has no committed tiling
+# table: the sidecar now ends with the process that started it.)
 host_check() {
   [[ "${HOST_CHECK_US:-10}" == "0" ]] && return 0
   nvidia-smi --query-gpu=utilization.gpu,power.draw,clocks.sm,clocks.mem,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv,noheader | sed "s/^/[host check before $1] GPU util, power, clocks, temp, throttle: /" | tee -a "$OUT/host-check.log"
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | sed "s/^/[host check before $1] on the GPU: /" |
+    tee -a "$OUT/host-check.log"
   python3 benchmarks/step_kernels.py --check-host "${HOST_CHECK_US:-10}" >> "$OUT/host-check.log" 2>&1
   local hc=$?
   tail -1 "$OUT/host-check.log"

@@ -83,6 +83,38 @@ def test_the_sidecar_is_started_with_the_env_it_was_given(monkeypatch, tmp_path)
     assert started["env"] is None  # no env given: the child inherits this process's
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_sidecar_ends_with_the_process_that_started_it(tmp_path):
+    """A server or test process that exits without stopping its engine must not leave the tuner profiling
+    on the GPU: the sidecar is started with _die_with_parent, so it gets SIGTERM when its parent ends."""
+    import time
+
+    parent = ("import subprocess, sys\n"
+              "from vlora.atmm.tuner import _die_with_parent\n"
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], preexec_fn=_die_with_parent)\n"
+              "print(p.pid, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    child = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        # an orphan is reparented; once killed it may linger as a zombie of its new parent until reaped
+        try:
+            with open(f"/proc/{child}/stat") as fh:
+                if fh.read().split(") ")[1].startswith("Z"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(child, 9)
+    raise AssertionError("the sidecar outlived the process that started it")
+
+
 def _site_dirs() -> list[str]:
     """This interpreter's site-packages (torch and the other dependencies live there)."""
     dirs = list(site.getsitepackages())
