@@ -372,9 +372,10 @@ class PrefillGraphs:
                  "%.0f MiB of device memory more", len(self.sizes), self.sizes[0], self.sizes[-1], PREFILL_BUCKET,
                  self.max_seqs, self.capture_s, self.memory_bytes / 2**20)
 
-    def _dummy_fill(self) -> None:
-        """A valid step for capture: one sequence of every token, whose keys all come from the cache's
-        scratch block; nothing is written to the cache (every slot -1)."""
+    def _dummy_fill(self, b: int) -> None:
+        """A valid step of ``b`` tokens for capture: one sequence of every token of the bucket, whose keys all
+        come from the cache's scratch block; nothing is written to the cache (every slot -1). (The sequence
+        must not be longer than the bucket: attention would read and write query rows past its ``b``.)"""
         kv = self.runner.kv
         T, S = self.max_tokens, self.max_seqs
         self._copied.synchronize()
@@ -382,8 +383,8 @@ class PrefillGraphs:
         self.lnp[2 * T:3 * T] = -1  # slots: nothing written
         self.lnp[3 * T:4 * T] = -1
         self.inp[:] = 0
-        self.inp[1:S + 1] = T  # sequence 0 has every token
-        self.inp[S + 1] = T
+        self.inp[1:S + 1] = b  # sequence 0 has every token of the bucket
+        self.inp[S + 1] = b
         self.inp[2 * S + 1:2 * S + 1 + self.max_blocks] = kv.scratch_block
         self.lbuf.copy_(self.lhost, non_blocking=True)
         self.ibuf.copy_(self.ihost, non_blocking=True)
@@ -391,7 +392,7 @@ class PrefillGraphs:
 
     def _capture(self, b: int) -> None:
         r = self.runner
-        self._dummy_fill()
+        self._dummy_fill(b)
         side = torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream(r.device))
         with torch.cuda.stream(side):
