@@ -51,11 +51,13 @@ def test_default_rule_and_committed_table():
         n, k = map(int, shape.split("x"))
         assert gemv.config_for(kind, n, k) == gemv.TABLE[key]
     # elsewhere the rule: K tiles of at most 256 and at least 16, more programs for narrow outputs
-    assert gemv.default_config("linear", 256, 128) == gemv.GemvConfig(block_n=16, block_k=128, num_stages=4)
+    assert gemv.default_config("linear", 256, 128) == gemv.GemvConfig(block_n=32, block_k=128, num_stages=4)
     assert gemv.default_config("linear", 40, 8).block_k == 16
-    assert gemv.default_config("linear", 5120, 5120).block_n == 16
-    assert gemv.default_config("linear", 16384, 5120).block_n == 32
-    assert gemv.default_config("silu", 2 * 8192, 5120).block_n == 16  # 8192 columns each of gate and up
+    assert gemv.default_config("linear", 5120, 5120) == gemv.GemvConfig(block_n=32, block_k=256, num_stages=4)
+    wide = gemv.GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True)
+    assert gemv.default_config("linear", 16384, 5120) == wide
+    assert gemv.default_config("silu", 2 * 11008, 5120) == wide  # 11008 columns each of gate and up
+    assert gemv.default_config("silu", 2 * 4096, 5120).block_n == 32
     assert gemv.config_for("linear", 1000, 300) == gemv.default_config("linear", 1000, 300)
 
 
@@ -113,7 +115,7 @@ def test_triton_impl_refuses_what_it_cannot_run():
 
 
 def test_runner_config_gemv_max_rows():
-    assert EngineConfig().engine.gemv_max_rows == 0
+    assert EngineConfig().engine.gemv_max_rows == 16
     assert EngineConfig().with_overrides({"engine.gemv_max_rows": "16"}).engine.gemv_max_rows == 16
     for bad in ("17", "-1", "true", "4.5"):
         with pytest.raises(ConfigError, match="gemv_max_rows"):
@@ -387,13 +389,14 @@ def test_probe_smoke_under_the_interpreter(tmp_path):
 
 
 def test_engine_floor_times_gemv_beside_base(tiny_model_dir, tmp_path):
-    """engine_floor --variants base,gemv on a CPU: the gemv rows ran with engine.gemv_max_rows 16 (the kernels
-    themselves only serve CUDA), base with the engine's 0, and the engine is set back afterwards."""
+    """engine_floor --variants base,gemv --gemv-max-rows 0 on a CPU: the gemv rows ran with engine.gemv_max_rows 16
+    (the kernels themselves only serve CUDA), base with the engine's 0 (cuBLAS), and the engine is set back."""
     ef = _load_benchmark("engine_floor")
     torch.manual_seed(0)
     rc = ef.main(["--device", "cpu", "--model", str(tiny_model_dir), "--batches", "1,2", "--contexts", "12",
                   "--prefill", "20", "--images", "1", "--steps", "2", "--warmup", "1", "--prefill-reps", "1",
-                  "--variants", "base,gemv", "--skip-plain", "--no-record", "--out", str(tmp_path)])
+                  "--variants", "base,gemv", "--gemv-max-rows", "0", "--skip-plain", "--no-record",
+                  "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "engine-floor-cpu.json").read_text())
     rows = {(r["variant"], r["batch"]): r for r in res["decode"]}

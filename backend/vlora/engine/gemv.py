@@ -103,16 +103,17 @@ def table_key(kind: str, N: int, K: int) -> str:
     return f"{kind}:{N}x{K}"
 
 
-# The committed launch table for the LLaVA-1.5-7B (LLaMA-7B) decode shapes. Not measured yet: first guesses
-# (16-column programs where 32 would give fewer than two per SM), written out so that a probe's measured best
-# (benchmarks/gemv_probe.py prints these lines) replaces them in one edit.
+# The committed launch table for the LLaVA-1.5-7B (LLaMA-7B) decode shapes: the best of
+# benchmarks/gemv_probe.py's candidates on an H200 (two runs, results/gemv-probe-nvidia-h200.json), as fractions
+# of the copy rate at M=1 against cuBLAS's: q/k/v 0.89 (cuBLAS 0.89), o 0.80 (0.74), gate/up + SiLU 0.89,
+# down 0.86 (0.78), LM head 1.05 (1.02; the copy rate counts a read and a write per byte moved, a GEMV only reads).
 TABLE: dict[str, GemvConfig] = {
-    "linear:12288x4096": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),  # q/k/v
-    "linear:4096x4096": GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4),   # o
-    "linear:22016x4096": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),  # gate/up (LoRA steps)
-    "silu:22016x4096": GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4),    # gate/up + silu * up
-    "linear:4096x11008": GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4),  # down
-    "linear:32064x4096": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),  # LM head
+    "linear:12288x4096": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True),  # q/k/v
+    "linear:4096x4096": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),              # o
+    "linear:22016x4096": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True),  # gate/up (LoRA steps)
+    "silu:22016x4096": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True),    # gate/up + silu * up
+    "linear:4096x11008": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),             # down
+    "linear:32064x4096": GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True),  # LM head
 }
 
 
@@ -121,12 +122,15 @@ def _pow2_at_least(n: int) -> int:
 
 
 def default_config(kind: str, N: int, K: int) -> GemvConfig:
-    """The rule for shapes the table lacks: ``block_k`` 256 (or K's power of two, at least 16), ``block_n``
-    16 where 32 would leave fewer than ~264 programs (two per SM of a 132-SM part), else 32."""
+    """The rule for shapes the table lacks, after what the H200 probe measured at 7B: at least one 64-column
+    program per SM of a 132-SM part (and K >= 128): 64 columns, K in tiles of 128, the W tile as the tensor
+    cores' A operand (``swap``); fewer columns: 32 per program, ``block_k`` 256 (or K's power of two, at
+    least 16)."""
     cols = N // 2 if kind == "silu" else N
+    if cols >= 64 * 132 and K >= 128:
+        return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True)
     bk = min(256, max(16, _pow2_at_least(K)))
-    bn = 32 if -(-cols // 32) >= 264 else 16
-    return GemvConfig(block_n=bn, block_k=bk, num_warps=4, num_stages=4 if bk >= 128 else 2)
+    return GemvConfig(block_n=32, block_k=bk, num_warps=4, num_stages=4 if bk >= 128 else 2)
 
 
 def load_table(path: Optional[str] = None) -> dict[str, GemvConfig]:
