@@ -167,10 +167,10 @@ def test_concurrent_equals_sequential_and_hits_the_caches(cache_server, sequenti
     for cid, ref in sequential.items():
         assert results[cid].text == ref.text, f"{cid}: concurrent {results[cid].text!r}, sequential {ref.text!r}"
     after = quiet_metrics(cache_server)
-    # Every (vision-side weights, frame) is cached: 9 of them, each looked up at least once (a step looks
-    # an item up once, whichever of its requests bring it), nothing encoded.
+    # Nothing is encoded: a frame whose placeholders lie wholly inside a prompt's cached prefix is not even
+    # looked up (its keys and values are in the prefix cache); the others are encoder-cache hits.
     n_images = sum(len(kw["images"]) for _, kw in CASES)
-    assert 9 <= after["encoder_cache_hits_total"] - before["encoder_cache_hits_total"] <= n_images, (before, after)
+    assert 0 <= after["encoder_cache_hits_total"] - before["encoder_cache_hits_total"] <= n_images, (before, after)
     assert after["encoder_cache_misses_total"] == before["encoder_cache_misses_total"], (before, after)
     # Every prompt was asked before: each reuses its full blocks but the last one's (one token must run).
     assert after["prefix_cache_reused_tokens_total"] - before["prefix_cache_reused_tokens_total"] >= len(CASES) * 16, (before, after)
@@ -195,7 +195,9 @@ def test_a_reloaded_adapter_gets_neither_stale_features_nor_stale_kv(cache_serve
     before = quiet_metrics(cache_server)
     assert {cid: admin.generate(stream=True, **kw).text for cid, kw in mine} == old  # the old version, cached
     cached = quiet_metrics(cache_server)
-    assert cached["encoder_cache_hits_total"] - before["encoder_cache_hits_total"] == 4, (before, cached)
+    # served from the caches: nothing encoded (frames inside a cached prefix are not even looked up)
+    assert cached["encoder_cache_misses_total"] == before["encoder_cache_misses_total"], (before, cached)
+    assert cached["encoder_cache_hits_total"] - before["encoder_cache_hits_total"] <= 4, (before, cached)
     assert cached["prefix_cache_reused_tokens_total"] > before["prefix_cache_reused_tokens_total"], (before, cached)
 
     admin.unload_adapter(name)

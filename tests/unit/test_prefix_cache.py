@@ -183,3 +183,40 @@ def test_a_waiting_prompt_is_charged_without_its_cached_prefix(tiny_model_dir, r
     assert seq.cached_tokens >= 6 * 16 and seq.prefilled
     while engine.has_work():
         engine.step()
+
+
+def test_images_wholly_inside_the_cached_prefix_are_not_encoded(tiny_model_dir, root):
+    """A prompt that continues a cached prefix encodes only the images with a placeholder among the tokens it
+    runs: those wholly inside the prefix already have their keys and values in the cache. The tokens are
+    those of a fresh prefill (the prefix cache off)."""
+    frames = [_png(3), _png(4)]
+    text = "USER: <image>\nCompare this frame with the next. " + "Count the lanes and the cars. " * 4
+    specs = [("first", "demo-r8-qv", text + "Which is busier: <image>\nASSISTANT:", frames),
+             ("again", "demo-r8-qv", text + "Which is darker: <image>\nASSISTANT:", frames)]  # same frames
+    engines = {}
+    encoded = {}
+    for prefix in (True, False):
+        eng = _engine(tiny_model_dir, root, prefix)
+        eng.runner.set_encoder_cache(0)  # every image the step needs is encoded: the count shows which
+        counts = encoded[prefix] = []
+        encode = eng.runner.encode
+
+        def counting(pixel_values, *args, _encode=encode, _counts=counts, **kwargs):
+            out = _encode(pixel_values, *args, **kwargs)
+            _counts.append(len(out))
+            return out
+
+        eng.runner.encode = counting
+        engines[prefix] = eng
+    on = _run(engines[True], specs)
+    off = _run(engines[False], specs)
+    assert {k: v[0] for k, v in on.items()} == {k: v[0] for k, v in off.items()}
+    loaded = engines[True].runner.loaded
+    ids = engines[True].inputs.prepare(GenerationRequest("probe", specs[1][2], images=frames)).prompt_ids
+    marks = [i for i, t in enumerate(ids) if t == loaded.image_token_id]
+    n = loaded.num_image_tokens
+    cached = on["again"][1]
+    assert cached > marks[n - 1], (cached, marks[:1], n)  # the first frame's placeholders are all cached
+    assert cached <= marks[n], (cached, marks[n])  # the second frame's are not (its question differs before it)
+    assert encoded[True] == [2, 1]  # the second request encodes the second frame only
+    assert encoded[False] == [2, 2]

@@ -628,8 +628,11 @@ class ModelRunner:
             keys = s.image_keys or tuple(bytes([i]) + id(s).to_bytes(8, "little") for i in range(len(per_item)))
             if len(keys) != len(per_item):
                 raise RuntimeError(f"{len(keys)} image keys for {len(per_item)} images")
+            first = self._first_item_in_step(s)
             mine = []
             for i, (key, pv) in enumerate(zip(keys, per_item)):
+                if i < first:
+                    continue  # its placeholders are all in the cached prefix: its keys and values are there
                 item = (s.vision_identity, s.video, key)
                 mine.append(item)
                 if item in feature_of or item in queued:
@@ -686,6 +689,21 @@ class ModelRunner:
                 at = at.pin_memory().to(hidden.device, non_blocking=True)
             hidden.index_copy_(0, at, feats.to(hidden.device))
         return encoded
+
+    def _first_item_in_step(self, s: SeqInput) -> int:
+        """The first of ``s``'s images (or videos) with a placeholder among the step's tokens: a prompt that
+        continues a cached prefix holds only the last placeholders, those of its last items; the items before
+        lie wholly in the prefix and need no encoding. 0 for a fresh prompt."""
+        if s.start_pos == 0:
+            return 0
+        family, loaded = self.loaded.family, self.loaded
+        here = int(np.count_nonzero(np.asarray(s.token_ids) == family.placeholder_id(loaded, s.video)))
+        counts = family.item_tokens(loaded, s.pixel_values, s.image_grid_thw, s.video)
+        first, tail = len(counts), 0
+        while first > 0 and tail < here:
+            first -= 1
+            tail += counts[first]
+        return first
 
     def _layer_params(self) -> tuple:
         """Per layer, what :meth:`_layer` reads from the modules, looked up once: (input norm weight, eps,
