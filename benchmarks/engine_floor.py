@@ -7,7 +7,7 @@ next to a plain PyTorch decode step captured in a CUDA graph (benchmarks/plain_d
     python benchmarks/engine_floor.py --quick --profile                # plus torch.profiler over 5 decode steps
     python benchmarks/engine_floor.py --device cpu --quick --no-record # the tiny model on a CPU (a smoke run)
     python benchmarks/engine_floor.py --preset configs/models/qwen2-vl-7b.yaml --quick --deadline-s 200  # Qwen2-VL-7B
-    python benchmarks/engine_floor.py --batches 1,8 --contexts 700 --variants base,gemv --skip-plain   # cuBLAS vs gemv
+    python benchmarks/engine_floor.py --batches 1,8 --contexts 700 --gemv-max-rows 0 --variants base,gemv --skip-plain  # cuBLAS vs gemv
     python benchmarks/engine_floor.py --batches 1,8 --contexts 700 --variants base,fold --prefill 600 --images 1  # folded norms or not
 
 The 7B model folder is written under ``--work`` on first use (random weights, the folder
