@@ -8,7 +8,7 @@
 #                  "gemv" (run first): benchmarks/gemv_probe.py ${GEMV_ARGS} times the decode-row projection kernels
 #                  against cuBLAS and writes $OUT/gemv-table.json, exported as VLORA_GEMV_TABLE to the later steps
 #                  (their GPU tests: ENGINE_TESTS=tests/gpu/test_gemv_gpu.py; the engine with them: FLOOR_ARGS with
-#                  --variants base,gemv, or --gemv-max-rows 16)
+#                  --gemv-max-rows 0 --variants base,gemv for cuBLAS against them; they are on by default)
 #   ENGINE_TESTS   default the engine's GPU tests (paged attention, graphs, parity with transformers + PEFT)
 #   FLOOR_ARGS     arguments of benchmarks/engine_floor.py (default --quick)
 #   CACHE_ARGS     arguments of benchmarks/cache_ttft.py (default none: LLaVA-1.5-7B and Qwen2-VL-7B)
