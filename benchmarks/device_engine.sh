@@ -2,8 +2,8 @@
 # One device call for the engine (run from the repository root on the GPU machine): the ATMM extension
 # (a prebuilt one carried in .devpack/, else built, see build_atmm.sh), the engine's GPU tests, then the
 # engine benchmark. Needs no Triton server, so it skips device_env.sh.
-#   HOST_CHECK_US  default 10: first time a small kernel (step_kernels.py --check-host) and exit 3 on a slow host;
-#                  0 skips the check
+#   HOST_CHECK_US  default 10: before each timed step, log the GPU's load and processes, time a small kernel
+#                  (step_kernels.py --check-host) and exit 3 on a slow or busy GPU; 0 skips the check
 #   ENGINE_STEPS   default "test floor"; "cache": benchmarks/cache_ttft.py (TTFT, encoder and prefix caches off/on);
 #                  "gemv" (run first): benchmarks/gemv_probe.py ${GEMV_ARGS} times the decode-row projection kernels
 #                  against cuBLAS and writes $OUT/gemv-table.json, exported as VLORA_GEMV_TABLE to the later steps
