@@ -35,8 +35,13 @@ host_check() {
   [[ "${HOST_CHECK_US:-10}" == "0" ]] && return 0
   nvidia-smi --query-gpu=utilization.gpu,power.draw,clocks.sm,clocks.mem,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv,noheader | sed "s/^/[host check before $1] GPU util, power, clocks, temp, throttle: /" | tee -a "$OUT/host-check.log"
-  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | sed "s/^/[host check before $1] on the GPU: /" |
-    tee -a "$OUT/host-check.log"
+  local apps
+  apps=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader)
+  if [[ -n "$apps" ]]; then  # nothing of this call runs between its steps: these share the GPU with the next
+    echo "$apps" | sed "s/^/[host check before $1] on the GPU: /" | tee -a "$OUT/host-check.log"
+    echo "busy GPU before $1: no timed step run (HOST_CHECK_US=0 runs them anyway)"
+    exit 3
+  fi
   python3 benchmarks/step_kernels.py --check-host "${HOST_CHECK_US:-10}" >> "$OUT/host-check.log" 2>&1
   local hc=$?
   tail -1 "$OUT/host-check.log"
