@@ -160,6 +160,18 @@ def check_adapters_matter(engine, reference):
         assert delta > 1e-3, f"{name} barely changes the logits ({delta:.1e})"
 
 
+def step_recording(engine, seqs: dict, logits: dict):
+    """One ``engine.step()``; each row's logits go to ``logits[(request id, output index)]``, the index of the
+    token that step chose (``output_ids[-1]``, or with the step overlap the one still in flight). ``seqs``:
+    request id -> its Sequence. Returns the step's result (None: nothing ran)."""
+    result = engine.step()
+    if result is not None:
+        for row, rid in enumerate(engine.last_step["request_ids"]):
+            s = seqs[rid]
+            logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].clone()
+    return result
+
+
 class ScriptedPolicy(Policy):
     """Mode and merged adapter from a script, one entry per step, cycling (the graph-vs-eager parity tests
     drive every inference mode this way); a merge step with no request of the merged adapter runs as a

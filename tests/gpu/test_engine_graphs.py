@@ -19,7 +19,7 @@ from vlora.config import EngineConfig  # noqa: E402
 from vlora.engine.api import GenerationRequest, SamplingParams  # noqa: E402
 from vlora.engine.builder import build_engine  # noqa: E402
 from vlora.orchestrator.policies import MERGE, MIXTURE, UNMERGE  # noqa: E402
-from engine_parity import ScriptedPolicy  # noqa: E402
+from engine_parity import ScriptedPolicy, step_recording  # noqa: E402
 
 REQUESTS = {"a1": "demo-r8-qv", "a2": "demo-r8-qv", "b1": "demo-r32-mlp", "c1": "demo-r16-attn", "base": None}
 PROMPTS = {"a1": "Count the circles.", "a2": "Is there a red square in the corner?", "b1": "Describe the scene.",
@@ -52,12 +52,7 @@ def run(engine, script):
         engine.add_request(engine.inputs.prepare(req), lambda out: None)
         seqs[rid] = engine.waiting[-1]
     while engine.has_work():
-        result = engine.step()
-        if result is None:
-            continue
-        for row, rid in enumerate(engine.last_step["request_ids"]):
-            s = seqs[rid]  # the step's token: output_ids[-1], or (step overlap) the one still in flight
-            logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].clone()
+        step_recording(engine, seqs, logits)
     engine.orchestrator.enter(UNMERGE, None)
     return {rid: s.output_ids for rid, s in seqs.items()}, logits
 
@@ -156,12 +151,7 @@ def _prefill_run(engine):
             engine.add_request(engine.inputs.prepare(req), lambda out: None)
             seqs[rid] = engine.waiting[-1]
         steps += 1
-        result = engine.step()
-        if result is None:
-            continue
-        for row, rid in enumerate(engine.last_step["request_ids"]):
-            s = seqs[rid]
-            logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].clone()
+        step_recording(engine, seqs, logits)
     engine.flush()
     return {rid: s.output_ids for rid, s in seqs.items()}, logits
 

@@ -206,7 +206,7 @@ from vlora.config import EngineConfig  # noqa: E402
 from vlora.engine.api import GenerationRequest, SamplingParams  # noqa: E402
 from vlora.engine.builder import build_engine  # noqa: E402
 from vlora.orchestrator.policies import MERGE, MIXTURE, UNMERGE  # noqa: E402
-from engine_parity import ScriptedPolicy  # noqa: E402
+from engine_parity import ScriptedPolicy, step_recording  # noqa: E402
 
 MAX_NEW = 64
 PROMPTS = ["Count the circles.", "Is there a red square in the corner?", "Describe the scene.",
@@ -244,12 +244,7 @@ def run(engine, requests, script):
         engine.add_request(engine.inputs.prepare(req), lambda out: None)
         seqs[rid] = engine.waiting[-1]
     while engine.has_work():
-        result = engine.step()
-        if result is None:
-            continue
-        for row, rid in enumerate(engine.last_step["request_ids"]):
-            s = seqs[rid]
-            logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].clone()
+        step_recording(engine, seqs, logits)
     engine.flush()
     engine.orchestrator.enter(UNMERGE, None)
     return {rid: s.output_ids for rid, s in seqs.items()}, logits

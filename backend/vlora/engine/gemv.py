@@ -471,6 +471,14 @@ def _run(kind: str, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     return out
 
 
+def _into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    """A reference's result ``y``, copied into ``out`` where the caller gave one."""
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
 def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 out: Optional[torch.Tensor] = None, impl: str = "auto",
                 config: Optional[GemvConfig] = None) -> torch.Tensor:
@@ -479,11 +487,7 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     M <= 16, else F.linear), "triton" (the kernel or an error: fp32 is refused), "torch". ``config``: an
     explicit launch instead of the table's."""
     if not _use_kernel(impl, x, w, "linear_rows"):
-        y = linear_rows_reference(x, w, bias)
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y
+        return _into(out, linear_rows_reference(x, w, bias))
     return _run("linear", x, w, bias, w.shape[0], out, config)
 
 
@@ -496,11 +500,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     if w.shape[0] % 2:
         raise ValueError(f"gate_up_silu: w must stack gate and up rows (an even count), got {tuple(w.shape)}")
     if not _use_kernel(impl, x, w, "gate_up_silu"):
-        y = gate_up_silu_reference(x, w, bias)
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y
+        return _into(out, gate_up_silu_reference(x, w, bias))
     return _run("silu", x, w, bias, w.shape[0] // 2, out, config)
 
 
