@@ -623,12 +623,14 @@ class ModelRunner:
         todo: dict[bool, list[tuple[tuple[str, bool, bytes], torch.Tensor, Optional[torch.Tensor], int]]] = {False: [], True: []}
         queued: set[tuple[str, bool, bytes]] = set()
         cacheable: set[tuple[str, bool, bytes]] = set()
-        for s in with_images:
+        # per prompt with images: where its step's tokens hold placeholders (host token ids)
+        marks = [np.flatnonzero(np.asarray(s.token_ids) == family.placeholder_id(loaded, s.video)) for s in with_images]
+        for s, at in zip(with_images, marks):
             per_item = family.patches(s.pixel_values, s.image_grid_thw)
             keys = s.image_keys or tuple(bytes([i]) + id(s).to_bytes(8, "little") for i in range(len(per_item)))
             if len(keys) != len(per_item):
                 raise RuntimeError(f"{len(keys)} image keys for {len(per_item)} images")
-            first = self._first_item_in_step(s)
+            first = self._first_item_in_step(s, len(at))
             mine = []
             for i, (key, pv) in enumerate(zip(keys, per_item)):
                 if i < first:
@@ -673,7 +675,7 @@ class ModelRunner:
             if s.pixel_values is not None and len(s.pixel_values):
                 if getattr(s, "pending_row", -1) >= 0:
                     raise RuntimeError("a prompt with images reads its token from the previous step")
-                at = np.flatnonzero(np.asarray(s.token_ids) == family.placeholder_id(loaded, s.video))
+                at = marks[k]
                 if len(at):
                     rows.append(torch.cat([feature_of[item] for item in items[k]])[-len(at):])
                     index.append(at + off)
@@ -690,14 +692,13 @@ class ModelRunner:
             hidden.index_copy_(0, at, feats.to(hidden.device))
         return encoded
 
-    def _first_item_in_step(self, s: SeqInput) -> int:
-        """The first of ``s``'s images (or videos) with a placeholder among the step's tokens: a prompt that
-        continues a cached prefix holds only the last placeholders, those of its last items; the items before
-        lie wholly in the prefix and need no encoding. 0 for a fresh prompt."""
+    def _first_item_in_step(self, s: SeqInput, here: int) -> int:
+        """The first of ``s``'s images (or videos) with a placeholder among the step's tokens (``here`` of
+        them): a prompt that continues a cached prefix holds only the last placeholders, those of its last
+        items; the items before lie wholly in the prefix and need no encoding. 0 for a fresh prompt."""
         if s.start_pos == 0:
             return 0
         family, loaded = self.loaded.family, self.loaded
-        here = int(np.count_nonzero(np.asarray(s.token_ids) == family.placeholder_id(loaded, s.video)))
         counts = family.item_tokens(loaded, s.pixel_values, s.image_grid_thw, s.video)
         first, tail = len(counts), 0
         while first > 0 and tail < here:
