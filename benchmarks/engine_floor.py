@@ -674,11 +674,15 @@ def decode_point(engine, variant: str, batch: int, context: int, names: list[str
             "merged": last.get("merged")}
 
 
+_PREFILL_SEEDS = iter(range(10**6))  # every timed prompt its own tokens: none hits the prefix cache
+
+
 def prefill_point(engine, tokens: int, reps: int) -> dict:
-    """ms of the step that prefills one prompt of ``tokens`` tokens (one warm-up, then ``reps``)."""
+    """ms of the step that prefills one prompt of ``tokens`` tokens (one warm-up, then ``reps``), each
+    prompt new to the engine (a prompt seen before would run only past its cached prefix)."""
     times = []
     for i in range(reps + 1):
-        run = BatchRun(engine, 1, tokens, [None], 1, f"prefill-{tokens}-{i}", seed=i)
+        run = BatchRun(engine, 1, tokens, [None], 1, f"prefill-{tokens}-{i}", seed=next(_PREFILL_SEEDS))
         try:
             run.sync()
             t0 = time.perf_counter()
@@ -836,7 +840,7 @@ def media_floor(dims: ModelDims, vdims, row: dict, tflops: float) -> dict:
 
 def _kernel_table(prof, steps: int, top: int) -> dict:
     """The top kernels by device time per step, kernels and launch calls per step, from a finished profile."""
-    kernels, launches = [], {}
+    kernels, launches, cpu = [], {}, []
     launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch",
                     "cudaMemcpyAsync", "cudaMemsetAsync")
     for evt in prof.key_averages():
@@ -848,10 +852,15 @@ def _kernel_table(prof, steps: int, top: int) -> dict:
             kernels.append({"name": evt.key[:120], "calls_per_step": evt.count / steps, "us_per_step": dev_us / steps})
         elif evt.key in launch_names:
             launches[evt.key] = evt.count / steps
+        if not is_device and getattr(evt, "self_cpu_time_total", 0) > 0:
+            cpu.append({"name": evt.key[:120], "calls_per_step": evt.count / steps,
+                        "us_per_step": evt.self_cpu_time_total / steps})
     kernels.sort(key=lambda k: -k["us_per_step"])
+    cpu.sort(key=lambda k: -k["us_per_step"])
     return {"gpu_kernel_ms_per_step": sum(k["us_per_step"] for k in kernels) / 1e3,
             "kernels_per_step": sum(k["calls_per_step"] for k in kernels), "launch_calls_per_step": launches,
-            "top_kernels": kernels[:top]}
+            "top_kernels": kernels[:top], "cpu_ms_per_step": sum(k["us_per_step"] for k in cpu) / 1e3,
+            "top_cpu_ops": cpu[:top]}
 
 
 def _activities(engine) -> list:
@@ -885,23 +894,85 @@ def profile_decode(engine, batch: int, context: int, steps: int = 5, top: int = 
 def profile_prefill(engine, tokens: int, steps: int = 3, top: int = 15) -> dict:
     """torch.profiler over ``steps`` steps that each prefill one prompt of ``tokens`` tokens (after one
     unprofiled warm-up): the same table as :func:`profile_decode`."""
-    from torch.profiler import profile
+    from torch.profiler import profile, record_function
 
     plain_wall = prefill_point(engine, tokens, steps)["ms"]
     walls = []
     with profile(activities=_activities(engine)) as prof:
         for i in range(steps):
-            run = BatchRun(engine, 1, tokens, [None], 1, f"profile-prefill-{tokens}-{i}", seed=100 + i)
+            run = BatchRun(engine, 1, tokens, [None], 1, f"profile-prefill-{tokens}-{i}", seed=next(_PREFILL_SEEDS))
             try:
                 run.sync()
                 t0 = time.perf_counter()
-                engine.step()
-                run.sync()
+                with record_function("vlora_step"):
+                    engine.step()
+                    run.sync()
                 walls.append(time.perf_counter() - t0)
             finally:
                 run.close()
     return {"what": "prefill", "batch": 1, "context": tokens, "steps": steps, "cpu_wall_ms_per_step": plain_wall,
-            "profiled_wall_ms_per_step": 1e3 * statistics.mean(walls), **_kernel_table(prof, steps, top)}
+            "profiled_wall_ms_per_step": 1e3 * statistics.mean(walls), **_kernel_table(prof, steps, top),
+            "timeline": _gpu_timeline(prof), "python": _python_profile(engine, tokens, steps, top)}
+
+
+def _gpu_timeline(prof) -> dict:
+    """Where each ``vlora_step`` window of a finished profile leaves the GPU idle (ms per step, mean): before
+    its first kernel (the host's preparation), between kernels (the host behind the GPU), after its last
+    kernel (read-back and the host's bookkeeping). From the profile's Chrome trace."""
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text()).get("traceEvents", [])
+    finally:
+        os.unlink(path)
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "vlora_step" and e.get("ph") == "X"
+             and e.get("cat") == "user_annotation"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    rows = []
+    for a, b in steps:
+        ks = [(x, y) for x, y in kernels if a <= x < b]
+        if not ks:
+            continue
+        gaps, end = 0.0, ks[0][0]
+        for x, y in ks:
+            gaps += max(0.0, x - end)
+            end = max(end, y)
+        rows.append({"wall": b - a, "before_first": ks[0][0] - a, "between": gaps, "after_last": b - end,
+                     "busy": sum(y - x for x, y in ks)})
+    if not rows:
+        return {}
+    return {k: statistics.mean(r[k] for r in rows) / 1e3 for k in rows[0]} | {"steps": len(rows)}
+
+
+def _python_profile(engine, tokens: int, steps: int, top: int) -> list[dict]:
+    """cProfile over ``steps`` prefill steps: the host's Python functions by own time per step (where an
+    eager step's host time goes, which torch.profiler's op table does not show)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for i in range(steps):
+        run = BatchRun(engine, 1, tokens, [None], 1, f"pyprofile-prefill-{tokens}-{i}", seed=next(_PREFILL_SEEDS))
+        try:
+            run.sync()
+            prof.enable()
+            engine.step()
+            run.sync()
+            prof.disable()
+        finally:
+            run.close()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
+        rows.append({"name": f"{Path(file).name}:{line}({fn})", "calls_per_step": nc / steps,
+                     "own_us_per_step": 1e6 * tt / steps, "cum_us_per_step": 1e6 * ct / steps})
+    rows.sort(key=lambda r: -r["own_us_per_step"])
+    return rows[:2 * top]
 
 
 def print_profile(p: dict) -> None:
@@ -911,6 +982,19 @@ def print_profile(p: dict) -> None:
           + ", ".join(f"{k} {v:.0f}" for k, v in sorted(p["launch_calls_per_step"].items())), flush=True)
     for k in p["top_kernels"]:
         print(f"  {k['us_per_step']:9.1f} us/step  {k['calls_per_step']:6.1f} calls/step  {k['name']}", flush=True)
+    if p.get("timeline"):
+        t = p["timeline"]
+        print(f"  GPU timeline per step (profiled): wall {t['wall']:.2f} ms, kernels {t['busy']:.2f}; GPU idle "
+              f"{t['before_first']:.2f} before the first kernel, {t['between']:.2f} between kernels, "
+              f"{t['after_last']:.2f} after the last", flush=True)
+    if p.get("python"):
+        print("  host Python, own time (cumulative) per step:", flush=True)
+        for k in p["python"]:
+            print(f"  {k['own_us_per_step']:9.1f} us ({k['cum_us_per_step']:9.1f})  {k['calls_per_step']:7.1f} calls  {k['name']}", flush=True)
+    if p.get("top_cpu_ops"):
+        print(f"  host: {p['cpu_ms_per_step']:.2f} ms/step of self CPU time in profiled ops; the top ones:", flush=True)
+        for k in p["top_cpu_ops"]:
+            print(f"  {k['us_per_step']:9.1f} us/step  {k['calls_per_step']:6.1f} calls/step  {k['name']}", flush=True)
 
 
 def gemv_status(engine) -> dict:

@@ -261,6 +261,23 @@ def test_triton_prefill_matches_reference(H, n_kv, block_size):
 
 
 @interpreter
+@pytest.mark.parametrize("heavy_first, split_mask", [(True, True), (False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16), (16, 32)])
+def test_triton_prefill_launch_shapes_match_reference(heavy_first, split_mask, block_m, block_n):
+    """Every launch the prefill probe compares (grid order, causal mask split, tile sizes) computes the
+    same: small tiles put the diagonal inside, at the edge of and past the prompts' key tiles."""
+    D, scale, block_size = 16, 16 ** -0.5, 8
+    cache, meta, q, _ = prefill_case(block_size, 4, 2, D, seed=11)
+    want = paged_prefill_reference(q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                   meta.max_q_len, scale, block_size)
+    cfg = attn.PrefillConfig(block_m=block_m, block_n=block_n, heavy_first=heavy_first, split_mask=split_mask)
+    out = torch.full_like(q, float("nan"))
+    attn.paged_prefill(q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_q_len,
+                       scale, block_size, out=out, cfg=cfg)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
 def test_triton_backend_checks_shapes():
     q = torch.zeros(2, 4, 24)
     pool = torch.zeros(32, 2, 24)

@@ -7,16 +7,20 @@ from vlora.config import ConfigError, EngineConfig
 from vlora.engine.graphs import PREFILL_BUCKET, prefill_buckets
 
 
-def test_buckets_are_multiples_of_64_up_to_the_limit():
-    assert PREFILL_BUCKET == 64
-    assert prefill_buckets(1024) == tuple(range(64, 1025, 64))
+def test_buckets_step_32_then_64_then_128():
+    assert PREFILL_BUCKET == 32
+    assert prefill_buckets(1024) == tuple(range(32, 1025, 32))
     assert prefill_buckets(600)[-1] == 576  # a limit between buckets keeps the one below it
-    assert prefill_buckets(63) == () and prefill_buckets(0) == ()
+    assert prefill_buckets(2048)[32:] == tuple(range(1088, 2049, 64))
+    assert prefill_buckets(2400)[48:] == (2176, 2304)
+    assert prefill_buckets(31) == () and prefill_buckets(0) == ()
+    sizes = prefill_buckets(16384)
+    assert all((b - a) / b <= 1 / 16 for a, b in zip(sizes[31:], sizes[32:]))  # past 1,024: under 1/16 of a bucket
 
 
-def test_off_by_default_and_checked():
-    assert EngineConfig().engine.prefill_graph_tokens == 0
-    assert EngineConfig().with_overrides({"engine.prefill_graph_tokens": "1024"}).engine.prefill_graph_tokens == 1024
+def test_on_by_default_and_checked():
+    assert EngineConfig().engine.prefill_graph_tokens == 1024
+    assert EngineConfig().with_overrides({"engine.prefill_graph_tokens": "0"}).engine.prefill_graph_tokens == 0
     for bad in ("-64", "100000"):
         with pytest.raises(ConfigError, match="prefill_graph_tokens"):
             EngineConfig().with_overrides({"engine.prefill_graph_tokens": bad})

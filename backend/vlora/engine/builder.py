@@ -115,7 +115,7 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int
     once the orchestrator has placed the weights."""
     if runner.device.type != "cuda" or config.engine.cuda_graphs == "off":
         return
-    from vlora.engine.graphs import PREFILL_BUCKET, VARIANTS, DecodeGraphs, PrefillGraphs
+    from vlora.engine.graphs import VARIANTS, DecodeGraphs, PrefillGraphs, prefill_buckets
 
     sizes = tuple(b for b in config.engine.graph_batch_sizes if b < config.scheduler.max_batch_size)
     sizes += (config.scheduler.max_batch_size,)
@@ -125,7 +125,7 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int
     engine.model_info["cuda_graphs"] = {"batch_sizes": list(runner.graphs.sizes), "capture_s": round(runner.graphs.capture_s, 2),
                                         "memory_mib": round(runner.graphs.memory_bytes / 2**20, 1)}
     max_tokens = min(config.engine.prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
-    if max_tokens >= PREFILL_BUCKET:
+    if prefill_buckets(max_tokens):
         runner.prefill_graphs = PrefillGraphs(runner, max_tokens, config.scheduler.max_batch_size, max_model_len,
                                               pool=runner.graphs.pool)
         runner.prefill_graphs.capture_all()
