@@ -158,12 +158,12 @@ def _prefill_run(engine):
 
 @pytest.mark.parametrize("dtype, rtol, exact", [("float32", 1e-4, True), ("bfloat16", 6e-2, False)])
 def test_prefill_graphs_match_eager_prefill(tiny_model_dir, demo_adapter_root, dtype, rtol, exact):
-    """Prefill steps replayed from the token-bucket graphs (padding to 32-token buckets, decode rows of other
+    """Prefill steps replayed from the token-bucket graphs (padding to the next bucket, decode rows of other
     requests in the same step, an image put in before the replay) against the same fast engine with every
     prefill eager (engine.prefill_graph_tokens 0)."""
     graphed = make(tiny_model_dir, demo_adapter_root, dtype, fast=True, prefill_graphs=1024)
     pg = graphed.runner.prefill_graphs
-    assert pg is not None and pg.graphs and pg.sizes[0] == 32
+    assert pg is not None and pg.graphs and pg.sizes[0] == 24
     eager_cfg = graphed.config.with_overrides({"engine.prefill_graph_tokens": "0"})
     eager = build_engine(eager_cfg)
     assert eager.runner.prefill_graphs is None
@@ -183,7 +183,7 @@ def test_prefill_graphs_match_eager_prefill(tiny_model_dir, demo_adapter_root, d
 
 
 def test_prefill_graph_padding_writes_no_cache(tiny_model_dir, demo_adapter_root):
-    """A short prompt runs in the smallest graph (32 tokens): its padding tokens write no KV anywhere."""
+    """A short prompt runs in the smallest graph (24 tokens): its padding tokens write no KV anywhere."""
     engine = make(tiny_model_dir, demo_adapter_root, "float32", fast=True, prefill_graphs=1024)
     kv = engine.runner.kv
     before_k = [k.clone() for k in kv.k]
@@ -192,7 +192,7 @@ def test_prefill_graph_padding_writes_no_cache(tiny_model_dir, demo_adapter_root
     seq = engine.waiting[-1]
     n = len(seq.req.prompt_ids)
     engine.step()
-    assert n < 32 and engine.runner.prefill_graphs.replays[32] == 1
+    assert n < 24 and engine.runner.prefill_graphs.replays[24] == 1
     rows = set(kv.slots(seq.blocks, 0, n))
     for li, (k0, k1) in enumerate(zip(before_k, kv.k)):
         changed = set((k0 != k1).any(dim=(1, 2)).nonzero().flatten().tolist())

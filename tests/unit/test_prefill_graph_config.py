@@ -7,15 +7,15 @@ from vlora.config import ConfigError, EngineConfig
 from vlora.engine.graphs import PREFILL_BUCKET, prefill_buckets
 
 
-def test_buckets_step_32_then_64_then_128():
+def test_buckets_8_short_of_multiples_of_32_then_64_then_128():
     assert PREFILL_BUCKET == 32
-    assert prefill_buckets(1024) == tuple(range(32, 1025, 32))
-    assert prefill_buckets(600)[-1] == 576  # a limit between buckets keeps the one below it
-    assert prefill_buckets(2048)[32:] == tuple(range(1088, 2049, 64))
-    assert prefill_buckets(2400)[48:] == (2176, 2304)
-    assert prefill_buckets(31) == () and prefill_buckets(0) == ()
+    assert prefill_buckets(1024) == tuple(range(24, 1024, 32)) + (1024,)
+    assert prefill_buckets(600)[-1] == 600 and prefill_buckets(599)[-1] == 568  # a limit between buckets keeps the one below
+    assert prefill_buckets(2048)[33:] == tuple(range(1088, 2049, 64))
+    assert prefill_buckets(2400)[-2:] == (2176, 2304)
+    assert prefill_buckets(23) == () and prefill_buckets(0) == ()
     sizes = prefill_buckets(16384)
-    assert all((b - a) / b <= 1 / 16 for a, b in zip(sizes[31:], sizes[32:]))  # past 1,024: under 1/16 of a bucket
+    assert all((b - a) / b <= 1 / 16 for a, b in zip(sizes[32:], sizes[33:]))  # past 1,024: under 1/16 of a bucket
 
 
 def test_on_by_default_and_checked():
