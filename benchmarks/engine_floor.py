@@ -8,7 +8,6 @@ next to a plain PyTorch decode step captured in a CUDA graph (benchmarks/plain_d
     python benchmarks/engine_floor.py --device cpu --quick --no-record # the tiny model on a CPU (a smoke run)
     python benchmarks/engine_floor.py --preset configs/models/qwen2-vl-7b.yaml --quick --deadline-s 200  # Qwen2-VL-7B
     python benchmarks/engine_floor.py --batches 1,8 --contexts 700 --gemv-max-rows 0 --variants base,gemv --skip-plain  # cuBLAS vs gemv
-    python benchmarks/engine_floor.py --batches 1,8 --contexts 700 --variants base,fold --prefill 600 --images 1  # folded norms or not
 
 The 7B model folder is written under ``--work`` on first use (random weights, the folder
 engine_decode.py uses). Points whose KV cache cannot fit are skipped and say so: on an 80 GB card, batch
@@ -22,9 +21,7 @@ What is measured (every point in this one process, on this one device):
   ``merged`` (every request on one adapter, merged into the weights by the merge-only policy); ``gemv``:
   ``base`` with ``engine.gemv_max_rows`` at ``--gemv-rows`` (the decode-row projection kernels of
   vlora.engine.gemv; the decode graphs are captured again for it, then again as they were), so that one
-  run times both on one machine. ``--gemv-max-rows`` sets it for the whole engine instead. ``fold``: ``base``
-  with ``engine.gemv_fuse_norm`` on (the residual add + RMSNorm folded into the q/k/v and gate/up gemv kernels
-  instead of their own kernel before them; graphs captured again, then back), next to ``base`` (off by default).
+  run times both on one machine. ``--gemv-max-rows`` sets it for the whole engine instead.
 - plain: the same decode shape in plain PyTorch, one CUDA graph per step, on the same weights (the same
   model folder, loaded once more and freed before the engine is built: the two with their KV caches do
   not fit in device memory at once). It is checked first against a transformers forward.
@@ -531,17 +528,15 @@ def build(model_dir: Path, device, dtype_name: str, slots: int, rank: int, max_b
     return build_engine(cfg)
 
 
-def set_gemv_rows(engine, rows: int, fuse_norm: Optional[bool] = None) -> None:
-    """Switch the runner's decode-row kernels (engine.gemv_max_rows; ``fuse_norm``: engine.gemv_fuse_norm) and
-    capture its graphs again: a graph keeps the kernels it was captured with. The decode graphs are captured
-    at once (the variants it had), the prefill graphs when a step first needs them."""
+def set_gemv_rows(engine, rows: int) -> None:
+    """Switch the runner's decode-row kernels (engine.gemv_max_rows) and capture its graphs again: a graph
+    keeps the kernels it was captured with. The decode graphs are captured at once (the variants it had),
+    the prefill graphs when a step first needs them."""
     runner = engine.runner
     engine.flush()
-    fuse_norm = runner.gemv_fuse_norm if fuse_norm is None else fuse_norm
-    if runner.gemv_max_rows == rows and runner.gemv_fuse_norm == fuse_norm:
+    if runner.gemv_max_rows == rows:
         return
     runner.set_gemv_max_rows(rows)
-    runner.set_gemv_fuse_norm(fuse_norm)
     graphs = runner.graphs
     if graphs is not None:
         had = tuple(sorted({v for _, v in graphs.graphs}))
@@ -640,7 +635,7 @@ def decode_max_tokens(batch: int, warmup: int, steps: int) -> int:
 
 def decode_point(engine, variant: str, batch: int, context: int, names: list[str], steps: int, warmup: int) -> dict:
     """One engine decode point: ms per step (mean over ``steps``), with what ran checked."""
-    if variant in ("base", "sync", "gemv", "fold"):
+    if variant in ("base", "sync", "gemv"):
         adapters = [None] * batch
     elif variant == "lora":
         adapters = [names[i % len(names)] for i in range(batch)]
@@ -666,7 +661,7 @@ def decode_point(engine, variant: str, batch: int, context: int, names: list[str
         raise RuntimeError(f"lora: {distinct} distinct slots ran, expected {len(set(adapters))}")
     if variant == "merged" and (last.get("mode") != "merge" or last.get("merged") != names[0]):
         raise RuntimeError(f"merged: the step ran mode {last.get('mode')!r} with {last.get('merged')!r} merged")
-    if variant in ("base", "sync", "gemv", "fold") and distinct:
+    if variant in ("base", "sync", "gemv") and distinct:
         raise RuntimeError(f"{variant}: {distinct} adapter slots ran")
     return {"ms": 1e3 * total / steps, "median_step_ms": 1e3 * statistics.median(per), "steps": steps,
             "prefill_steps": prefill_steps, "context_mean": statistics.mean(ctx0), "context_max": max(ctx0),
@@ -1055,8 +1050,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--media-reps", type=int, default=3)
     p.add_argument("--variants", default="base,lora,merged",
                    help="base, lora, merged, sync: the base model without the step overlap (engine.overlap off), "
-                        "gemv: the base model with engine.gemv_max_rows at --gemv-rows, and fold: the base model "
-                        "with engine.gemv_fuse_norm on")
+                        "and gemv: the base model with engine.gemv_max_rows at --gemv-rows")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--slots", type=int, help="adapter slots (default: the largest batch, as memory allows)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
@@ -1105,10 +1099,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     prefills = ints(args.prefill or grid["prefill"])
     images = ints(args.images or grid["images"])
     variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in ("base", "lora", "merged", "sync", "gemv", "fold")]
+    bad = [v for v in variants if v not in ("base", "lora", "merged", "sync", "gemv")]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; known: base, lora, merged, sync (base without the step overlap), "
-                         f"gemv (base with the decode-row kernels), fold (base with the norms folded into them)")
+                         f"gemv (base with the decode-row kernels)")
     dtype = torch.bfloat16 if cuda else torch.float32
     dtype_name = "bfloat16" if cuda else "float32"
     deadline = Deadline(args.deadline_s)
@@ -1224,7 +1218,6 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
     lora_path = None
     overlap = engine.overlap
     gemv_rows = engine.runner.gemv_max_rows
-    fuse_norm = engine.runner.gemv_fuse_norm
     if gemv_rows or "gemv" in variants:
         g = result["engine"]["gemv"]
         print(f"gemv: engine.gemv_max_rows {gemv_rows}, table {g['table_file'] or 'the committed one'}, launches "
@@ -1237,10 +1230,6 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
             set_gemv_rows(engine, args.gemv_rows)
             print(f"gemv: engine.gemv_max_rows {args.gemv_rows}, graphs captured again in {time.perf_counter() - t0:.1f} s",
                   flush=True)
-        if variant == "fold":
-            t0 = time.perf_counter()
-            set_gemv_rows(engine, gemv_rows, fuse_norm=True)
-            print(f"fold: engine.gemv_fuse_norm on, graphs captured again in {time.perf_counter() - t0:.1f} s", flush=True)
         if variant == "merged":
             set_policy(engine, "merge-only")
         elif variant == "lora" and hasattr(probe, "reset"):
@@ -1248,8 +1237,7 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
         for ctx in contexts:
             for b in batches:
                 row: dict[str, Any] = {"variant": variant, "batch": b, "context": ctx,
-                                       "gemv_max_rows": engine.runner.gemv_max_rows,
-                                       "gemv_fuse_norm": engine.runner.gemv_fuse_norm}
+                                       "gemv_max_rows": engine.runner.gemv_max_rows}
                 n_ad = min(b, slots) if variant == "lora" else 0
                 row.update(decode_floor(dims, b, ctx, rates["copy_gbs"], adapters=n_ad, rank=args.rank))
                 max_tokens = decode_max_tokens(b, args.warmup, args.steps)
@@ -1276,8 +1264,8 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
             lora_path = lora_compute_path(probe)
         if variant == "merged":
             probe = set_policy(engine, "unmerge-only")  # the adapter is taken out of the weights again
-        if variant in ("gemv", "fold"):
-            set_gemv_rows(engine, gemv_rows, fuse_norm=fuse_norm)
+        if variant == "gemv":
+            set_gemv_rows(engine, gemv_rows)
     engine.flush()
     engine.overlap = overlap
     result["engine"]["step_overlap"] = overlap
@@ -1402,7 +1390,7 @@ def print_tables(res: dict) -> None:
           f"{'lora':>8} {'floor':>7} {'x base':>6} | {'merged':>8} {'x base':>6}", flush=True)
     for c in res["settings"]["contexts"]:
         for b in res["settings"]["batches"]:
-            base, lora, merged, sync, gv, nf = (rows.get((v, b, c), {}) for v in ("base", "lora", "merged", "sync", "gemv", "fold"))
+            base, lora, merged, sync, gv = (rows.get((v, b, c), {}) for v in ("base", "lora", "merged", "sync", "gemv"))
             p = plain.get("points", {}).get(f"{b}x{c}", {})
             bm = base.get("ms")
             print(f"{c:>5} {b:>4} | {_f(bm):>8} {_f(base.get('floor_ms')):>7} "
@@ -1412,9 +1400,7 @@ def print_tables(res: dict) -> None:
                   f"{_f(merged['ms'] / bm if bm and merged.get('ms') else None, '.3f'):>6}"
                   + (f" | no overlap {_f(sync.get('ms'))}" if sync else "")
                   + (f" | gemv {_f(gv.get('ms'))} ({_f(gv['ms'] / gv['floor_ms'] if gv.get('ms') else None)}x floor, "
-                     f"{_f(gv['ms'] / bm if bm and gv.get('ms') else None, '.3f')}x base)" if gv else "")
-                  + (f" | norms folded {_f(nf.get('ms'))} ({_f(nf['ms'] / nf['floor_ms'] if nf.get('ms') else None)}x floor, "
-                     f"{_f(nf['ms'] / bm if bm and nf.get('ms') else None, '.3f')}x base)" if nf else ""), flush=True)
+                     f"{_f(gv['ms'] / bm if bm and gv.get('ms') else None, '.3f')}x base)" if gv else ""), flush=True)
     print("\nprefill, one prompt", flush=True)
     for r in res["prefill"]:
         print(f"  {r['tokens']:>6} tokens: {_f(r.get('ms')):>8} ms, floor {r['floor_ms']:.2f} ms "
@@ -1446,10 +1432,6 @@ def summary_line(res: dict) -> str:
           if v == "gemv"]
     if gv:
         parts.append(f"with gemv (engine.gemv_max_rows {res.get('settings', {}).get('gemv_rows')}) ms (x floor): " + ", ".join(gv))
-    nf = [f"bs{b}/ctx{c} {r['ms']:.2f} vs {d[('base', b, c)]['ms']:.2f}" for (v, b, c), r in sorted(d.items(), key=lambda kv: (kv[0][2], kv[0][1]))
-          if v == "fold" and ("base", b, c) in d]
-    if nf:
-        parts.append("norms folded (engine.gemv_fuse_norm on) vs base ms: " + ", ".join(nf))
     plain = res.get("plain", {})
     pl = [f"bs{b}/ctx{c} {plain_best(plain, b, c):.1f}" for (v, b, c) in sorted(d, key=lambda k: (k[2], k[1]))
           if v == "base" and plain_best(plain, b, c) is not None]

@@ -275,18 +275,12 @@ class RunnerConfig:
     many rows, so a graph's padded bucket and the eager step agree. Keep it a captured batch size (16) so
     that a decode step and its bucket fall on the same side; 0: cuBLAS. On an H200 the default 16 takes the
     7B decode step from 4.54 to 4.25 ms at batch 1 and 5.21 to 4.87 ms at batch 8 (benchmarks/RESULTS.md).
-    ``gemv_fuse_norm``: in those steps, fold the residual add and RMSNorm before q/k/v and before gate/up into
-    that projection's kernel where the group has no LoRA work (one launch instead of two; the variance's fp32
-    sum runs in the kernel's own order, so a normed element may differ from the unfused path's in a last bit).
-    Off by default: tested on the CPU (Triton's interpreter) and compiled for sm_90, not yet run or timed on a
-    GPU (``benchmarks/engine_floor.py --variants base,fold`` measures it).
     """
 
     cuda_graphs: str = "auto"
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     prefill_graph_tokens: int = 1024
     gemv_max_rows: int = 16
-    gemv_fuse_norm: bool = False
     attention: str = "auto"
     overlap: str = "auto"
 
@@ -301,7 +295,6 @@ class RunnerConfig:
                  "engine.prefill_graph_tokens must be an integer in [0, 16384]")
         _require(isinstance(self.gemv_max_rows, int) and not isinstance(self.gemv_max_rows, bool)
                  and 0 <= self.gemv_max_rows <= 16, "engine.gemv_max_rows must be an integer in [0, 16]")
-        _require(isinstance(self.gemv_fuse_norm, bool), "engine.gemv_fuse_norm must be on or off")
         if isinstance(self.overlap, bool):
             object.__setattr__(self, "overlap", "on" if self.overlap else "off")
         _require(self.overlap in ("auto", "on", "off"), "engine.overlap must be auto, on or off")

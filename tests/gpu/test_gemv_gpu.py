@@ -4,9 +4,7 @@
 rows (the table's launch, split-K and the swapped operands); a CUDA-graph capture; and the engine with
 ``engine.gemv_max_rows`` 16 (tiny model, bf16): decode steps replayed from graphs against the same steps
 run eagerly, token for token where no LoRA kernel touches a row, and within bf16's tolerance of the cuBLAS
-engine. The residual add + RMSNorm folded into q/k/v and gate/up (``gemv.norm_linear_rows``): against the
-unfolded ``add_rms_norm`` + kernel, a row's bits independent of M, in a graph, and the engine with and
-without it."""
+engine."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from vlora.engine import gemv  # noqa: E402
-from vlora.engine.fused_ops import add_rms_norm, rms_norm, silu_mul, silu_mul_reference  # noqa: E402
+from vlora.engine.fused_ops import silu_mul, silu_mul_reference  # noqa: E402
 
 if not gemv.triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -129,77 +127,6 @@ def test_kernels_capture_in_a_cuda_graph(weights):
     close(gs, gy)
 
 
-# -- the residual add + RMSNorm folded into the projection ------------------------------------------------
-
-
-def norm_inputs(M, seed, K=4096):
-    """A residual stream of a decode step's scale, the term to add, a norm weight near one."""
-    h = randn(M, K, seed=seed, scale=3.0)
-    p = randn(M, K, seed=seed + 1)
-    nw = (1 + 0.1 * torch.randn(K, generator=torch.Generator(device=DEV).manual_seed(seed + 2), device=DEV)).bfloat16()
-    return h, p, nw
-
-
-@pytest.mark.parametrize("silu", [False, True], ids=["qkv", "gate_up_silu"])
-@pytest.mark.parametrize("pend", [True, False], ids=["pending", "no-pending"])
-@pytest.mark.parametrize("M", ROWS)
-def test_norm_linear_rows_against_unfolded(weights, silu, pend, M):
-    """The folded kernel against what the engine runs without it: the residual bit for bit, y within bf16's
-    tolerance (the variance's fp32 sum runs in another order) and mostly the same bits."""
-    w = weights["gate_up" if silu else "qkv"]
-    h, p, nw = norm_inputs(M, 400 + M)
-    r = torch.empty_like(h) if pend else None
-    y = gemv.norm_linear_rows(h, p if pend else None, nw, 1e-5, w, residual_out=r, silu=silu, impl="triton")
-    if pend:
-        x, r_ref = add_rms_norm(p, h, nw, 1e-5)
-        assert torch.equal(r, r_ref)
-    else:
-        x = rms_norm(h, nw, 1e-5)
-    want = (gemv.gate_up_silu if silu else gemv.linear_rows)(x, w, impl="triton")
-    close(y, want, steps=3 if silu else 2)
-    assert (y == want).float().mean() > 0.9
-
-
-@pytest.mark.parametrize("silu", [False, True], ids=["qkv", "gate_up_silu"])
-@pytest.mark.parametrize("config", OTHER_CONFIGS)
-def test_norm_rows_bits_do_not_depend_on_M(weights, silu, config):
-    w = weights["gate_up" if silu else "qkv"]
-    h, p, nw = norm_inputs(16, 500)
-
-    def call(idx):
-        r = torch.empty(len(idx), 4096, dtype=torch.bfloat16, device=DEV)
-        return gemv.norm_linear_rows(h[idx], p[idx], nw, 1e-5, w, residual_out=r, silu=silu, impl="triton",
-                                     config=config), r
-
-    full, rfull = call(list(range(16)))
-    y8, r8 = call(list(range(8)))
-    assert torch.equal(y8, full[:8]) and torch.equal(r8, rfull[:8])
-    for M in (1, 2, 3):
-        for i in (0, 5, 16 - M):
-            y, r = call(list(range(i, i + M)))
-            assert torch.equal(y, full[i:i + M]) and torch.equal(r, rfull[i:i + M]), (M, i)
-    y, r = call(list(range(15, -1, -1)))
-    assert torch.equal(y, full.flip(0)) and torch.equal(r, rfull.flip(0))
-
-
-def test_norm_linear_rows_in_a_cuda_graph(weights):
-    w = weights["qkv"]
-    h, p, nw = norm_inputs(8, 600)
-    r = torch.empty_like(h)
-    gemv.norm_linear_rows(h, p, nw, 1e-5, w, residual_out=r, impl="triton")
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gy = gemv.norm_linear_rows(h, p, nw, 1e-5, w, residual_out=r, impl="triton")
-    h2, p2, _ = norm_inputs(8, 601)
-    h.copy_(h2)
-    p.copy_(p2)
-    g.replay()
-    r_want = torch.empty_like(h)
-    assert torch.equal(gy, gemv.norm_linear_rows(h2, p2, nw, 1e-5, w, residual_out=r_want, impl="triton"))
-    assert torch.equal(r, r_want)
-
-
 # -- the engine -----------------------------------------------------------------------------------------
 
 from vlora.config import EngineConfig  # noqa: E402
@@ -221,7 +148,7 @@ CASES = {
 }
 
 
-def make(tiny_model_dir, demo_adapter_root, graphs: bool, rows: int = 16, targets=None, fuse: bool = True):
+def make(tiny_model_dir, demo_adapter_root, graphs: bool, rows: int = 16, targets=None):
     """bf16, the Triton attention in both; a context of 256 tokens, so that decode attention takes one split
     in the graphs (as wide as the context) and eagerly alike."""
     over = {"model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
@@ -229,7 +156,7 @@ def make(tiny_model_dir, demo_adapter_root, graphs: bool, rows: int = 16, target
             "lora.max_gpu_adapters": "4", "cache.num_blocks": "256", "orchestrator.policy": "vlora",
             "scheduler.max_batch_size": "8", "engine.cuda_graphs": "auto" if graphs else "off",
             "engine.attention": "triton", "engine.overlap": "on" if graphs else "off",
-            "engine.gemv_max_rows": str(rows), "engine.gemv_fuse_norm": "on" if fuse else "off"}
+            "engine.gemv_max_rows": str(rows)}
     if targets is not None:
         over["lora.target_modules"] = "[" + ", ".join(targets) + "]"
     return build_engine(EngineConfig().with_overrides(over))
@@ -262,16 +189,14 @@ def first_logits_close(tokens, logits, ref_tokens, ref_logits, rtol=6e-2):
 @pytest.mark.parametrize("targets", [None, ("q_proj", "k_proj", "v_proj", "o_proj")], ids=["all-targets", "attn-targets"])
 def test_graphs_match_eager_steps_with_gemv(tiny_model_dir, demo_adapter_root, monkeypatch, targets):
     calls = []
-    for fn in ("linear_rows", "gate_up_silu", "norm_linear_rows"):
+    for fn in ("linear_rows", "gate_up_silu"):
         orig = getattr(gemv, fn)
         monkeypatch.setattr(gemv, fn, lambda *a, _f=orig, _n=fn, **k: calls.append(_n) or _f(*a, **k))
     fast = make(tiny_model_dir, demo_adapter_root, graphs=True, targets=targets)
     eager = make(tiny_model_dir, demo_adapter_root, graphs=False, targets=targets)
     cublas = make(tiny_model_dir, demo_adapter_root, graphs=True, rows=0, targets=targets)
-    unfolded = make(tiny_model_dir, demo_adapter_root, graphs=True, targets=targets, fuse=False)
     assert fast.runner.graphs is not None and eager.runner.graphs is None
-    # captured into the graphs (and run eagerly below); the base graphs fold the norms
-    assert {"linear_rows", "gate_up_silu", "norm_linear_rows"} <= set(calls)
+    assert {"linear_rows", "gate_up_silu"} <= set(calls)  # captured into the graphs (and run eagerly below)
     for name, (requests, script, untouched) in CASES.items():
         if targets is not None and "demo-r32-mlp" in requests.values():
             requests = {k: ("demo-r16-attn" if v == "demo-r32-mlp" else v) for k, v in requests.items()}
@@ -284,7 +209,5 @@ def test_graphs_match_eager_steps_with_gemv(tiny_model_dir, demo_adapter_root, m
         first_logits_close(tokens, logits, ref_tokens, ref_logits)
         cb_tokens, cb_logits = run(cublas, requests, script)
         first_logits_close(tokens, logits, cb_tokens, cb_logits)
-        uf_tokens, uf_logits = run(unfolded, requests, script)
-        first_logits_close(tokens, logits, uf_tokens, uf_logits)
     replayed = {v for (_, v), n in fast.runner.graphs.replays.items() if n}
     assert replayed >= {"base", "lora", "mixture"}

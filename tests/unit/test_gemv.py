@@ -3,8 +3,7 @@ and how the engine routes its projections through the kernels (with the kernels 
 references, so that the routing is checked bit for bit without a GPU); and, when triton is importable and
 TRITON_INTERPRET=1 (``TRITON_INTERPRET=1 PYTHONPATH=/path/to/triton pytest ...``), the kernels under the
 interpreter: against an fp32 reference, a row's bits independent of the other rows and of M, strided rows,
-bias, split-K, the residual add + RMSNorm folded into the kernel (against fused_ops' kernel then the plain
-one; the residual it writes; M-independence), and a tiny fp16 engine with the kernels on (norms folded or not). The interpreter computes the tile products in
+bias, split-K, and a tiny fp16 engine with the kernels on. The interpreter computes the tile products in
 numpy (not the tensor cores) and casts to bf16 by truncation: bf16 is checked to within a step there, and
 tests/gpu/test_gemv_gpu.py checks the GPU's bits."""
 from __future__ import annotations
@@ -129,13 +128,12 @@ REQUESTS = {"base": None, "qv": "demo-r8-qv", "mlp": "demo-r32-mlp"}
 ATTN_REQUESTS = {"base": None, "qv": "demo-r8-qv", "attn": "demo-r16-attn"}  # adapters of q/k/v/o targets only
 
 
-def _engine(tiny_model_dir, demo_adapter_root, rows: int, targets=None, dtype="float32", fuse=True):
+def _engine(tiny_model_dir, demo_adapter_root, rows: int, targets=None, dtype="float32"):
     from vlora.engine.builder import build_engine
 
     over = {"model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cpu",
             "model.dtype": dtype, "lora.max_rank": "32", "lora.max_gpu_adapters": "4",
-            "orchestrator.policy": "unmerge-only", "engine.gemv_max_rows": str(rows),
-            "engine.gemv_fuse_norm": "on" if fuse else "off"}
+            "orchestrator.policy": "unmerge-only", "engine.gemv_max_rows": str(rows)}
     if targets is not None:
         over["lora.target_modules"] = json.dumps(list(targets))
     return build_engine(EngineConfig().with_overrides(over))
@@ -162,30 +160,13 @@ def _run(engine, requests, max_tokens=5):
 
 class _Spy:
     """Stand-ins for the kernels that record each call and compute the torch reference (same bits as the
-    engine's cuBLAS path on CPU), with ``gemv.available`` saying yes. The folded norm records
-    ``("norm-linear" | "norm-silu", M, N)``, and in ``self.norms`` whether it had a term to add."""
+    engine's cuBLAS path on CPU), with ``gemv.available`` saying yes."""
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[str, int, int]] = []
-        self.norms: list[bool] = []
         monkeypatch.setattr(gemv, "available", lambda x: True)
         monkeypatch.setattr(gemv, "linear_rows", self.linear)
         monkeypatch.setattr(gemv, "gate_up_silu", self.silu)
-        monkeypatch.setattr(gemv, "norm_linear_rows", self.norm)
-
-    def norm(self, h, pending, norm_weight, eps, w, bias=None, *, residual_out=None, silu=False, **kw):
-        from vlora.engine.fused_ops import add_rms_norm_reference, rms_norm_reference
-
-        self.calls.append(("norm-silu" if silu else "norm-linear", h.shape[0], w.shape[0]))
-        self.norms.append(pending is not None)
-        if pending is None:
-            x = rms_norm_reference(h, norm_weight, eps)
-        else:
-            assert residual_out is not None and residual_out.data_ptr() not in (h.data_ptr(), pending.data_ptr())
-            x, r = add_rms_norm_reference(pending, h, norm_weight, eps)
-            residual_out.copy_(r)
-        y = F.linear(x, w, bias)
-        return silu_mul_reference(y) if silu else y
 
     def linear(self, x, w, bias=None, **kw):
         self.calls.append(("linear", x.shape[0], w.shape[0]))
@@ -205,16 +186,14 @@ def test_gemv_rows_zero_leaves_the_engine_alone(tiny_model_dir, demo_adapter_roo
     assert all(torch.equal(a, b) for rid in ref_logits for a, b in zip(logits[rid], ref_logits[rid]))
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fold-norm", "no-fold"])
 @pytest.mark.parametrize("targets", [None, ("q_proj", "k_proj", "v_proj", "o_proj")], ids=["all-targets", "attn-targets"])
-def test_engine_routes_small_steps_through_the_kernels(tiny_model_dir, demo_adapter_root, monkeypatch, targets, fuse):
+def test_engine_routes_small_steps_through_the_kernels(tiny_model_dir, demo_adapter_root, monkeypatch, targets):
     """Decode steps (3 rows) run every projection and the LM head through the kernels; gate/up with SiLU fused
-    only where the layer has no LoRA work (a base step, or no gate/up wrappers), and then (``fuse``) with the
-    post-attention norm folded in; prefill steps (> 16 tokens) only the LM head. Same tokens and logits bit for
-    bit as cuBLAS's path (here both are torch's)."""
+    only where the layer has no LoRA work (a base step, or no gate/up wrappers); prefill steps (> 16 tokens)
+    only the LM head. Same tokens and logits bit for bit as cuBLAS's path (here both are torch's)."""
     requests = REQUESTS if targets is None else ATTN_REQUESTS
     ref_tokens, ref_logits = _run(_engine(tiny_model_dir, demo_adapter_root, 0, targets), requests)
-    engine = _engine(tiny_model_dir, demo_adapter_root, 16, targets, fuse=fuse)
+    engine = _engine(tiny_model_dir, demo_adapter_root, 16, targets)
     runner = engine.runner
     assert runner.gemv_max_rows == 16 and all(g.gemv_rows == 16 for g in runner.groups.values())
     spy = _Spy(monkeypatch)
@@ -233,20 +212,15 @@ def test_engine_routes_small_steps_through_the_kernels(tiny_model_dir, demo_adap
     want = Counter()
     for n in (qkv, o, down):
         want[("linear", 3, n)] += L * steps
-    # gate/up wrappers in every layer and adapters in the batch: LoRA into the projection, then silu_mul;
-    # q/k/v has wrappers in both (LoRA work: never folded)
-    want[("linear" if targets is None else "norm-silu" if fuse else "silu", 3, gu)] += L * steps
+    # gate/up wrappers in every layer and adapters in the batch: LoRA into the projection, then silu_mul
+    want[("linear" if targets is None else "silu", 3, gu)] += L * steps
     assert layers == want
-    assert all(spy.norms)  # the post-attention norm always has the attention's output to add
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fold-norm", "no-fold"])
-def test_a_base_step_fuses_silu_even_with_gate_up_wrappers(tiny_model_dir, demo_adapter_root, monkeypatch, fuse):
-    """A step without adapters: gate/up with SiLU fused; with ``engine.gemv_fuse_norm`` both norms of every
-    layer folded into q/k/v and gate/up (layer 0's input norm without a term to add), same bits."""
+def test_a_base_step_fuses_silu_even_with_gate_up_wrappers(tiny_model_dir, demo_adapter_root, monkeypatch):
+    """A step without adapters: gate/up with SiLU fused, same bits."""
     ref_tokens, ref_logits = _run(_engine(tiny_model_dir, demo_adapter_root, 0), {"base": None, "base2": None})
-    engine = _engine(tiny_model_dir, demo_adapter_root, 16, fuse=fuse)
-    assert engine.runner.gemv_fuse_norm is fuse
+    engine = _engine(tiny_model_dir, demo_adapter_root, 16)
     spy = _Spy(monkeypatch)
     tokens, logits = _run(engine, {"base": None, "base2": None})
     assert tokens == ref_tokens
@@ -255,22 +229,10 @@ def test_a_base_step_fuses_silu_even_with_gate_up_wrappers(tiny_model_dir, demo_
     L = runner.num_layers
     qkv, gu = (runner.groups[n].stack.shape[1] for n in ("qkv", "gate_up"))
     c = Counter(spy.calls)
-    steps = c[("linear", 2, runner.hidden_size)] // (2 * L)  # o and down, never folded
+    steps = c[("linear", 2, runner.hidden_size)] // (2 * L)  # o and down
     assert steps >= 3
-    if fuse:
-        assert c[("norm-linear", 2, qkv)] == c[("norm-silu", 2, gu)] == L * steps
-        assert ("silu", 2, gu) not in c and ("linear", 2, qkv) not in c and ("linear", 2, gu) not in c
-        assert spy.norms.count(False) == steps  # layer 0's input norm
-    else:
-        assert c[("silu", 2, gu)] == c[("linear", 2, qkv)] == L * steps and not spy.norms
-        assert ("linear", 2, gu) not in c
-
-
-def test_runner_config_gemv_fuse_norm():
-    assert EngineConfig().engine.gemv_fuse_norm is False
-    assert EngineConfig().with_overrides({"engine.gemv_fuse_norm": "on"}).engine.gemv_fuse_norm is True
-    with pytest.raises(ConfigError, match="gemv_fuse_norm"):
-        EngineConfig().with_overrides({"engine.gemv_fuse_norm": "2"})
+    assert c[("silu", 2, gu)] == c[("linear", 2, qkv)] == L * steps
+    assert ("linear", 2, gu) not in c
 
 
 def test_set_gemv_max_rows_validates(tiny_model_dir, demo_adapter_root):
@@ -346,102 +308,6 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(dtype, config):
         assert torch.equal(fn(other, w, b, impl="triton", config=config), full.flip(0))
 
 
-def _norm_inputs(M, K, N, dtype, seed, pend=True):
-    h = _randn(M, K, dtype=dtype, seed=seed, scale=2.0)
-    p = _randn(M, K, dtype=dtype, seed=seed + 1) if pend else None
-    nw = (1 + _randn(K, dtype=torch.float32, seed=seed + 2, scale=0.2)).to(dtype)
-    w = _randn(N, K, dtype=dtype, seed=seed + 3, scale=K ** -0.5)
-    return h, p, nw, w
-
-
-@interpreter
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("pend", [True, False], ids=["pending", "no-pending"])
-@pytest.mark.parametrize("silu", [False, True], ids=["linear", "silu"])
-@pytest.mark.parametrize("M", [1, 3, 16])
-def test_norm_linear_rows_against_the_unfused_kernels(dtype, config, pend, silu, M):
-    """The folded norm against ``add_rms_norm(impl="fast")`` (or ``rms_norm``) then the same launch unfused,
-    both under the interpreter (whose bf16 casts truncate alike): the residual bit for bit, y within a step
-    (the variance's sum runs in another order; here they agree), and y against fp32 math."""
-    from vlora.engine.fused_ops import add_rms_norm, rms_norm
-
-    K, N = 320, 96 if not silu else 80
-    h, p, nw, w = _norm_inputs(M, K, N, dtype, seed=M, pend=pend)
-    h0 = h.clone()
-    p0 = p.clone() if pend else None
-    r = torch.full_like(h, 7.0) if pend else None
-    y = gemv.norm_linear_rows(h, p, nw, 1e-5, w, residual_out=r, silu=silu, impl="triton", config=config)
-    assert torch.equal(h, h0) and (not pend or torch.equal(p, p0))  # inputs untouched
-    if pend:
-        x, r_ref = add_rms_norm(p, h, nw, 1e-5, impl="fast")
-        assert torch.equal(r, r_ref)
-    else:
-        x = rms_norm(h, nw, 1e-5, impl="fast")
-    fn = gemv.gate_up_silu if silu else gemv.linear_rows
-    want = fn(x, w, impl="triton", config=config)
-    assert y.shape == want.shape and y.dtype == dtype
-    _close(y, want, dtype, steps=1)
-    # and the math: fp32 residual add and norm, the projection in fp32 (roundings of eager on top)
-    rf = (h.float() + p.float()).to(dtype).float() if pend else h.float()
-    xf = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float() * nw.float()
-    yf = xf.to(dtype).float() @ w.float().T
-    _close(y, silu_mul_reference(yf.to(dtype)) if silu else yf, dtype, steps=6 if silu else 3)
-
-
-@interpreter
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", CONFIGS)
-def test_norm_rows_bits_do_not_depend_on_the_other_rows(dtype, config):
-    """A row's folded output and residual alone, among 8, at another position or beside other rows: the same
-    bits (the eager step and its graph's padded bucket agree)."""
-    K, N = 320, 96
-    h, p, nw, w = _norm_inputs(16, K, N, dtype, seed=40)
-    b = _randn(N, dtype=dtype, seed=45)
-    for silu in (False, True):
-        def call(rows):
-            r = torch.empty(len(rows), K, dtype=dtype)
-            y = gemv.norm_linear_rows(h[rows], p[rows], nw, 1e-6, w, b, residual_out=r, silu=silu, impl="triton",
-                                      config=config)
-            return y, r
-        full, rfull = call(list(range(16)))
-        y8, r8 = call(list(range(8)))
-        assert torch.equal(y8, full[:8]) and torch.equal(r8, rfull[:8])
-        for i in (0, 5, 15):
-            y1, r1 = call([i])
-            assert torch.equal(y1[0], full[i]) and torch.equal(r1[0], rfull[i])
-        yf, rf = call(list(range(15, -1, -1)))
-        assert torch.equal(yf, full.flip(0)) and torch.equal(rf, rfull.flip(0))
-
-
-@interpreter
-def test_norm_linear_rows_refuses_a_residual_out_it_reads():
-    h, p, nw, w = _norm_inputs(3, 128, 64, torch.float16, seed=50)
-    with pytest.raises(ValueError, match="residual_out"):
-        gemv.norm_linear_rows(h, p, nw, 1e-5, w, impl="triton")  # a term to add needs somewhere to put the sum
-    for bad in (h, p, h[:, :64]):
-        with pytest.raises(ValueError, match="overlap|residual_out"):
-            gemv.norm_linear_rows(h, p, nw, 1e-5, w, residual_out=bad, impl="triton")
-    with pytest.raises(TypeError, match="one dtype"):
-        gemv.norm_linear_rows(h, p, nw.float(), 1e-5, w, residual_out=torch.empty_like(h), impl="triton")
-
-
-def test_norm_linear_rows_falls_back_to_the_unfused_ops():
-    """Where the kernel does not serve (fp32 here; a norm weight of another dtype under auto): the unfused
-    references, the residual written all the same."""
-    from vlora.engine.fused_ops import add_rms_norm_reference, rms_norm_reference
-
-    h, p, nw, w = _norm_inputs(3, 64, 96, torch.float32, seed=60)
-    r = torch.empty_like(h)
-    x, r_ref = add_rms_norm_reference(p, h, nw, 1e-5)
-    assert torch.equal(gemv.norm_linear_rows(h, p, nw, 1e-5, w, residual_out=r), F.linear(x, w))
-    assert torch.equal(r, r_ref)
-    assert torch.equal(gemv.norm_linear_rows(h, None, nw, 1e-5, w, silu=True, impl="torch"),
-                       silu_mul_reference(F.linear(rms_norm_reference(h, nw, 1e-5), w)))
-    with pytest.raises(ValueError, match="even"):
-        gemv.norm_linear_rows(h, None, nw, 1e-5, w[:95], silu=True)
-
-
 @interpreter
 def test_strided_rows_out_and_empty():
     K, N = 128, 64
@@ -480,31 +346,6 @@ def test_interpreter_engine_runs_the_kernels(tiny_model_dir, demo_adapter_root, 
                 break  # inputs differ from here on
             rel = (got - want).abs().max() / want.abs().max()
             assert rel <= 2e-2, (rid, i, float(rel))
-
-
-@interpreter
-def test_interpreter_engine_folds_the_norms(tiny_model_dir, demo_adapter_root, monkeypatch):
-    """The tiny fp16 engine with the kernels on, base requests: every layer's two norms run folded into q/k/v
-    and gate/up (the residual through the spare buffer), and the logits agree with the unfolded kernels' to
-    fp16's precision."""
-    requests = {"a": None, "b": None}
-    ref_tokens, ref_logits = _run(_engine(tiny_model_dir, demo_adapter_root, 16, dtype="float16", fuse=False),
-                                  requests, max_tokens=3)
-    engine = _engine(tiny_model_dir, demo_adapter_root, 16, dtype="float16")
-    launched = []
-    run = gemv._run
-    monkeypatch.setattr(gemv, "_run", lambda kind, x, *a: launched.append((kind, x.shape[0], len(a) > 5 and a[5] is not None))
-                        or run(kind, x, *a))
-    tokens, logits = _run(engine, requests, max_tokens=3)
-    L = engine.runner.num_layers
-    assert launched.count(("linear", 2, True)) == launched.count(("silu", 2, True)) == 2 * L  # two decode steps
-    assert ("silu", 2, False) not in launched
-    for rid, steps in ref_logits.items():
-        for i, (got, want) in enumerate(zip(logits[rid], steps)):
-            if i and tokens[rid][:i] != ref_tokens[rid][:i]:
-                break
-            rel = (got - want).abs().max() / want.abs().max()
-            assert rel <= 1e-2, (rid, i, float(rel))
 
 
 # -- the benchmarks' gemv parts -----------------------------------------------------------------------
@@ -577,47 +418,26 @@ def test_engine_floor_times_gemv_beside_base(tiny_model_dir, tmp_path):
     assert "with gemv" in res["summary"] and res["engine"]["gemv"]["launches"]["gate_up_silu"]
 
 
-def test_engine_floor_times_folded_norms_beside_base(tiny_model_dir, tmp_path):
-    """engine_floor --variants fold,base on a CPU: the fold rows ran with engine.gemv_fuse_norm on, and the
-    engine was set back for the base rows after them (off, the default)."""
-    ef = _load_benchmark("engine_floor")
-    torch.manual_seed(0)
-    rc = ef.main(["--device", "cpu", "--model", str(tiny_model_dir), "--batches", "1,2", "--contexts", "12",
-                  "--prefill", "20", "--images", "1", "--steps", "2", "--warmup", "1", "--prefill-reps", "1",
-                  "--variants", "fold,base", "--skip-plain", "--no-record", "--out", str(tmp_path)])
-    assert rc == 0
-    res = json.loads((tmp_path / "engine-floor-cpu.json").read_text())
-    rows = {(r["variant"], r["batch"]): r for r in res["decode"]}
-    assert set(rows) == {(v, b) for v in ("base", "fold") for b in (1, 2)} and all(r["ms"] > 0 for r in rows.values())
-    assert {r["gemv_fuse_norm"] for (v, _), r in rows.items() if v == "fold"} == {True}
-    assert {r["gemv_fuse_norm"] for (v, _), r in rows.items() if v == "base"} == {False}
-    assert {r["gemv_max_rows"] for r in rows.values()} == {16}
-    assert "norms folded" in res["summary"]
-
-
 # -- the kernels compiled for Hopper without a GPU (triton's own ptxas) --------------------------------
 
 
-def _hopper_ptx(kind: str, cfg, dtype: str = "bf16", even: bool = True, norm: bool = False) -> tuple[str, int]:
+def _hopper_ptx(kind: str, cfg, dtype: str = "bf16", even: bool = True) -> tuple[str, int]:
     """(PTX, shared memory bytes) of the rows kernel for sm_90, with the divisibility Triton specialises at
-    launch for the engine's tensors (16-byte aligned pointers, row pitches and K tiles of multiples of 16).
-    ``norm``: with the RMSNorm prologue (a pending term, K = 4096)."""
+    launch for the engine's tensors (16-byte aligned pointers, row pitches and K tiles of multiples of 16)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     import triton
 
     names = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "ws_ptr", "M", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
-             "stride_ym", "stride_ws_s", "stride_ws_m", "p_ptr", "nw_ptr", "r_ptr", "stride_pm", "stride_rm",
-             "eps", "factor"]
-    sig = {n: (f"*{dtype}" if n.endswith("_ptr") else "fp32" if n in ("eps", "factor") else "i32") for n in names}
+             "stride_ym", "stride_ws_s", "stride_ws_m"]
+    sig = {n: (f"*{dtype}" if n.endswith("_ptr") else "i32") for n in names}
     if cfg.split_k > 1:
         sig["ws_ptr"] = "*fp32"
     consts = dict(HAS_BIAS=False, SILU=kind == "silu", SPLIT=cfg.split_k, SWAP=cfg.swap, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, EVEN_K=even, EVEN_N=even, UPCAST=False, NORM=norm, HAS_PEND=norm,
-                  NORM_K=4096 if norm else 0, NORM_BK=512 if norm else 16)
+                  BLOCK_K=cfg.block_k, EVEN_K=even, EVEN_N=even, UPCAST=False)
     sig.update({k: "constexpr" for k in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in ("M", "eps", "factor")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n != "M"}
     try:
         src = ASTSource(fn=gemv._rows_kernel, signature=sig, constexprs=consts, attrs=attrs)
     except TypeError as e:  # another triton's ahead-of-time API
@@ -628,27 +448,21 @@ def _hopper_ptx(kind: str, cfg, dtype: str = "bf16", even: bool = True, norm: bo
 
 
 @pytest.mark.skipif(not gemv.triton_available() or gemv._INTERPRET, reason="needs triton (compiled, not interpreted)")
-@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 @pytest.mark.parametrize("kind, label", [("linear", "n16k256w4s4"), ("silu", "n16k256w4s4"), ("linear", "n32k256w4s4x2"),
                                          ("linear", "n64k128w4s4T"), ("silu", "n64k128w4s4T")])
-def test_kernels_compile_for_hopper_with_a_pipeline(kind, label, norm):
+def test_kernels_compile_for_hopper_with_a_pipeline(kind, label):
     """What makes the kernel memory-bound-fast, checked in the PTX: the weight and x tiles stream through
     shared memory in 16-byte cp.async copies (no plain global loads in the K loop), num_stages - 1 tiles in
-    flight, into tensor-core MMAs (wgmma for the swapped 64-column tile). With the folded norm, its prologue
-    reads the rows with plain loads before the K loop, and the loop's tiles (h, the term to add, the norm
-    weight) stream like x's: the K loop still has no plain global load."""
+    flight, into tensor-core MMAs (wgmma for the swapped 64-column tile)."""
     import re
 
     cfg = _load_benchmark("gemv_probe").parse_config(label)
     try:
-        ptx, smem = _hopper_ptx(kind, cfg, norm=norm)
+        ptx, smem = _hopper_ptx(kind, cfg)
     except RuntimeError as e:  # no ptxas in this triton install
         pytest.skip(f"cannot compile for sm_90 here: {e}")
     tiles = 2 if kind == "silu" else 1
-    x_tiles = 3 if norm else 1  # h, the term to add and the norm weight's tile
-    assert smem >= (cfg.num_stages - 1) * (tiles * cfg.block_n + 16 * x_tiles) * cfg.block_k * 2
+    assert smem >= (cfg.num_stages - 1) * (tiles * cfg.block_n + 16) * cfg.block_k * 2
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], 0x10", ptx)
-    loop = ptx[ptx.index("cp.async.wait_group"):]  # the K loop and what follows it
-    assert not re.search(r"ld\.global", loop if norm else ptx)
-    assert bool(re.search(r"ld\.global", ptx)) is norm
+    assert not re.search(r"ld\.global", ptx)
     assert ("wgmma.mma_async" if cfg.swap else "mma.sync.aligned.m16n8k16") in ptx

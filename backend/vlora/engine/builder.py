@@ -94,7 +94,6 @@ def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device
     runner.allocate_kv(config.cache.num_blocks, config.cache.block_size, config.cache.gpu_memory_fraction)
     runner.set_attention(config.engine.attention)
     runner.set_gemv_max_rows(config.engine.gemv_max_rows)
-    runner.set_gemv_fuse_norm(config.engine.gemv_fuse_norm)
     runner.set_encoder_cache(config.cache.encoder_cache_mb)
     loras = LoraManager(adapter_root, runner.lora_wrappers, runner.num_layers, runner.module_dims(), config.lora, metrics,
                         vision=runner.vision_lora_sites())

@@ -26,16 +26,6 @@ cuBLAS's epilogue. Against cuBLAS the results differ only in the fp32 summation 
 the bf16 output here and there); so do the fused gate/up and the plain one (LoRA steps) where the table
 gives their two kinds different launches.
 
-**The folded norm** (:func:`norm_linear_rows`, ``engine.gemv_fuse_norm``): q/k/v and gate/up can take the
-residual stream h and the term still to add instead of their normed input, and run the residual add and
-RMSNorm themselves: each program first sums its rows' squares of ``round(h + p)`` over the whole of K (fp32;
-the rows are L2-resident, a few KB each), then norms each x tile in the K loop as it streams the weights, with
-fused_ops' roundings (``(r * rstd).to(dtype) * w_norm``, rounded). One launch instead of two per norm. The new
-residual goes to a buffer no program reads (program (0, 0) writes it; the engine swaps two residual buffers),
-because every program reads the old h to the end. The variance's sum runs in this kernel's own order, fixed
-per row for every M, so a row's bits still do not depend on M; against ``add_rms_norm`` (fast) + the plain
-kernel, rstd may differ in its last bit and then, rarely, an element of x by one rounding.
-
 Launch parameters come from :data:`TABLE` (committed, keyed by kind and (N, K)) with :func:`default_config`
 elsewhere; ``VLORA_GEMV_TABLE=path.json`` (what ``benchmarks/gemv_probe.py`` writes) overrides entries.
 No autotuning: it would time at the first call, inside a graph capture. Static shapes only, no host
@@ -59,7 +49,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from vlora.engine.fused_ops import _mean_factor, add_rms_norm, rms_norm, silu_mul_reference
+from vlora.engine.fused_ops import silu_mul_reference
 
 try:  # optional dependency: CPU CI has no triton
     import triton
@@ -196,7 +186,7 @@ def gate_up_silu_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torc
 # -- Triton kernels ----------------------------------------------------------------------------------
 
 if triton is not None:
-    from vlora.engine.fused_ops import _exp, _rsqrt
+    from vlora.engine.fused_ops import _exp
 
     @triton.jit
     def _epilogue(acc, acc_u, b_ptr, rn, N, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, DT: tl.constexpr):
@@ -234,36 +224,14 @@ if triton is not None:
                 out = tl.dot(xv, tl.trans(wv), acc)
         return out
 
-    @triton.jit
-    def _normed_tile(x_rows, p_rows, nw_rows0, kk, mask, km, rstd, HAS_PEND: tl.constexpr, EVEN: tl.constexpr,
-                     DT: tl.constexpr):
-        """The normed input's tile: ``(round(h + p) * rstd).to(DT) * w_norm``, rounded (fused_ops' RMSNorm)."""
-        r = tl.load(x_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_PEND:
-            r = (r + tl.load(p_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
-        # the weight's tile as [16, BK] (each row the same K range): vectorised and pipelined like x's tiles,
-        # where a [BK] load broadcast over the rows is a scalar load the K loop waits for
-        nw_rows = nw_rows0 + kk[None, :]
-        if EVEN:
-            nw = tl.load(nw_rows).to(tl.float32)
-        else:
-            nw = tl.load(nw_rows, mask=km[None, :], other=0.0).to(tl.float32)
-        return ((r * rstd[:, None]).to(DT).to(tl.float32) * nw).to(DT)
-
     @triton.jit(do_not_specialize=["M"])
     def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
-                     stride_ws_s, stride_ws_m, p_ptr, nw_ptr, r_ptr, stride_pm, stride_rm, eps, factor,
+                     stride_ws_s, stride_ws_m,
                      HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                     UPCAST: tl.constexpr, NORM: tl.constexpr = False, HAS_PEND: tl.constexpr = False,
-                     NORM_K: tl.constexpr = 0, NORM_BK: tl.constexpr = 16):
+                     UPCAST: tl.constexpr):
         """y[:M, n-block] of x [M, K] @ w[N, K].T; SILU: silu(x @ w[:N].T) * (x @ w[N:2N].T), both tiles in one
-        K loop. SPLIT > 1: the fp32 sums of one K range into ws [SPLIT, M, N (2N for SILU)] instead.
-
-        NORM: x is the residual stream h; the kernel's input is RMSNorm(h + p) (p [M, K] with HAS_PEND) with
-        the weight nw [K]: a prologue sums each row's squares over the whole of K (NORM_K = K, in NORM_BK
-        tiles, unrolled; program (0, 0) also writes ``round(h + p)`` to r [M, K], which no program reads), then
-        the K loop norms each x tile as it goes (:func:`_normed_tile`)."""
+        K loop. SPLIT > 1: the fp32 sums of one K range into ws [SPLIT, M, N (2N for SILU)] instead."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -279,28 +247,6 @@ if triton is not None:
         w_rows = w_ptr + rn_w.to(tl.int64)[:, None] * stride_wn
         row_ok = rm[:, None] < M
         DT = y_ptr.dtype.element_ty
-        if NORM:
-            p_rows = p_ptr + rm[:, None] * stride_pm
-            nw_rows0 = nw_ptr + rm[:, None] * 0
-            nk = tl.arange(0, NORM_BK)
-            sq = tl.zeros([16, NORM_BK], dtype=tl.float32)
-            writer = (rm[:, None] * 0 + pid_n + pid_k) == 0  # program (0, 0), as a mask (no branch in the unrolled loop)
-            for k0 in tl.static_range(0, NORM_K, NORM_BK):
-                kn = k0 + nk
-                mn = row_ok & (kn < NORM_K)[None, :]
-                r = tl.load(x_rows + kn[None, :], mask=mn, other=0.0).to(tl.float32)
-                if HAS_PEND:
-                    rd = (r + tl.load(p_rows + kn[None, :], mask=mn, other=0.0).to(tl.float32)).to(DT)
-                    tl.store(r_ptr + rm[:, None] * stride_rm + kn[None, :], rd, mask=mn & writer)
-                    r = rd.to(tl.float32)
-                sq = sq + r * r
-            # each row's sum in one fixed order (the tile's columns, then the tree of tl.sum): the same bits
-            # for a row in any M; padding rows norm to zeros
-            rstd = tl.where(rm < M, _rsqrt(tl.sum(sq, axis=1) * factor + eps), 0.0)
-        else:
-            p_rows = x_rows
-            nw_rows0 = x_rows
-            rstd = tl.zeros([16], dtype=tl.float32)
         if SWAP:
             acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
         else:
@@ -311,19 +257,13 @@ if triton is not None:
         for k in range(k_lo, k_hi, BLOCK_K):
             kk = k + rk
             if EVEN_K:
-                if NORM:
-                    xv = _normed_tile(x_rows, p_rows, nw_rows0, kk, row_ok, kk < k_hi, rstd, HAS_PEND, True, DT)
-                else:
-                    xv = tl.load(x_rows + kk[None, :], mask=row_ok, other=0.0)
+                xv = tl.load(x_rows + kk[None, :], mask=row_ok, other=0.0)
                 wv = tl.load(w_rows + kk[None, :])
                 if SILU:
                     uv = tl.load(u_rows + kk[None, :])
             else:
                 km = kk < k_hi
-                if NORM:
-                    xv = _normed_tile(x_rows, p_rows, nw_rows0, kk, row_ok & km[None, :], km, rstd, HAS_PEND, False, DT)
-                else:
-                    xv = tl.load(x_rows + kk[None, :], mask=row_ok & km[None, :], other=0.0)
+                xv = tl.load(x_rows + kk[None, :], mask=row_ok & km[None, :], other=0.0)
                 wv = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
                 if SILU:
                     uv = tl.load(u_rows + kk[None, :], mask=km[None, :], other=0.0)
@@ -411,17 +351,9 @@ def _launch(kind: str, N: int, K: int) -> tuple:
     return _plan(config_for(kind, 2 * N if kind == "silu" else N, K), N, K)
 
 
-@functools.lru_cache(maxsize=64)
-def _norm_params(K: int) -> tuple[int, float]:
-    """(NORM_BK, the mean's factor) of the RMSNorm prologue over rows of K: tiles of up to 512 columns, and
-    fused_ops' factor ``float(T) / (T * K)``, which for any T <= 16 (T * K exact in fp32) is ``fl(1 / K)``."""
-    return min(512, _pow2_at_least(K)), _mean_factor(1, K)
-
-
 def _run(kind: str, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], N: int,
-         out: Optional[torch.Tensor], config: Optional[GemvConfig], norm: Optional[tuple] = None) -> torch.Tensor:
-    """One launch. ``norm``: (pending [M, K] or None, norm weight [K], eps, residual_out [M, K] or None): x is
-    then the residual stream h and the kernel's input is RMSNorm(h + pending) (see :func:`norm_linear_rows`)."""
+         out: Optional[torch.Tensor], config: Optional[GemvConfig]) -> torch.Tensor:
+    """One launch."""
     M, K = x.shape
     if w.shape[1] != K:
         raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} disagree on K")
@@ -443,31 +375,20 @@ def _run(kind: str, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     silu = kind == "silu"
     b = bias if bias is not None else w
     upcast = _INTERPRET  # see _mma
-    if norm is None:
-        nargs = (x, x, x, 0, 0, 0.0, 0.0)
-        nkw = {}
-    else:
-        pend, nw, eps, res = norm
-        norm_bk, factor = _norm_params(K)
-        nargs = (pend if pend is not None else x, nw, res if res is not None else x,
-                 pend.stride(0) if pend is not None else 0, res.stride(0) if res is not None else 0,
-                 float(eps), factor)
-        nkw = dict(NORM=True, HAS_PEND=pend is not None, NORM_K=K, NORM_BK=norm_bk)
     if split > 1:
         ws = torch.empty((split, M, 2 * N if silu else N), dtype=torch.float32, device=x.device)
         _rows_kernel[grid](x, w, b, out, ws, M, N, K, k_split, x.stride(0), w.stride(0), out.stride(0),
-                           ws.stride(0), ws.stride(1), *nargs, HAS_BIAS=bias is not None, SILU=silu, SPLIT=split,
+                           ws.stride(0), ws.stride(1), HAS_BIAS=bias is not None, SILU=silu, SPLIT=split,
                            SWAP=cfg.swap, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k, EVEN_N=even_n,
-                           UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-                           **nkw)
+                           UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
         _split_reduce_kernel[(-(-N // rblock), M)](ws, b, out, N, ws.stride(0), ws.stride(1), out.stride(0),
                                                    HAS_BIAS=bias is not None, SILU=silu, SPLIT=split, BLOCK=rblock,
                                                    num_warps=4, enable_fp_fusion=False)
     else:
         _rows_kernel[grid](x, w, b, out, out, M, N, K, k_split, x.stride(0), w.stride(0), out.stride(0), 0, 0,
-                           *nargs, HAS_BIAS=bias is not None, SILU=silu, SPLIT=1, SWAP=cfg.swap, BLOCK_N=cfg.block_n,
+                           HAS_BIAS=bias is not None, SILU=silu, SPLIT=1, SWAP=cfg.swap, BLOCK_N=cfg.block_n,
                            BLOCK_K=cfg.block_k, EVEN_K=even_k, EVEN_N=even_n, UPCAST=upcast,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **nkw)
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out
 
 
@@ -502,71 +423,3 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     if not _use_kernel(impl, x, w, "gate_up_silu"):
         return _into(out, gate_up_silu_reference(x, w, bias))
     return _run("silu", x, w, bias, w.shape[0] // 2, out, config)
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' byte ranges overlap (conservatively, by their extents)."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    def extent(t):
-        lo = t.data_ptr()
-        return lo, lo + ((t.shape[0] - 1) * t.stride(0) + t.shape[-1]) * t.element_size()
-    (a0, a1), (b0, b1) = extent(a), extent(b)
-    return a0 < b1 and b0 < a1
-
-
-def norm_linear_rows(h: torch.Tensor, pending: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                     w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                     residual_out: Optional[torch.Tensor] = None, silu: bool = False,
-                     out: Optional[torch.Tensor] = None, impl: str = "auto",
-                     config: Optional[GemvConfig] = None) -> torch.Tensor:
-    """The residual add and RMSNorm folded into the projection that consumes them, in one launch:
-    ``r = h + pending`` (rounded; written to ``residual_out``), ``x = rms_norm(r, norm_weight, eps)`` and
-    ``linear_rows(x, w, bias)`` (``silu``: ``gate_up_silu(x, w, bias)``). Without ``pending``: r = h and
-    nothing is written. x is never materialised (a LoRA wrapper that needs it takes the unfused path).
-
-    ``residual_out`` [M, K] is required with ``pending`` and must overlap neither ``h`` nor ``pending``:
-    every program reads the old h and pending over the whole of K (the prologue's sum of squares and each
-    x tile), and one program, (0, 0), writes r as it goes; in place, the others could read its new rows.
-    The engine ping-pongs two residual buffers (:meth:`vlora.engine.model_runner.ModelRunner._layer`).
-
-    Bits: r and the roundings of x are ``add_rms_norm(impl="fast")``'s (r rounded to the dtype, the variance
-    in fp32 from it, ``(r * rstd).to(dtype) * w_norm`` rounded); the variance's fp32 sum runs in the kernel's
-    own order (per row, the same for every M: a row's bits do not depend on the other rows), so against
-    ``add_rms_norm`` + :func:`linear_rows` a rare x element differs by a last bit, and y then by its share.
-    The projection's launch is the unfused one's (the table's ``linear``/``silu`` entry of (N, K)).
-
-    ``impl``: "auto" (the kernel where :func:`available`, M <= 16 and every dtype matches; else the unfused
-    path: ``add_rms_norm``/``rms_norm`` then :func:`linear_rows`/:func:`gate_up_silu`, each ``auto``),
-    "triton" (the kernel or an error), "torch" (the torch references)."""
-    M, K = h.shape if h.dim() == 2 else (None, None)
-    if h.dim() != 2 or norm_weight.shape != (K,) or (pending is not None and pending.shape != h.shape):
-        raise ValueError(f"norm_linear_rows: h [M, K], pending like h, norm_weight [K]; got h {tuple(h.shape)}, "
-                         f"pending {None if pending is None else tuple(pending.shape)}, norm_weight {tuple(norm_weight.shape)}")
-    if pending is not None:
-        if residual_out is None or residual_out.shape != h.shape or residual_out.dtype != h.dtype:
-            raise ValueError(f"norm_linear_rows: with pending, residual_out must be {h.dtype} [{M}, {K}]")
-        if _overlaps(residual_out, h) or _overlaps(residual_out, pending):
-            raise ValueError("norm_linear_rows: residual_out must not overlap h or pending (other programs read them)")
-    if silu and w.shape[0] % 2:
-        raise ValueError(f"norm_linear_rows: w must stack gate and up rows (an even count), got {tuple(w.shape)}")
-    dtypes_ok = norm_weight.dtype == h.dtype and (pending is None or pending.dtype == h.dtype)
-    use = _use_kernel(impl, h, w, "norm_linear_rows") and (dtypes_ok or impl == "triton")
-    if use and not dtypes_ok:
-        raise TypeError(f"norm_linear_rows: the kernel takes h, pending and norm_weight of one dtype, got {h.dtype}, "
-                        f"{None if pending is None else pending.dtype}, {norm_weight.dtype}")
-    if not use:
-        ops = "torch" if impl == "torch" else "auto"
-        if pending is None:
-            x = rms_norm(h, norm_weight, eps, impl=ops)
-        else:
-            x, _ = add_rms_norm(pending, h, norm_weight, eps, residual_out=residual_out, impl=ops)
-        return (gate_up_silu if silu else linear_rows)(x, w, bias, out=out, impl=ops, config=config)
-    if pending is not None and pending.stride(-1) != 1:
-        pending = pending.contiguous()
-    if residual_out is not None and residual_out.stride(-1) != 1:
-        raise ValueError("norm_linear_rows: residual_out needs a contiguous last dim")
-    kind = "silu" if silu else "linear"
-    N = w.shape[0] // 2 if silu else w.shape[0]
-    return _run(kind, h, w, bias, N, out, config, (pending, norm_weight.contiguous(), eps,
-                                                   residual_out if pending is not None else None))

@@ -13,9 +13,7 @@ layers only read it. Decode-only steps replay CUDA graphs captured per batch-siz
 (:mod:`vlora.engine.graphs`); steps that hold a prefill run eagerly with the varlen prefill attention.
 Steps of at most ``engine.gemv_max_rows`` rows run their projections and the LM head through the
 memory-bound kernels of :mod:`vlora.engine.gemv` (SiLU * up fused into gate/up where a layer has no LoRA
-work, and with ``engine.gemv_fuse_norm`` the residual add + RMSNorm folded into q/k/v and gate/up where
-their group has none), which give a row the same bits in any such step: the eager step and its graph's
-padded bucket agree.
+work), which give a row the same bits in any such step: the eager step and its graph's padded bucket agree.
 """
 from __future__ import annotations
 
@@ -90,7 +88,7 @@ class WeightGroup:
         """Whether layer ``li``'s call on x's rows runs the gemv kernels with nothing else reading x or the
         projection's output: at most ``gemv_rows`` rows, the kernels serve x, and no LoRA work of this group
         in the layer (a wrapper reads x and adds into the output's columns). Then the gate/up group fuses its
-        activation, and the RMSNorm before it can be folded in (:meth:`forward_norm`)."""
+        activation (:meth:`forward_silu`)."""
         return x.shape[0] <= self.gemv_rows and not (lora and self.lora[li]) and gemv.available(x)
 
     def forward_silu(self, li: int, x: torch.Tensor, lora: bool = True) -> torch.Tensor:
@@ -100,13 +98,6 @@ class WeightGroup:
         if self.fusable(li, x, lora):
             return gemv.gate_up_silu(x, self.weights[li], self.biases[li], impl="triton")
         return silu_mul(self.forward(li, x, lora))
-
-    def forward_norm(self, li: int, h: torch.Tensor, pending: Optional[torch.Tensor], norm_weight: torch.Tensor,
-                     eps: float, residual_out: Optional[torch.Tensor], silu: bool = False) -> torch.Tensor:
-        """Where :meth:`fusable`: the projection (``silu``: with the activation) of ``rms_norm(h + pending)``
-        in one kernel, ``h + pending`` written to ``residual_out`` (see :func:`vlora.engine.gemv.norm_linear_rows`)."""
-        return gemv.norm_linear_rows(h, pending, norm_weight, eps, self.weights[li], self.biases[li],
-                                     residual_out=residual_out, silu=silu, impl="triton")
 
 
 @dataclass
@@ -287,7 +278,6 @@ class ModelRunner:
         self._attn_scale = float(getattr(self.lm.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.attention = get_attention_backend("auto", self.device)
         self.gemv_max_rows = 0  # set_gemv_max_rows()
-        self.gemv_fuse_norm = False  # set_gemv_fuse_norm()
         self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
         self.prefill_graphs = None  # PrefillGraphs (vlora.engine.graphs) once captured
         self.encoder_cache: Optional[EncoderCache] = None  # set_encoder_cache()
@@ -476,12 +466,6 @@ class ModelRunner:
         for g in self.groups.values():
             g.gemv_rows = rows
 
-    def set_gemv_fuse_norm(self, on: bool) -> None:
-        """Fold the residual add and RMSNorm into the q/k/v and gate/up kernels of steps that run them through
-        :mod:`vlora.engine.gemv` without LoRA work in that group (``engine.gemv_fuse_norm``; see :meth:`_layer`).
-        Like :meth:`set_gemv_max_rows`, captured graphs keep what they were captured with."""
-        self.gemv_fuse_norm = bool(on)
-
     def plan(self, seqs: list[SeqInput]) -> StepPlan:
         """The step's metadata, built once on the host and copied to the device: every layer reads it."""
         if not seqs:
@@ -588,15 +572,9 @@ class ModelRunner:
         # The fused kernels add the residual in place (one allocation less per norm); the eager reference
         # would add a copy for it.
         inplace = fused_available(hidden)
-        # Steps whose projections run the gemv kernels fold the norms into them where no LoRA work reads the
-        # normed input (``engine.gemv_fuse_norm``); the residual then ping-pongs between hidden and a spare.
-        spare = None
-        if self.gemv_fuse_norm and hidden.shape[0] <= self.gemv_max_rows and gemv.available(hidden):
-            spare = torch.empty_like(hidden)
         pending = None
         for li in range(self.num_layers):
-            hidden, pending, spare = self._layer(li, hidden, pending, cos, sin, slot_mapping, attend, lora, inplace,
-                                                 spare)
+            hidden, pending = self._layer(li, hidden, pending, cos, sin, slot_mapping, attend, lora, inplace)
         if last_index is not None:
             hidden, pending = hidden.index_select(0, last_index), pending.index_select(0, last_index)
         norm = self.lm.norm
@@ -723,43 +701,25 @@ class ModelRunner:
 
     def _layer(self, li: int, h: torch.Tensor, pending: Optional[torch.Tensor], cos: torch.Tensor,
                sin: torch.Tensor, slot_mapping: torch.Tensor, attend, lora: bool = True,
-               inplace: bool = False, spare: Optional[torch.Tensor] = None
-               ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+               inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer: (residual stream, the previous layer's MLP output still to add) ->
-        (residual stream after attention, this layer's MLP output, the spare residual buffer). ``lora``:
-        whether the step has LoRA work (False skips the wrappers); ``inplace``: the residual add writes ``h``
-        in place (fused kernels; ``h`` must be this step's own buffer).
-
-        ``spare`` (a buffer like h, not h; None: no folding): the input norm is folded into the q/k/v kernel,
-        and the post-attention norm into the gate/up kernel, where that group is :meth:`WeightGroup.fusable`.
-        The kernel reads h and the term to add in every program and writes their sum to ``spare`` (h cannot
-        be updated in place by one program while the others still read it); h and ``spare`` then swap roles,
-        and the old h, read by a finished kernel, is the next fold's output. The decision depends on the
-        step's rows, its LoRA work and the group only, so an eager step and its graph's padded bucket fold
-        the same norms."""
+        (residual stream after attention, this layer's MLP output). ``lora``: whether the step has LoRA work
+        (False skips the wrappers); ``inplace``: the residual add writes ``h`` in place (fused kernels; ``h``
+        must be this step's own buffer)."""
         _, rows, (qkv_g, o_g, gate_up_g, down_g) = self._layer_params()
         w1, eps1, w2, eps2, k_pool, v_pool = rows[li]
         T = h.shape[0]
-        if spare is not None and w1.dtype == h.dtype and qkv_g.fusable(li, h, lora):
-            qkv = qkv_g.forward_norm(li, h, pending, w1, eps1, spare if pending is not None else None)
-            if pending is not None:
-                h, spare = spare, h
+        if pending is None:
+            x = rms_norm(h, w1, eps1)
         else:
-            if pending is None:
-                x = rms_norm(h, w1, eps1)
-            else:
-                x, h = add_rms_norm(pending, h, w1, eps1, residual_out=h if inplace else None)
-            qkv = qkv_g.forward(li, x, lora)
+            x, h = add_rms_norm(pending, h, w1, eps1, residual_out=h if inplace else None)
+        qkv = qkv_g.forward(li, x, lora)
         # q, k and v as head views of the fused output (strided rows; the kernels read them in place)
         q, k, v = qkv.view(T, self.n_heads + 2 * self.n_kv, self.head_dim).split(
             (self.n_heads, self.n_kv, self.n_kv), dim=1)
         q = rotary_and_cache(q, k, v, cos, sin, k_pool, v_pool, slot_mapping)
         o = attend(q, li)
         attn = o_g.forward(li, o.reshape(T, self.q_size), lora)
-        if spare is not None and w2.dtype == h.dtype and gate_up_g.fusable(li, h, lora):
-            act = gate_up_g.forward_norm(li, h, attn, w2, eps2, spare, silu=True)
-            h, spare = spare, h
-        else:
-            x, h = add_rms_norm(attn, h, w2, eps2, residual_out=h if inplace else None)
-            act = gate_up_g.forward_silu(li, x, lora)
-        return h, down_g.forward(li, act, lora), spare
+        x, h = add_rms_norm(attn, h, w2, eps2, residual_out=h if inplace else None)
+        act = gate_up_g.forward_silu(li, x, lora)
+        return h, down_g.forward(li, act, lora)
