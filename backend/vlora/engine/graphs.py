@@ -233,15 +233,16 @@ class DecodeGraphs:
 # Prefill steps: token-count buckets (a step pads its tokens up to the next one): every PREFILL_BUCKET
 # tokens up to 1,024, 8 short of each multiple (24, 56, ..., 1,016, then 1,024), then every 64 up to
 # 2,048, then every 128. cuBLAS's heuristics pick slower kernels for many row counts that are multiples of
-# 32: on an H100 the 7B model's four projections took 3.7% less time per row on average at 32k - 8 rows
-# than at 32k over 512..1,024 (benchmarks/gemm_rows_probe.py; 600 rows 327 us a layer, 608 rows 359).
+# 32: on an H100 the 7B model's four projections took 4.0% less time per row on average at 32k - 8 rows
+# than at 32k over 512..1,024 (benchmarks/gemm_rows_probe.py, results/gemm-rows-probe-nvidia-h100-80gb-hbm3.json;
+# 600 rows 327 us a layer, 608 rows 359).
 PREFILL_BUCKET = 32
 
 
 def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
     """Token counts captured for prefill steps, up to ``max_tokens``: 32k - 8 up to 1,016, then 1,024,
-    then steps of 64 up to 2,048 and of 128 beyond, so that padding costs at most about 3% of a step's rows
-    past the first few buckets (600 tokens run as 600, 601 as 632, 1,500 as 1,536)."""
+    then steps of 64 up to 2,048 and of 128 beyond, so that past 512 tokens padding adds at most about 6%
+    of a step's rows, 3% on average (600 tokens run as 600, 601 as 632, 1,500 as 1,536)."""
     out = [n for n in range(PREFILL_BUCKET - 8, 1024, PREFILL_BUCKET) if n <= max_tokens]
     n = 1024
     while n <= max_tokens:
