@@ -262,13 +262,14 @@ class RunnerConfig:
     the tokens, detokenizing, stop checks, reporting, scheduling and planning the next) runs while the
     GPU computes; a request that stops on a token (EOS, a stop string) costs one discarded decode row.
     ``auto``: on for CUDA devices, off elsewhere (on a CPU nothing overlaps). ``prefill_graph_tokens``: with
-    ``cuda_graphs: auto``, steps that hold a prefill of up to this many tokens (every multiple of 32 is
-    captured up to 1,024, then of 64 up to 2,048, then of 128; a step pads to the next) and no LoRA work
+    ``cuda_graphs: auto``, steps that hold a prefill of up to this many tokens (buckets 8 short of each
+    multiple of 32 up to 1,024, then every 64 up to 2,048, then every 128: ``graphs.prefill_buckets``; a
+    step pads to the next) and no LoRA work
     replay a graph of the decoder too, the embedding and images put in eagerly first; 0 runs every such
     step eagerly. An eager prefill issues about 350 launches from Python and is bound by its host on most
     machines seen: a 600-token prompt of the 7B model took 14.3-22 ms eagerly on H100 hosts against 12.3 ms
-    of kernels. The default 1,024 covers a one-image LLaVA prompt; its 32 graphs take a few seconds to
-    capture at load and share the decode graphs' memory pool. ``gemv_max_rows``: steps of at most this many
+    of kernels. The default 1,024 covers a one-image LLaVA prompt; its 33 graphs take a few seconds to
+    capture at load (7B on an H100: 3.4 s, 388 MiB) and share the decode graphs' memory pool. ``gemv_max_rows``: steps of at most this many
     rows (tokens; 0..16) run their projections (q/k/v, o, gate/up with SiLU * up fused where the layer has
     no LoRA work, down, and the LM head) as memory-bound Triton kernels (:mod:`vlora.engine.gemv`) instead
     of cuBLAS, on CUDA in bf16/fp16 (fp32 keeps cuBLAS); a row gives the same bits in any step of up to that
