@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-e2e doctor atmm-ext clean
+.PHONY: setup serve test test-kernels test-e2e doctor atmm-ext clean
 
 setup: $(STAMP)
 
@@ -24,9 +24,15 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(VENV)/bin/vlora serve $(SERVE_ARGS)
 
-# Every CPU test, the end-to-end ones against a real tritonserver included; GPU tests skip here.
+# Every CPU test, the end-to-end ones against a real tritonserver included; GPU tests skip here. Then the
+# Triton-language kernels' tests (marker `interpreter`) in a pytest run of their own under Triton's
+# interpreter: the kernel modules read TRITON_INTERPRET when imported.
 test: setup
-	$(PY) -m pytest tests -q -rs --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -rs --durations=15 -m "not interpreter" $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-kernels
+
+test-kernels: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest tests/unit -q -rs --durations=5 -m interpreter $(PYTEST_ARGS)
 
 test-e2e: setup
 	$(PY) -m pytest tests/e2e -q -rs --durations=15 $(PYTEST_ARGS)

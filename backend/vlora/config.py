@@ -257,7 +257,8 @@ class RunnerConfig:
     KV cache in place; ``flash``: the same, but a prefill of long fresh prompts in fp16/bf16 runs cuDNN's
     fused attention (up to 8 prompts, the longest of 1,024 tokens or more, no GQA) or PyTorch's FlashAttention-2 varlen
     kernel (4,096 or more); ``torch``: the SDPA reference, what CPUs
-    run); ``auto`` picks flash on CUDA sm80+, else triton where it imports, else torch. ``overlap``: launch
+    run: it reads the lengths on the host, so on CUDA it runs with the graphs off, and says so at load); a
+    backend the device cannot run is refused at load, naming this setting. ``auto`` picks flash on CUDA sm80+, else triton where it imports, else torch. ``overlap``: launch
     each step before the last one's sampled tokens are read back, so the host's work for a step (reading
     the tokens, detokenizing, stop checks, reporting, scheduling and planning the next) runs while the
     GPU computes; a request that stops on a token (EOS, a stop string) costs one discarded decode row.

@@ -31,11 +31,17 @@ class Collector:
             self.events.setdefault(out.request_id, []).append(out)
             if out.finished:
                 self.done[out.request_id] = out
-                self.cv.notify_all()
+            self.cv.notify_all()
 
     def wait(self, n, timeout=60):
         with self.cv:
             assert self.cv.wait_for(lambda: len(self.done) >= n, timeout), f"only {len(self.done)} of {n} finished"
+
+    def wait_running(self, rid, timeout=60):
+        """Until ``rid`` (a streaming request) has produced a token: it is in the running batch."""
+        with self.cv:
+            assert self.cv.wait_for(lambda: any(o.text_delta or o.num_output_tokens for o in self.events.get(rid, ())),
+                                    timeout), f"{rid} never produced a token"
 
 
 def req(rid, prompt="Count the circles.", lora=None, **sp):
@@ -98,8 +104,10 @@ def test_seeded_sampling_is_reproducible_in_any_batch(engine):
 
 def test_cancel_mid_generation(engine):
     col = Collector()
-    engine.submit(engine.prepare(req("long", max_tokens=400, ignore_eos=True)), col)
-    time.sleep(0.2)
+    long = req("long", max_tokens=400, ignore_eos=True)
+    long.stream = True
+    engine.submit(engine.prepare(long), col)
+    col.wait_running("long")
     engine.cancel("long")
     col.wait(1)
     assert col.done["long"].finish_reason == "cancelled" and col.done["long"].num_output_tokens < 400
@@ -128,8 +136,11 @@ def test_back_pressure_rejects_when_full(tiny_model_dir, demo_adapter_root):
     eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root, **{"scheduler.max_batch_size": 1, "scheduler.max_waiting": 1}))
     try:
         col = Collector()
-        eng.submit(eng.prepare(req("a", max_tokens=300, ignore_eos=True)), col)  # runs
-        time.sleep(0.1)
+        # "a" runs until it is cancelled below: it fills the batch of one for as long as the context allows.
+        a = req("a", max_tokens=900, ignore_eos=True)
+        a.stream = True
+        eng.submit(eng.prepare(a), col)
+        col.wait_running("a")
         eng.submit(eng.prepare(req("b", max_tokens=4)), col)  # waits in the engine
         with pytest.raises(EngineOverloaded):
             eng.submit(eng.prepare(req("c", max_tokens=4)), col, timeout=0.2)

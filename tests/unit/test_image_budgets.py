@@ -110,7 +110,10 @@ def test_the_pool_refuses_beyond_its_queue_and_at_shutdown():
     assert pool.load() == (1, 2)
     closer = threading.Thread(target=pool.shutdown, args=(10.0,))
     closer.start()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10  # the shutdown refuses the queued jobs before it waits for the running one
+    while len(refused) < 2:
+        assert time.monotonic() < deadline, refused
+        time.sleep(0.01)
     gate.set()  # the running job finishes; the queued ones were refused, none dropped silently
     closer.join(10)
     assert ran == ["running"]

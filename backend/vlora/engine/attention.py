@@ -732,6 +732,8 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     registry: ClassVar[dict[str, type["AttentionBackend"]]] = {}
+    # Whether decode and prefill read the lengths on the device only (no host sync), so a CUDA graph can hold them.
+    graph_safe: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -760,6 +762,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Gather + SDPA per sequence: exact, any device; host-syncs on the lengths (no CUDA graphs)."""
 
     name = "torch"
+    graph_safe = False
 
     @classmethod
     def available(cls, device: torch.device) -> bool:

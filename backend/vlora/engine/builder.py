@@ -9,7 +9,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from vlora.config import EngineConfig, default_cache_dir
+from vlora.config import ConfigError, EngineConfig, default_cache_dir
 from vlora.engine.core import LLMEngine
 from vlora.engine.metrics import EngineMetrics
 from vlora.engine.model_runner import ModelRunner
@@ -92,7 +92,11 @@ def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device
                          max_rank=config.lora.max_rank, target_modules=config.lora.target_modules, loaded=loaded,
                          vision_lora=config.lora.vision_lora)
     runner.allocate_kv(config.cache.num_blocks, config.cache.block_size, config.cache.gpu_memory_fraction)
-    runner.set_attention(config.engine.attention)
+    try:
+        runner.set_attention(config.engine.attention)
+    except RuntimeError as e:  # a backend that does not run on this device: refused at load, naming the setting
+        raise ConfigError(f"engine.attention={config.engine.attention}: {e}; "
+                          "use auto (or triton / torch) on this device") from None
     runner.set_gemv_max_rows(config.engine.gemv_max_rows)
     runner.set_encoder_cache(config.cache.encoder_cache_mb)
     loras = LoraManager(adapter_root, runner.lora_wrappers, runner.num_layers, runner.module_dims(), config.lora, metrics,
@@ -113,6 +117,11 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int
     """Capture the decode graphs (``engine.cuda_graphs``), then the prefill graphs (``engine.prefill_graph_tokens``),
     once the orchestrator has placed the weights."""
     if runner.device.type != "cuda" or config.engine.cuda_graphs == "off":
+        return
+    if not runner.attention.graph_safe:
+        log.warning("engine.attention=%s reads the sequence lengths on the host: CUDA graphs are off with it "
+                    "(every step runs eager; engine.attention auto, flash or triton capture them)", runner.attention.name)
+        engine.model_info["cuda_graphs"] = {"off": f"engine.attention={runner.attention.name} cannot be captured"}
         return
     from vlora.engine.graphs import VARIANTS, DecodeGraphs, PrefillGraphs, prefill_buckets
 

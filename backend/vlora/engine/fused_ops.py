@@ -181,10 +181,14 @@ def rotary_and_cache_reference(q, k, v, cos, sin, k_pool, v_pool, slot_mapping) 
 
 
 def silu_mul_reference(gate: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """LlamaMLP's ``act_fn(gate) * up``; with one tensor, gate and up are its two halves."""
+    """LlamaMLP's ``act_fn(gate) * up``; with one tensor, gate and up are its two halves.
+
+    The gate is made contiguous first: PyTorch's CPU SiLU takes another vectorized path on a strided half
+    than on the contiguous tensor Hugging Face's MLP gives it, and the two may differ in the last bit
+    (seen on AVX-512). Contiguous, the result is HF's bit for bit on any CPU."""
     if up is None:
         gate, up = _halves(gate)
-    return F.silu(gate) * up
+    return F.silu(gate.contiguous()) * up
 
 
 def _halves(gate_up: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
