@@ -190,3 +190,62 @@ def test_admin_token_file_enables_load_and_unload_without_showing_the_token(tmp_
         with pytest.raises(ConfigError, match=words) as err:
             launcher.options_from_args(parse(["--admin-token-file", str(bad)]))
         assert "abc" not in str(err.value)
+
+
+def test_tritons_admin_apis_are_restricted_by_a_key_derived_from_the_token(tmp_path):
+    """Issue 37, hole 1: shared-memory, logging, trace and model-repository are restricted on HTTP and gRPC,
+    by the token's derived key (never the token itself); without a token, by a value no client can send."""
+    token = "tok-" + "y" * 28
+    path = tmp_path / "admin.token"
+    path.write_text(f"  {token}\n")
+    paths = (Path("bin/tritonserver"), Path("backends"), Path("repo"))
+    cmd = launcher.TritonServer(launcher.options_from_args(parse(["--admin-token-file", str(path)]))).command(*paths)
+    key = launcher.triton_admin_key(token)
+    assert key == launcher.hashlib.sha256(f"vlora-triton-admin-key:{token}".encode()).hexdigest()
+    apis = "shared-memory,logging,trace,model-repository"
+    assert f"--http-restricted-api={apis}:vlora-admin-key={key}" in cmd
+    assert f"--grpc-restricted-protocol={apis}:vlora-admin-key={key}" in cmd
+    assert token not in "\0".join(cmd)
+    off = [launcher.TritonServer(launcher.options_from_args(parse([]))).command(*paths) for _ in range(2)]
+    values = [next(a for a in c if a.startswith("--http-restricted-api=")).split("vlora-admin-key=", 1)[1] for c in off]
+    assert all("\n" in v and len(v) > 32 for v in values) and values[0] != values[1]
+    for c, v in zip(off, values):
+        assert f"--grpc-restricted-protocol={apis}:vlora-admin-key={v}" in c
+
+
+def test_hide_argument_value_overwrites_it_on_the_command_line():
+    """The key is overwritten in /proc/PID/cmdline of a running process, which keeps running."""
+    import subprocess
+    import time
+
+    secret = "s3cret-" + launcher.secrets.token_hex(8)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", f"--key=a:{secret}", "tail"])
+    try:
+        time.sleep(0.2)
+        assert secret in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        assert launcher.hide_argument_value(proc.pid, secret) == 1
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_text().split("\0")
+        assert secret not in "\0".join(cmdline) and cmdline[3] == "--key=a:" + "\n" * len(secret) and cmdline[4] == "tail"
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_tritonserver_child_keeps_its_files_private_despite_boosts_fchmod(tmp_path):
+    """Issue 37, hole 2: boost.interprocess creates the Python backend's shared memory with shm_open(0644) and
+    then fchmod(fd, 0644), which ignores the umask. In tritonserver's process (umask 077 and the launcher's
+    seccomp filter) that fchmod does nothing, so the region stays 0600; other modes still apply."""
+    import platform
+    import subprocess
+
+    if platform.machine() not in launcher._SECCOMP_FCHMOD:
+        pytest.skip(f"no seccomp filter for {platform.machine()}")
+    probe = ("import os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o644); os.fchmod(fd, 0o644); "
+             "print(oct(os.stat(sys.argv[1]).st_mode & 0o777)); os.fchmod(fd, 0o640); print(oct(os.stat(sys.argv[1]).st_mode & 0o777))")
+    plain = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "a")], umask=launcher.SERVER_UMASK,
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert plain == ["0o644", "0o640"]  # what boost does to a region without the filter
+    child = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "b")], umask=launcher.SERVER_UMASK,
+                           preexec_fn=launcher._server_child_setup, capture_output=True, text=True, check=True).stdout.split()
+    assert child == ["0o600", "0o640"]

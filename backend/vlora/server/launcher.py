@@ -12,13 +12,26 @@ watches the stub processes and the log: it prints the cause, stops the server (r
 it) and exits with ENGINE_FAILED_EXIT, for a supervisor to restart. Stopping is bounded: SIGTERM, then
 after the exit timeout SIGKILL to the server's whole process group (its stubs included); the server's
 shared-memory regions (named with a prefix unique to this launch) are removed at exit.
+
+Security (issue 37): tritonserver is started with Triton's shared-memory, logging, trace and
+model-repository APIs restricted on HTTP and gRPC. They answer only requests whose header
+``vlora-admin-key`` (gRPC: ``triton-grpc-protocol-vlora-admin-key``) holds ``triton_admin_key(token)``
+(a SHA-256 of the admin token, so that the token itself never is on a command line); without an admin
+token they expect a value that no HTTP header or gRPC metadata can carry (it holds a line feed), so they
+are off. Triton reads the value only from its command line, which other local users can read through
+/proc/PID/cmdline: once tritonserver has parsed it (its first log line), the launcher overwrites the
+value there with line feeds (hide_argument_value). The server runs with umask 077 and a seccomp filter
+that keeps boost.interprocess from fchmod-ing its regions back to 0644: its shared-memory regions (which
+hold requests' prompts and images) are 0600; its log and a workspace folder it creates are its user's only.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -52,6 +65,35 @@ SHM_DIR = Path("/dev/shm")
 POLL_S = 0.25  # how often serve_forever looks at the server, its stubs and its log
 KILL_MARGIN_S = 15.0  # after a SIGTERM, how much longer than --exit-timeout-secs before SIGKILL
 DEAD_STUB_GRACE_S = 5.0  # after a stub died, how long the server may take to stop before SIGKILL
+
+# Triton's APIs that a client could misuse (register the backend's own shared memory and crash the server,
+# switch the error log off, trace requests, unload the model): restricted to holders of the admin key.
+RESTRICTED_APIS = ("shared-memory", "logging", "trace", "model-repository")
+ADMIN_KEY_HEADER = "vlora-admin-key"  # the HTTP header that carries the key
+GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER  # the gRPC metadata key (Triton adds the prefix)
+ADMIN_KEY_CONTEXT = "vlora-triton-admin-key:"  # what the token is hashed with (see triton_admin_key)
+SERVER_UMASK = 0o077  # tritonserver's files and shared-memory regions: its own user's only
+ARGV_HIDE_WAIT_S = 30.0  # how long to wait for tritonserver's first log line before hiding the key anyway
+
+
+def triton_admin_key(token: str) -> str:
+    """The value of the ``vlora-admin-key`` header that opens Triton's restricted APIs, for the admin token
+    ``token`` (the token file's text without surrounding whitespace): the SHA-256 of
+    ``vlora-triton-admin-key:<token>`` in hex. In a shell:
+    ``printf 'vlora-triton-admin-key:%s' "$(cat admin.token)" | sha256sum | cut -d' ' -f1``."""
+    return hashlib.sha256((ADMIN_KEY_CONTEXT + token).encode("utf-8")).hexdigest()
+
+
+def restricted_api_flags(value: str, key: str = ADMIN_KEY_HEADER) -> list[str]:
+    """tritonserver's flags that restrict RESTRICTED_APIS on HTTP and gRPC to requests with ``key: value``."""
+    apis = ",".join(RESTRICTED_APIS)
+    return [f"--http-restricted-api={apis}:{key}={value}", f"--grpc-restricted-protocol={apis}:{key}={value}"]
+
+
+def unsendable_value() -> str:
+    """A restricted-API value that no client can send: random, and holding a line feed, which neither an
+    HTTP header nor gRPC metadata can carry. Restricting with it turns the APIs off."""
+    return "\n" + secrets.token_hex(32)
 
 
 class LaunchError(RuntimeError):
@@ -239,6 +281,7 @@ class TritonServer:
         self._temporary_workspace = options.workspace is None
         self._log_path: Optional[Path] = None
         self._stopping = False
+        self._restricted_value: Optional[str] = None  # the restricted APIs' header value (never printed)
         # Python backend shared-memory regions are named <prefix><uuid>: ours alone start with this.
         self.shm_prefix = f"vlora_{uuid.uuid4().hex[:12]}_"
         self._stub_pids: list[int] = []
@@ -284,7 +327,9 @@ class TritonServer:
             self._workspace = Path(tempfile.mkdtemp(prefix="vlora-serve-"))
         else:
             self._workspace = opts.workspace
-            self._workspace.mkdir(parents=True, exist_ok=True)
+            if not self._workspace.exists():  # a folder we create is private; the operator's own is left as it is
+                self._workspace.parent.mkdir(parents=True, exist_ok=True)
+                self._workspace.mkdir(mode=0o700)
         ws = self._workspace
         binary, backends = dist.install(ws / "tritonserver")
         device = self.engine_config.model.device
@@ -296,8 +341,39 @@ class TritonServer:
         )
         repo = prepare_repository(source, ws / "model_repository", config_text)
         self._log_path = ws / "tritonserver.log"
+        cmd = self.command(binary, backends, repo)
+        _say(self._out, f"starting tritonserver (workspace {ws}, log {self._log_path})")
+        # The log may hold prompts (at a high --log-verbose): its user's only, also when it already existed.
+        fd = os.open(self._log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        log = os.fdopen(fd, "wb")
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dist.environment(dict(os.environ)),
+                cwd=str(ws),
+                start_new_session=True,  # a terminal's Ctrl-C reaches us; we forward it once
+                preexec_fn=_server_child_setup,  # dies with us; boost's fchmod(fd, 0644) is a no-op
+                umask=SERVER_UMASK,  # files and shared-memory regions (prompts, images): 0600
+            )
+        finally:
+            log.close()
+        self._hide_admin_key()
+        self._wait_ready()
+        self._check_restricted()
+        self._check_regions_private()
 
-        cmd = [
+    def command(self, binary: Path, backends: Path, repo: Path) -> list[str]:
+        """tritonserver's command line (the restricted APIs' value is chosen here, once per launch)."""
+        opts = self.options
+        if self._restricted_value is None:
+            token_file = self.engine_config.lora.admin_token_file
+            self._restricted_value = (triton_admin_key(read_admin_token(token_file)) if token_file
+                                      else unsendable_value())
+        return [
             str(binary),
             f"--model-repository={repo}",
             f"--backend-directory={backends}",
@@ -311,23 +387,59 @@ class TritonServer:
             f"--exit-timeout-secs={opts.exit_timeout_s}",
             "--allow-gpu-metrics=false",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            *restricted_api_flags(self._restricted_value),
         ]
-        _say(self._out, f"starting tritonserver (workspace {ws}, log {self._log_path})")
-        log = open(self._log_path, "wb")
+
+    def _hide_admin_key(self) -> None:
+        """Overwrite the restricted APIs' value on tritonserver's command line (/proc/PID/cmdline, which other
+        local users can read) once tritonserver has parsed it. Its first log line comes after the parse; if the
+        overwrite came first all the same, Triton would expect line feeds, which no client can send: the
+        restricted APIs would be off, never open (_check_restricted says so)."""
+        deadline = time.monotonic() + ARGV_HIDE_WAIT_S
+        while (self._proc.poll() is None and time.monotonic() < deadline
+               and not (self._log_path.exists() and self._log_path.stat().st_size > 0)):
+            time.sleep(0.002)
+        if self._proc.poll() is not None:
+            return
         try:
-            self._proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=dist.environment(dict(os.environ)),
-                cwd=str(ws),
-                start_new_session=True,  # a terminal's Ctrl-C reaches us; we forward it once
-                preexec_fn=_die_with_parent,
-            )
-        finally:
-            log.close()
-        self._wait_ready()
+            hidden = hide_argument_value(self._proc.pid, self._restricted_value)
+        except OSError as e:
+            hidden = 0
+            reason = f"{type(e).__name__}: {e}"
+        else:
+            reason = "not found"
+        if not hidden:
+            _say(self._out, f"warning: could not hide the admin key on tritonserver's command line ({reason}); "
+                            f"local users can read it in /proc/{self._proc.pid}/cmdline")
+
+    def _check_regions_private(self) -> None:
+        """Fail-safe: the shared-memory regions are 0600 (the seccomp filter of _server_child_setup keeps boost's
+        fchmod from opening them). Where it could not be installed, they are made 0600 now, with a warning:
+        a local user may have opened one in the meantime."""
+        opened = []
+        for region in SHM_DIR.glob(f"{self.shm_prefix}*"):
+            try:
+                if region.stat().st_mode & 0o077:
+                    os.chmod(region, 0o600)
+                    opened.append(region.name)
+            except OSError:
+                pass
+        if opened:
+            _say(self._out, f"warning: tritonserver created its shared-memory regions readable by other users "
+                            f"({', '.join(opened)}); they are 0600 now, but a local user may have opened them before")
+
+    def _check_restricted(self) -> None:
+        """Fail-safe: Triton's restricted APIs refuse a request without the key (else stop: LaunchError), and
+        answer the key when there is an admin token (else a warning: they are off for this launch)."""
+        url = f"{self.http_url}/v2/logging"
+        if _http_status(url) != 403:
+            self.stop()
+            raise LaunchError("tritonserver answered its logging API without the admin key: "
+                              "its restricted APIs are open, so it was stopped")
+        if self.engine_config.lora.admin_token_file and _http_status(
+                url, {ADMIN_KEY_HEADER: self._restricted_value}) != 200:
+            _say(self._out, "warning: tritonserver refuses the admin key: Triton's shared-memory, logging, trace "
+                            "and model-repository APIs are off for this launch")
 
     def _wait_ready(self) -> None:
         opts = self.options
@@ -401,6 +513,7 @@ class TritonServer:
             f"  adapters: {', '.join(adapters) if adapters else '(none found)'}",
             f"  adapter root: {self._adapter_root_description()}",
             f"  adapter admin: {self._admin_description()}",
+            f"  Triton admin APIs: {self._triton_admin_description()}",
             f"  listening on {self.options.listen_description}",
             f"  HTTP     {self.http_url}/v2/models/{MODEL_NAME}/generate   (streaming: .../generate_stream)",
             f"  gRPC     {self.grpc_url}   (tritonclient streaming RPC, model '{MODEL_NAME}')",
@@ -429,6 +542,13 @@ class TritonServer:
         if token_file:
             return f"load/unload need the token in {token_file} (admin_token); list is open"
         return "load/unload are off (enable them with --admin-token-file FILE); list is open"
+
+    def _triton_admin_description(self) -> str:
+        apis = "shared-memory, logging, trace, model-repository"
+        if self.engine_config.lora.admin_token_file:
+            return (f"{apis} need the header '{ADMIN_KEY_HEADER}: <key>' (gRPC: '{GRPC_ADMIN_KEY_HEADER}'), "
+                    "the key being sha256('vlora-triton-admin-key:' + token) in hex")
+        return f"{apis} are off (they need an admin token: --admin-token-file FILE)"
 
     def serve_forever(self) -> int:
         """Print the banner, then wait for the server; SIGINT/SIGTERM drain and stop it."""
@@ -564,6 +684,38 @@ def _say(out: TextIO, text: str) -> None:
     out.flush()
 
 
+def _http_status(url: str, headers: Optional[dict] = None) -> Optional[int]:
+    """The HTTP status of a GET of ``url`` (sent directly, never through a *_proxy), None when unreachable."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def hide_argument_value(pid: int, value: str) -> int:
+    """Overwrite each copy of ``value`` in the argument strings of process ``pid`` (what /proc/PID/cmdline and
+    ps show) with line feeds, through /proc/PID/mem (our own child: same user). Returns how many copies were
+    overwritten; raises OSError when the kernel refuses (e.g. a ptrace policy that forbids it)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    arg_start, arg_end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5), counted from "state" (3)
+    needle = value.encode("utf-8")
+    count = 0
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+        mem.seek(arg_start)
+        args = mem.read(arg_end - arg_start)
+        at = args.find(needle)
+        while at >= 0 and needle:
+            mem.seek(arg_start + at)
+            mem.write(b"\n" * len(needle))
+            count += 1
+            at = args.find(needle, at + len(needle))
+    return count
+
+
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -606,6 +758,53 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+# A seccomp filter for tritonserver and its stubs: fchmod(fd, 0644) returns success without doing anything.
+# The Python backend creates its shared-memory regions with boost.interprocess, whose open_or_create calls
+# shm_open(name, O_CREAT, 0644) and then fchmod(fd, 0644) "to ignore the umask": under the filter the
+# region keeps the mode shm_open gave it under our umask 077, 0600. Only that exact call is affected.
+_SECCOMP_FCHMOD = {"x86_64": (0xC000003E, 91), "aarch64": (0xC00000B7, 52)}  # (AUDIT_ARCH_*, __NR_fchmod)
+
+
+def _ignore_fchmod_0644() -> bool:
+    """In the child: install the seccomp filter above (Linux, x86_64 or aarch64). False where it cannot."""
+    import ctypes
+    import platform
+
+    arch = _SECCOMP_FCHMOD.get(platform.machine())
+    if arch is None:
+        return False
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    ld_abs, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    allow, errno_0 = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO with errno 0: "succeeded"
+    program = [
+        (ld_abs, 0, 0, 4), (jeq, 0, 5, arch[0]),  # seccomp_data.arch
+        (ld_abs, 0, 0, 0), (jeq, 0, 3, arch[1]),  # seccomp_data.nr == fchmod
+        (ld_abs, 0, 0, 24), (jeq, 0, 1, 0o644),  # low 32 bits of args[1] (little endian): the mode
+        (ret, 0, 0, errno_0), (ret, 0, 0, allow),
+    ]
+    filters = (SockFilter * len(program))(*[SockFilter(*f) for f in program])
+    prog = SockFprog(len(program), ctypes.cast(filters, ctypes.POINTER(SockFilter)))
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS (required for an unprivileged filter)
+        return False
+    return libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+
+def _server_child_setup() -> None:
+    """In tritonserver's process, before exec: die with the launcher; regions private (see above)."""
+    _die_with_parent()
+    _ignore_fchmod_0644()  # where it cannot be installed, _check_regions_private makes them 0600 after start
 
 
 def _die_with_parent() -> None:
