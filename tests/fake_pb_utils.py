@@ -30,6 +30,7 @@ class TritonError:
     UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
 
     def __init__(self, message: str, code: int = 1) -> None:
+        message.encode("utf-8")  # as pybind11 converts it to a C++ string: a lone surrogate raises here
         self._message, self._code = message, code
 
     def message(self) -> str:

@@ -15,6 +15,7 @@ import base64
 import json
 import os
 import queue
+import re
 import urllib.error
 import urllib.request
 import uuid
@@ -29,12 +30,44 @@ DEFAULT_MODEL = "vlora"
 DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
 
 
+# What the server's error codes are called here (vlora's, as its messages start: "[UNAVAILABLE] ..."),
+# from gRPC status names and HTTP statuses.
+_CODE_PREFIX = re.compile(r"^\[([A-Z_]+)\] ")
+_GRPC_CODES = {"INVALID_ARGUMENT": "INVALID_ARG", "UNAVAILABLE": "UNAVAILABLE", "CANCELLED": "CANCELLED",
+               "INTERNAL": "INTERNAL", "UNIMPLEMENTED": "UNSUPPORTED", "NOT_FOUND": "NOT_FOUND",
+               "RESOURCE_EXHAUSTED": "UNAVAILABLE", "UNKNOWN": "UNKNOWN"}
+_HTTP_CODES = {400: "INVALID_ARG", 404: "NOT_FOUND", 500: "INTERNAL", 501: "UNSUPPORTED", 503: "UNAVAILABLE"}
+# Triton's own rejections of a request it could not queue (its queue full, or its timeout there).
+_TRITON_UNAVAILABLE = ("Exceeds maximum queue size", "Request timeout expired")
+
+
 class VloraClientError(RuntimeError):
-    """The server refused or failed a request; the message is the server's."""
+    """The server refused or failed a request; the message is the server's (without its code prefix).
+
+    ``code`` is the server's error code when it is known: ``INVALID_ARG`` (a bad request: do not retry
+    it as is), ``UNAVAILABLE`` (the server is overloaded, stopping, or its engine failed: ``retryable``),
+    ``INTERNAL``, ``CANCELLED``; None when the error says nothing of it (a client-side timeout)."""
+
+    def __init__(self, message: str, code: Optional[str] = None) -> None:
+        m = _CODE_PREFIX.match(message or "")
+        if m:
+            code, message = m.group(1), message[m.end():]
+        elif code is None and any(s in (message or "") for s in _TRITON_UNAVAILABLE):
+            code = "UNAVAILABLE"
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def retryable(self) -> bool:
+        """The request was fine and the server could not take it now: send it again later."""
+        return self.code == "UNAVAILABLE"
 
 
 class VloraConnectionError(VloraClientError):
     """No server answered at the client's address (nothing listens there, or it cannot be reached)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="UNAVAILABLE")
 
 
 @dataclass(frozen=True)
@@ -213,6 +246,8 @@ class VloraClient:
         client = grpcclient.InferenceServerClient(self.url)
         finished = False
         try:
+            # Not the header triton_grpc_error (the error's code as the stream's gRPC status): Triton 2.51
+            # crashes (SIGSEGV) after a few such streams end in errors. The code is the message's prefix.
             client.start_stream(callback=lambda result, error: events.put((result, error)))
             try:
                 client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex,
@@ -266,7 +301,7 @@ class VloraClient:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 payload = json.loads(resp.read())
         except urllib.error.HTTPError as e:
-            raise VloraClientError(_http_error_message(e)) from None
+            raise VloraClientError(_http_error_message(e), _HTTP_CODES.get(e.code)) from None
         except urllib.error.URLError as e:
             raise _unreachable(self.url, "HTTP", e.reason) from None
         if "error" in payload:
@@ -281,7 +316,13 @@ class VloraClient:
         try:
             resp = urllib.request.urlopen(req, timeout=self.timeout_s)
         except urllib.error.HTTPError as e:
-            raise VloraClientError(_http_error_message(e)) from None
+            message = _http_error_message(e)
+            if message.startswith("data:"):  # /generate_stream's refusal is one event
+                try:
+                    message = json.loads(message[5:].strip()).get("error", message)
+                except (ValueError, AttributeError):
+                    pass
+            raise VloraClientError(message, _HTTP_CODES.get(e.code)) from None
         except urllib.error.URLError as e:
             raise _unreachable(self.url, "HTTP", e.reason) from None
         with resp:
@@ -392,11 +433,13 @@ def _grpc_error(url: str, error, connecting: bool) -> VloraClientError:
     UNAVAILABLE: no server there) is a VloraConnectionError; anything else is the server's message."""
     message = error.message() if hasattr(error, "message") and callable(error.message) else str(error)
     status = error.status() if hasattr(error, "status") and callable(error.status) else None
-    if connecting and status is not None and "UNAVAILABLE" in str(status):
+    name = str(status).rsplit(".", 1)[-1] if status is not None else None
+    answered = bool(_CODE_PREFIX.match(message or "")) or any(s in (message or "") for s in _TRITON_UNAVAILABLE)
+    if connecting and name == "UNAVAILABLE" and not answered:  # the server's own UNAVAILABLE carries a code
         return _unreachable(url, "gRPC", message)
     if connecting and status is None and "no longer in valid state" in (message or ""):
         return _unreachable(url, "gRPC", "the stream could not be opened")
-    return VloraClientError(message)
+    return VloraClientError(message, _GRPC_CODES.get(name) if name else None)
 
 
 def _http_error_message(e: urllib.error.HTTPError) -> str:

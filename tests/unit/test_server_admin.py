@@ -110,9 +110,9 @@ def test_a_refused_token_is_answered_and_logged_once_without_the_token(wire, pb)
 
 
 @pytest.mark.parametrize("fail,code,words,logged", [
-    (InvalidRequest("unknown adapter 'x'"), TritonError.INVALID_ARG, "unknown adapter 'x'", False),
-    (EngineOverloaded("server shutting down"), TritonError.UNAVAILABLE, "server shutting down", False),
-    (RuntimeError("disk on fire"), TritonError.INVALID_ARG, "internal error: RuntimeError: disk on fire", True),
+    (InvalidRequest("unknown adapter 'x'"), TritonError.INVALID_ARG, "[INVALID_ARG] unknown adapter 'x'", False),
+    (EngineOverloaded("server shutting down"), TritonError.UNAVAILABLE, "[UNAVAILABLE] server shutting down", False),
+    (RuntimeError("disk on fire"), TritonError.INTERNAL, "[INTERNAL] internal error: RuntimeError: disk on fire", True),
 ])
 def test_engine_failures_reach_the_client(wire, pb, fail, code, words, logged):
     sender = FakeSender()
@@ -125,3 +125,37 @@ def test_engine_failures_reach_the_client(wire, pb, fail, code, words, logged):
 def test_a_failed_send_is_logged(wire, pb):
     AdminActions(wire, FakeEngine(), admin_token=None).run(FakeSender(fail=True), "list", None)
     assert "sending an adapter_action answer failed" in pb.Logger.said("error")[0]
+
+
+# --- issue 37 hole 3: every admin request is answered ---
+@pytest.mark.parametrize("token", ["\ud800", TOKEN + "\udfff", "\x00" + TOKEN, 42, ["x"]])
+def test_a_token_that_is_not_clean_text_is_answered(wire, pb, token):
+    """A lone surrogate once raised UnicodeEncodeError on the admin thread: no answer, no log line."""
+    engine, sender = FakeEngine(), FakeSender()
+    AdminActions(wire, engine, admin_token=TOKEN.encode()).run(sender, "load", "a", token)
+    error = sender.final.error()
+    assert error.code() == TritonError.INVALID_ARG and "admin_token" in error.message() and engine.calls == []
+
+
+@pytest.mark.parametrize("sampling", [
+    {"adapter_action": "load", "lora_name": "a", "admin_token": "\ud800"},
+    {"adapter_action": "load", "lora_name": "a\x00", "admin_token": TOKEN},
+    {"adapter_action": "\ud800"},
+])
+def test_admin_requests_with_unclean_text_are_refused_naming_the_field(wire, sampling):
+    with pytest.raises(InvalidRequest) as e:
+        ask(wire, sampling=sampling)
+    assert any(f in str(e.value) for f in ("admin_token", "lora_name", "adapter_action")), str(e.value)
+
+
+def test_a_fault_anywhere_in_an_action_is_answered(wire, pb):
+    """Even an answer that cannot be built (here: not JSON-serializable) ends in a response."""
+
+    class OddEngine(FakeEngine):
+        def adapters(self):
+            return [object()]
+
+    sender = FakeSender()
+    AdminActions(wire, OddEngine(), admin_token=None).run(sender, "list", None)
+    assert sender.final.error().code() == TritonError.INTERNAL
+    assert len(pb.Logger.said("error")) == 1 and "Traceback" not in pb.Logger.said("error")[0]

@@ -115,8 +115,9 @@ def test_errors_carry_the_code_and_a_failed_send_is_logged(wire, pb):
     wire.send_error(sender, "busy", unavailable=True)
     wire.send_cancelled(sender)
     got = [(r.error().message(), r.error().code(), flags) for r, flags in sender.sent]
-    assert got == [("bad", TritonError.INVALID_ARG, COMPLETE_FINAL), ("busy", TritonError.UNAVAILABLE, COMPLETE_FINAL),
-                   ("request cancelled", TritonError.CANCELLED, COMPLETE_FINAL)]
+    assert got == [("[INVALID_ARG] bad", TritonError.INVALID_ARG, COMPLETE_FINAL),
+                   ("[UNAVAILABLE] busy", TritonError.UNAVAILABLE, COMPLETE_FINAL),
+                   ("[CANCELLED] request cancelled", TritonError.CANCELLED, COMPLETE_FINAL)]
     wire.send_error(FakeSender(fail=True), "bad")
     wire.send_cancelled(FakeSender(fail=True))
     assert "sending an error failed" in pb.Logger.said("error")[0]
@@ -135,4 +136,48 @@ def test_a_triton_without_the_cancelled_code_sends_its_default_code(pb):
     pb.TritonError = OlderTritonError
     sender = FakeSender()
     Wire(pb).send_cancelled(sender)
-    assert (sender.final.error().message(), sender.final.error().code()) == ("request cancelled", TritonError.UNKNOWN)
+    assert (sender.final.error().message(), sender.final.error().code()) == ("[CANCELLED] request cancelled", TritonError.UNKNOWN)
+
+
+# --- issue 37 holes 3 and 5: clean text in every string field, the code in every error message ---
+@pytest.mark.parametrize("inputs,parameters,words", [
+    ({"text_input": b"hi \xed\xa0\x80"}, None, "text_input is not valid UTF-8"),  # an encoded surrogate
+    ({"text_input": "hi \x00 there"}, None, "text_input holds a NUL"),
+    ({"text_input": "hi", "sampling_parameters": b'{"lora_name": "\xff"}'}, None, "sampling_parameters is not valid UTF-8"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"lora_name": "a\ud800"})}, None, "lora_name holds a lone UTF-16 surrogate"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"lora_name": "a\x00"})}, None, "lora_name holds a NUL"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"task": "\udfff"})}, None, "task holds a lone"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"stop": ["ok", "\ud800"]})}, None, "stop holds a lone"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"stop": ["\x00"]})}, None, "stop holds a NUL"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"\ud800": 1})}, None, "sampling_parameters holds a lone"),
+    ({"text_input": "hi"}, {"lora_name": "a\ud800"}, "lora_name holds a lone"),
+    ({"text_input": "hi"}, {"task": "a\x00"}, "task holds a NUL"),
+])
+def test_text_that_is_not_clean_is_refused_naming_the_field(wire, inputs, parameters, words):
+    with pytest.raises(InvalidRequest) as e:
+        parse(wire, inputs, parameters)
+    assert words in str(e.value)
+    assert "\ud800" not in str(e.value) and "\x00" not in str(e.value)  # never quoted (it may be a token)
+
+
+def test_parameters_the_stub_cannot_decode_are_refused_naming_the_key(wire):
+    """Triton hands the stub a request parameter's bytes as they came: the stub's parameters() raises."""
+
+    class Undecodable(FakeRequest):
+        def parameters(self) -> str:
+            return b'{"max_tokens": 2, "lora_name": "a\xffb"}'.decode("utf-8")
+
+    with pytest.raises(InvalidRequest, match=r"request parameter 'lora_name' is not valid UTF-8"):
+        wire.parse(Undecodable({"text_input": "hi"}), "rid", fault_injection=False)
+
+
+def test_an_error_message_quoting_a_clients_bad_text_is_still_sent(wire):
+    """A message quoting a lone surrogate or a NUL (which pybind11 and Triton's C strings cannot carry) goes
+    out escaped, with its code prefix; INTERNAL has its own code."""
+    sender = FakeSender()
+    assert wire.send_error(sender, "unknown adapter 'a\ud800\x00b'") is True
+    assert sender.final.error().message() == "[INVALID_ARG] unknown adapter 'a\\ud800\\x00b'"
+    internal = FakeSender()
+    wire.send_error(internal, "internal error: boom", internal=True)
+    assert (internal.final.error().code(), internal.final.error().message()) == (TritonError.INTERNAL, "[INTERNAL] internal error: boom")
+    assert wire.send_error(FakeSender(fail=True), "x") is False

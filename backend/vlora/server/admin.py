@@ -61,13 +61,21 @@ class AdminActions:
             raise InvalidRequest(
                 f"{ADMIN_KEY} {action!r} is off on this server: start it with `vlora serve --admin-token-file FILE` "
                 f"(engine setting lora.admin_token_file) and send that file's token as {ADMIN_TOKEN_KEY}")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode("utf-8"), self._admin_token):
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode("utf-8", "surrogatepass"), self._admin_token):
             what = "missing" if token is None else "wrong"
             raise InvalidRequest(f"{ADMIN_KEY} {action!r} refused: {what} {ADMIN_TOKEN_KEY} "
                                  f"(send the token of the server's --admin-token-file)")
 
     def run(self, sender, action: str, name: Optional[str], token: Any = None) -> None:
-        """One adapter action, answered with JSON in text_output (or a TritonError saying why not)."""
+        """One adapter action, answered with JSON in text_output (or a TritonError saying why not): every
+        exception ends in an answer."""
+        try:
+            self._run(sender, action, name, token)
+        except Exception as e:  # a fault of vlora's: still answered, logged in one line
+            self._wire.pb.Logger.log_error(f"vlora: adapter_action {action} failed: {type(e).__name__}: {e}")
+            self._wire.send_error(sender, f"internal error: {type(e).__name__}", internal=True)
+
+    def _run(self, sender, action: str, name: Optional[str], token: Any) -> None:
         wire, log = self._wire, self._wire.pb.Logger
         try:
             self.check_token(action, token)
@@ -90,7 +98,7 @@ class AdminActions:
             return
         except Exception as e:
             log.log_error(f"vlora: adapter_action {action} failed: {traceback.format_exc()}")
-            wire.send_error(sender, f"internal error: {type(e).__name__}: {e}")
+            wire.send_error(sender, f"internal error: {type(e).__name__}: {e}", internal=True)
             return
         if action == "load":
             log.log_info(f"vlora: adapter {name} loaded")
@@ -105,5 +113,5 @@ class AdminActions:
         ]
         try:
             wire.send_final(sender, tensors)
-        except Exception:
-            log.log_error(f"vlora: sending an adapter_action answer failed: {traceback.format_exc()}")
+        except Exception as e:  # the client went away, or the answer could not be sent: one line
+            log.log_error(f"vlora: sending an adapter_action answer failed: {type(e).__name__}: {e}")

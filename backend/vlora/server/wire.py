@@ -4,7 +4,14 @@ Inputs text_input, image (base64, one or more), stream, sampling_parameters (JSO
 lora_name and the sampling options in the request parameters or in sampling_parameters (the latter wins).
 Outputs text_output, finish_reason, num_input_tokens, num_output_tokens; a task head's answer adds label,
 scores and label_names. Errors go back as a TritonError: INVALID_ARG for a bad request, UNAVAILABLE for a
-server that cannot take it now, CANCELLED for a request its client cancelled.
+server that cannot take it now (overloaded, stopping, its engine failed), INTERNAL for a fault of vlora's,
+CANCELLED for a request its client cancelled. Each error's message starts with its code, ``[UNAVAILABLE]
+server overloaded: ...``: Triton's HTTP generate endpoints answer any error a decoupled model sends with
+400 (Triton 2.51; later releases map the code), and a gRPC stream's error carries no status (only with
+the header ``triton_grpc_error: true``, which crashes Triton 2.51); the prefix reaches every client.
+
+Every string a request carries (text_input, the sampling_parameters JSON and each string in it, request
+parameters) must be UTF-8 without lone surrogates or NULs; anything else is refused naming the field.
 
 Everything here goes through the ``pb_utils`` module a :class:`Wire` is given: Triton's
 ``triton_python_backend_utils`` in the stub (importable only there), a small fake in the unit tests.
@@ -60,9 +67,17 @@ class Wire:
         return value.item() if isinstance(value, np.generic) else value
 
     def options(self, request) -> dict[str, Any]:
-        """Request parameters first, then the sampling_parameters input over them. Raises InvalidRequest."""
+        """Request parameters first, then the sampling_parameters input over them. Raises InvalidRequest,
+        also for a string value that is not clean text (see :func:`check_text`), naming its key."""
         options = request_parameters(request)
-        options.update(parse_sampling_json(self.single(request, "sampling_parameters")))
+        raw = self.single(request, "sampling_parameters")
+        if isinstance(raw, bytes):
+            raw = decode_text("sampling_parameters", raw, allow_nul=True)  # a NUL in JSON text is a syntax error
+        sampling = parse_sampling_json(raw)
+        for key, value in sampling.items():
+            check_text("sampling_parameters", key)
+            check_value(key, value)
+        options.update(sampling)
         return options
 
     def parse(self, request, request_id: str, *, fault_injection: bool) -> ParsedRequest:
@@ -70,10 +85,7 @@ class Wire:
         text = self.single(request, "text_input")
         if text is None:
             raise InvalidRequest("text_input is required")
-        try:
-            prompt = text.decode("utf-8") if isinstance(text, bytes) else str(text)
-        except UnicodeDecodeError:
-            raise InvalidRequest("text_input is not valid UTF-8") from None
+        prompt = decode_text("text_input", text) if isinstance(text, bytes) else check_text("text_input", str(text))
 
         # Base64 as sent (the vLLM backend's convention); engine.prepare decodes and checks them.
         tensor = self.pb.get_input_tensor_by_name(request, "image")
@@ -156,26 +168,84 @@ class Wire:
     def send_final(self, sender, tensors: list) -> None:
         sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def send_error(self, sender, message: str, unavailable: bool = False) -> None:
-        """Answer with a TritonError: INVALID_ARG, or UNAVAILABLE when the server (not the request) is the cause."""
-        self._send_error(sender, message, "UNAVAILABLE" if unavailable else "INVALID_ARG", self.pb.Logger.log_error, "an error")
+    def send_error(self, sender, message: str, unavailable: bool = False, internal: bool = False) -> bool:
+        """Answer with a TritonError: INVALID_ARG; UNAVAILABLE when the server (not the request) is the cause;
+        INTERNAL for a fault of vlora's. False (and one log line) when it could not be sent."""
+        code = "UNAVAILABLE" if unavailable else "INTERNAL" if internal else "INVALID_ARG"
+        return self._send_error(sender, message, code, self.pb.Logger.log_error, "an error")
 
-    def send_cancelled(self, sender) -> None:
-        self._send_error(sender, "request cancelled", "CANCELLED", self.pb.Logger.log_warn, "a cancellation")
+    def send_cancelled(self, sender) -> bool:
+        return self._send_error(sender, "request cancelled", "CANCELLED", self.pb.Logger.log_warn, "a cancellation")
 
-    def _send_error(self, sender, message: str, code_name: str, log, what: str) -> None:
-        code = getattr(self.pb.TritonError, code_name, None)  # older Triton releases lack some codes
-        error = self.pb.TritonError(message) if code is None else self.pb.TritonError(message, code)
+    def _send_error(self, sender, message: str, code_name: str, log, what: str) -> bool:
         try:
+            code = getattr(self.pb.TritonError, code_name, None)  # older Triton releases lack some codes
+            text = error_message(code_name, message)
+            error = self.pb.TritonError(text) if code is None else self.pb.TritonError(text, code)
             sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:
-            log(f"vlora: sending {what} failed: {traceback.format_exc()}")
+            return True
+        except Exception as e:  # one line: the sender is gone (client disconnected) or already answered
+            log(f"vlora: sending {what} failed: {type(e).__name__}: {e}")
+            return False
+
+
+def error_message(code_name: str, message: str) -> str:
+    """``[CODE] message``, as text Triton can carry: a lone surrogate (from a client's string quoted in
+    the message) is escaped, and a NUL (which would cut the C string) is shown as ``\\x00``."""
+    text = f"[{code_name}] {message}".encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("\x00", "\\x00")
+
+
+def decode_text(field: str, raw: bytes, allow_nul: bool = False) -> str:
+    """``raw`` as text; InvalidRequest naming ``field`` when it is not UTF-8 (encoded surrogates included)
+    or holds a NUL."""
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"{field} is not valid UTF-8 (byte {e.start})") from None
+    return text if allow_nul else check_text(field, text)
+
+
+def check_text(field: str, text: str) -> str:
+    """``text``, unless it holds a lone UTF-16 surrogate (JSON's "\\ud800") or a NUL: InvalidRequest naming
+    ``field``, never quoting the text (it may be a token)."""
+    if "\x00" in text:
+        raise InvalidRequest(f"{field} holds a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{field} holds a lone UTF-16 surrogate at character {e.start}, not valid text") from None
+    return text
+
+
+def check_value(field: str, value: Any, depth: int = 0) -> None:
+    """:func:`check_text` on every string in ``value`` (lists and objects too, e.g. ``stop``)."""
+    if isinstance(value, str):
+        check_text(field, value)
+    elif isinstance(value, list) and depth < 4:
+        for item in value:
+            check_value(field, item, depth + 1)
+    elif isinstance(value, dict) and depth < 4:
+        for key, item in value.items():
+            check_text(field, key)
+            check_value(field, item, depth + 1)
 
 
 def request_parameters(request) -> dict[str, Any]:
-    """Request parameters (JSON keys of /generate that are not inputs, or gRPC parameters)."""
-    raw = request.parameters()
-    params = json.loads(raw) if raw else {}
+    """Request parameters (JSON keys of /generate that are not inputs, or gRPC parameters). Raises
+    InvalidRequest for a string that is not clean text, naming its key."""
+    try:
+        raw = request.parameters()
+        params = json.loads(raw) if raw else {}
+    except UnicodeDecodeError as e:  # Triton passes the client's bytes as they came; the stub cannot decode them
+        raise InvalidRequest(f"request parameter {_undecodable_key(e)} is not valid UTF-8") from None
+    except ValueError as e:
+        raise InvalidRequest(f"the request parameters could not be read: {e}") from None
+    if not isinstance(params, dict):
+        raise InvalidRequest("the request parameters could not be read")
+    for key, value in params.items():
+        check_text("a request parameter name", key)
+        check_value(key, value)
     for key in IGNORED_PARAMETERS:
         params.pop(key, None)
     unknown = sorted(set(params) - set(SAMPLING_KEYS) - {ADMIN_KEY, ADMIN_TOKEN_KEY, FAULT_KEY})
@@ -184,3 +254,16 @@ def request_parameters(request) -> dict[str, Any]:
             f"unknown request parameter(s) {unknown}; accepted: {sorted(SAMPLING_KEYS + (ADMIN_KEY,))}"
         )
     return params
+
+
+def _undecodable_key(error: UnicodeDecodeError) -> str:
+    """The name of the parameter whose value broke the stub's decoding of the parameters' JSON, when it
+    can be told (the JSON decoded with the bad bytes escaped), else a description."""
+    try:
+        params = json.loads(bytes(error.object).decode("utf-8", "surrogateescape"))
+        for key, value in params.items():
+            if isinstance(value, str) and any("\udc80" <= ch <= "\udcff" for ch in value):
+                return repr(key.encode("utf-8", "backslashreplace").decode("utf-8"))
+    except Exception:
+        pass
+    return "(one of them)"

@@ -17,6 +17,10 @@ is vlora.server.admin, run on admin threads; the custom metrics are vlora.server
 connects them to Triton's request objects and threads, and imports everything from the installed vlora
 package, so this model repository runs unchanged in NVIDIA's Triton container after ``pip install vlora``.
 
+Every request gets exactly one final answer, whatever fails: each path below ends in a response (an
+error naming the cause when nothing better can be sent), and finalize() answers what it stops: admin
+requests still queued, requests waiting for the image workers, and requests in flight.
+
 When the engine fails (its thread died, or the watchdog saw it stall), every request in flight is
 answered with the cause, the cause is logged (``vlora: ENGINE FAILED: ...``), and this stub process
 exits: Triton does not restart a dead Python stub, so ``vlora serve`` sees it go and stops the server,
@@ -31,7 +35,8 @@ import time
 import traceback
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -49,6 +54,7 @@ from vlora.server.wire import Wire
 CANCEL_POLL_S = 0.5  # how often in-flight requests are checked for client cancellation (one IPC each)
 MAX_DRAIN = 4096  # queued items the response thread takes at once (and merges per request) before sending
 ADMIN_THREADS = 4  # adapter actions at once
+ADMIN_DRAIN_S = 10.0  # how long finalize() waits for running adapter actions to answer
 DEAD_FLUSH_S = 5.0  # how long a dead engine's errors may take to reach the clients before the stub exits
 ENGINE_FAILED = "vlora: ENGINE FAILED"  # the log line `vlora serve` looks for
 
@@ -100,6 +106,8 @@ class TritonPythonModel:
         # Several: an unload may wait (lora.unload_timeout_s) for its adapter's requests, and a list must not.
         self._admin = ThreadPoolExecutor(max_workers=ADMIN_THREADS, thread_name_prefix="vlora-admin")
         self._admin_actions = AdminActions(self._wire, self._engine, admin_token)
+        self._admin_futures: set[Future] = set()  # queued or running; finalize() waits for the running ones
+        self._admin_lock = threading.Lock()
 
     @staticmethod
     def _engine_config(args: dict[str, str]) -> EngineConfig:
@@ -122,7 +130,14 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            self._admit(request)
+            try:
+                self._admit(request)
+            except Exception as e:  # _admit answers its refusals; this is the last resort
+                pb_utils.Logger.log_error(f"vlora: admitting a request failed: {type(e).__name__}: {e}")
+                try:
+                    self._wire.send_error(request.get_response_sender(), f"internal error: {type(e).__name__}", internal=True)
+                except Exception:
+                    pass
         return None
 
     def _admit(self, request) -> None:
@@ -131,7 +146,7 @@ class TritonPythonModel:
         try:
             admin = admin_request(self._wire, request)
             if admin is not None:
-                self._admin.submit(self._admin_actions.run, sender, *admin)
+                self._submit_admin(sender, admin)
                 return
             parsed = self._wire.parse(request, request_id, fault_injection=self._engine.config.scheduler.fault_injection)
             exclude_input, fault = parsed.exclude_input, parsed.fault
@@ -140,7 +155,8 @@ class TritonPythonModel:
                 # Decoding costs CPU per pixel: on the image workers, so that execute() returns at once
                 # and this request delays only itself.
                 self._engine.defer(lambda: self._enter_deferred(sender, checked, exclude_input, fault),
-                                   lambda reason: self._wire.send_error(sender, reason, unavailable=True))
+                                   lambda reason: self._wire.send_error(sender, str(reason) or "server shutting down",
+                                                                        unavailable=True))
                 return
         except InvalidRequest as e:
             self._wire.send_error(sender, str(e))
@@ -150,20 +166,46 @@ class TritonPythonModel:
             return
         except Exception as e:
             pb_utils.Logger.log_error(f"vlora: request refused by an internal error: {traceback.format_exc()}")
-            self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}")
+            self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}", internal=True)
             return
         self._enter(sender, checked, exclude_input, fault)
+
+    def _submit_admin(self, sender, admin: tuple) -> None:
+        """Run an adapter action on an admin thread. Answered there; if it never runs (the server stops
+        first) or fails outside AdminActions.run, answered here."""
+        try:
+            future = self._admin.submit(self._admin_actions.run, sender, *admin)
+        except RuntimeError:  # the executor is shut down: the server is stopping
+            self._wire.send_error(sender, "server shutting down", unavailable=True)
+            return
+        with self._admin_lock:
+            self._admin_futures.add(future)
+
+        def done(f: Future) -> None:
+            with self._admin_lock:
+                self._admin_futures.discard(f)
+            if f.cancelled():  # finalize() cancelled it before it ran
+                self._wire.send_error(sender, "server shutting down", unavailable=True)
+            elif f.exception() is not None:  # AdminActions.run answers everything; never expected
+                pb_utils.Logger.log_error(f"vlora: adapter_action failed: {f.exception()!r}")
+                self._wire.send_error(sender, "internal error", internal=True)
+
+        future.add_done_callback(done)
 
     def _enter_deferred(self, sender, checked: CheckedRequest, exclude_input: bool, fault: Optional[str]) -> None:
         """An image worker: ``_enter`` unless the client went away while the request waited."""
         try:
-            cancelled = sender.is_cancelled()
-        except Exception:
-            cancelled = False
-        if cancelled:
-            self._wire.send_cancelled(sender)
-            return
-        self._enter(sender, checked, exclude_input, fault)
+            try:
+                cancelled = sender.is_cancelled()
+            except Exception:
+                cancelled = False
+            if cancelled:
+                self._wire.send_cancelled(sender)
+                return
+            self._enter(sender, checked, exclude_input, fault)
+        except Exception as e:  # _enter answers its refusals; this is the last resort
+            pb_utils.Logger.log_error(f"vlora: a deferred request failed: {type(e).__name__}: {e}")
+            self._wire.send_error(sender, f"internal error: {type(e).__name__}", internal=True)
 
     def _enter(self, sender, checked: CheckedRequest, exclude_input: bool, fault: Optional[str]) -> None:
         """Preprocess (decode the images, build the model inputs) and submit one checked request; every
@@ -177,7 +219,7 @@ class TritonPythonModel:
             return
         except Exception as e:
             pb_utils.Logger.log_error(f"vlora: request refused by an internal error: {traceback.format_exc()}")
-            self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}")
+            self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}", internal=True)
             return
         state = _InFlight(
             request_id=request_id,
@@ -201,7 +243,7 @@ class TritonPythonModel:
         except Exception as e:
             self._post(("close", request_id))
             pb_utils.Logger.log_error(f"vlora: submit failed: {traceback.format_exc()}")
-            self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}")
+            self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}", internal=True)
 
     def _post(self, item: Any) -> None:
         """Queue a control item for the response thread and wake it."""
@@ -225,29 +267,47 @@ class TritonPythonModel:
             while outbox and len(batch) < MAX_DRAIN:
                 batch.append(outbox.popleft())
             more = len(batch) == MAX_DRAIN and bool(outbox)  # else what came meanwhile comes with a wake-up
-            for item in coalesce(batch):
+            try:
+                items = coalesce(batch)
+            except Exception as e:  # never expected: send the events one by one
+                pb_utils.Logger.log_error(f"vlora: merging responses failed: {type(e).__name__}: {e}")
+                items = batch
+            for item in items:
                 if item is _STOP:
                     stop = True
                     break
-                if isinstance(item, GenerationOutput):
-                    state = inflight.get(item.request_id)
-                    if state is not None:
-                        self._send_output(state, item)
-                        if item.finished:
-                            del inflight[item.request_id]
-                elif isinstance(item, tuple):
-                    if item[0] == "flushed":  # everything queued before it has been sent
-                        item[1].set()
-                    elif item[0] == "open":
-                        inflight[item[1].request_id] = item[1]
-                    elif item[0] == "close":
-                        inflight.pop(item[1], None)
+                try:
+                    self._handle(item, inflight)
+                except Exception as e:  # one item's fault must not end this thread (nothing would be answered)
+                    pb_utils.Logger.log_error(f"vlora: the response thread failed on an item: {type(e).__name__}: {e}")
             now = time.monotonic()
             if inflight and now - last_poll >= CANCEL_POLL_S:
                 last_poll = now
-                self._poll_cancelled(inflight)
+                try:
+                    self._poll_cancelled(inflight)
+                except Exception as e:
+                    pb_utils.Logger.log_error(f"vlora: polling for cancellations failed: {type(e).__name__}: {e}")
         for state in inflight.values():
             self._wire.send_error(state.sender, "server shutting down", unavailable=True)
+
+    def _handle(self, item: Any, inflight: dict[str, _InFlight]) -> None:
+        """One outbox item on the response thread."""
+        if isinstance(item, GenerationOutput):
+            state = inflight.get(item.request_id)
+            if state is not None:
+                if not self._send_output(state, item):  # could not be sent: answered with an error instead
+                    del inflight[item.request_id]
+                    if not item.finished:
+                        self._engine.cancel(item.request_id)
+                elif item.finished:
+                    del inflight[item.request_id]
+        elif isinstance(item, tuple):
+            if item[0] == "flushed":  # everything queued before it has been sent
+                item[1].set()
+            elif item[0] == "open":
+                inflight[item[1].request_id] = item[1]
+            elif item[0] == "close":
+                inflight.pop(item[1], None)
 
     def _engine_failed(self, cause: str) -> None:
         """The engine is dead and has failed its requests (their errors are queued): log the cause, let
@@ -276,32 +336,42 @@ class TritonPythonModel:
                 state.cancel_requested = True
                 self._engine.cancel(state.request_id)
 
-    def _send_output(self, state: _InFlight, out: GenerationOutput) -> None:
+    def _send_output(self, state: _InFlight, out: GenerationOutput) -> bool:
+        """Send the response to one engine event. False when it failed: the request was then answered with
+        an error (or its client is gone) and gets nothing more."""
         try:
             if out.finished and (out.error or out.finish_reason == "error"):
                 # A dead engine's errors are "unavailable": the request was fine, the server is not.
                 self._wire.send_error(state.sender, out.error or "generation failed", unavailable=self._engine.dead is not None)
-                return
+                return True
             if out.finished and out.finish_reason == "cancelled" and state.cancel_requested:
                 self._wire.send_cancelled(state.sender)
-                return
+                return True
             tensors = self._wire.output_tensors(out, stream=state.stream, prefix=state.prefix,
                                                 sent_output_tokens=state.sent_output_tokens)
             if tensors is None:
-                return
+                return True
             if state.stream:
                 state.sent_output_tokens = out.num_output_tokens
             flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
             state.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
-        except Exception:
-            pb_utils.Logger.log_error(f"vlora: sending a response failed: {traceback.format_exc()}")
+            return True
+        except Exception as e:  # one line; the client may be gone, else it gets the cause
+            pb_utils.Logger.log_error(f"vlora: sending a response failed: {type(e).__name__}: {e}")
+            self._wire.send_error(state.sender, f"internal error: sending the response failed ({type(e).__name__})",
+                                  internal=True)
+            return False
 
     def finalize(self) -> None:
         pb_utils.Logger.log_info("vlora: draining the engine")
+        # Queued admin requests are cancelled, and answered "server shutting down" (_submit_admin).
         self._admin.shutdown(wait=False, cancel_futures=True)
         try:
             self._engine.shutdown()
         finally:
+            with self._admin_lock:
+                running = list(self._admin_futures)
+            wait_futures(running, timeout=ADMIN_DRAIN_S)  # the running ones answer (the engine has stopped)
             self._post(_STOP)
             self._response_thread.join(timeout=30)
             self._metrics.close()
