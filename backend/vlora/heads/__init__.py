@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -101,24 +101,39 @@ def save_heads(adapter_dir: Path, heads: Mapping[str, TaskHead]) -> None:
     (adapter_dir / HEADS_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-def load_heads(adapter_dir: Path, *, hidden_size: int, where: str = "adapter") -> dict[str, TaskHead]:
+def load_heads(adapter_dir: Path, *, hidden_size: int, where: str = "adapter",
+               read: Optional[Callable[[str, int], Optional[bytes]]] = None) -> dict[str, TaskHead]:
     """Read and check the heads of an adapter folder; ``{}`` when it has none.
 
     Refuses, naming the problem: a malformed JSON file, an unknown format or version, a hidden size
     other than the served model's, a missing, misshapen or non-finite tensor, tensors no head names,
-    duplicate tasks or labels.
+    duplicate tasks or labels, a weights file larger than its heads' tensors can be.
+
+    ``read(file name, limit)`` gives the bytes of a file of the folder (raising
+    ``vlora.lora.files.FileTooLarge`` past ``limit`` bytes), or None when it is absent. Each file is read
+    once and parsed from those bytes; the default reads it through one descriptor
+    (``vlora.lora.files.read_once``). The adapter loader passes a reader that checks the path against the
+    adapter root and adds the bytes to the adapter's version.
     """
-    from safetensors import safe_open
+    from safetensors.torch import load as load_safetensors
+
+    from vlora.lora.files import FileTooLarge, read_once
 
     adapter_dir = Path(adapter_dir)
-    cfg_path = adapter_dir / HEADS_CONFIG
-    if not cfg_path.is_file():
-        return {}
-    if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
-        raise HeadError(f"{where}: {HEADS_CONFIG} is larger than {MAX_CONFIG_BYTES} bytes")
+    if read is None:
+        def read(filename: str, limit: int) -> Optional[bytes]:
+            path = adapter_dir / filename  # a symlink is followed here, as the adapter loader does
+            return read_once(path.resolve(), limit) if path.is_file() else None
+
     try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        raw = read(HEADS_CONFIG, MAX_CONFIG_BYTES)
+    except FileTooLarge:
+        raise HeadError(f"{where}: {HEADS_CONFIG} is larger than {MAX_CONFIG_BYTES} bytes") from None
+    if raw is None:
+        return {}
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except ValueError as e:
         raise HeadError(f"{where}: {HEADS_CONFIG} is not valid JSON ({e})") from None
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         raise HeadError(f"{where}: {HEADS_CONFIG} must be a JSON object with \"format\": \"{FORMAT}\"")
@@ -130,50 +145,57 @@ def load_heads(adapter_dir: Path, *, hidden_size: int, where: str = "adapter") -
     entries = config.get("heads")
     if not isinstance(entries, list) or not entries:
         raise HeadError(f"{where}: {HEADS_CONFIG} lists no heads")
-    weights_path = adapter_dir / HEADS_WEIGHTS
-    if not weights_path.is_file():
-        raise HeadError(f"{where}: {HEADS_WEIGHTS} is missing")
-    heads: dict[str, TaskHead] = {}
+    specs: dict[str, tuple[str, tuple[str, ...], Optional[str]]] = {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise HeadError(f"{where}: each entry of \"heads\" must be an object")
+        try:
+            task = validate_task_name(entry.get("task"))
+        except HeadError as e:
+            raise HeadError(f"{where}: {e}") from None
+        if task in specs:
+            raise HeadError(f"{where}: task {task!r} is listed twice")
+        task_type = entry.get("task_type")
+        if task_type not in TASK_TYPES:
+            raise HeadError(f"{where}: task {task!r}: task_type {task_type!r} is not one of {list(TASK_TYPES)}")
+        labels = entry.get("labels")
+        if (not isinstance(labels, list) or not 2 <= len(labels) <= MAX_LABELS
+                or not all(isinstance(x, str) and 0 < len(x) <= MAX_LABEL_CHARS for x in labels)
+                or len(set(labels)) != len(labels)):
+            raise HeadError(f"{where}: task {task!r}: labels must be 2 to {MAX_LABELS} distinct non-empty strings")
+        prompt = entry.get("prompt")
+        if prompt is not None and not isinstance(prompt, str):
+            raise HeadError(f"{where}: task {task!r}: prompt must be a string")
+        specs[task] = (task_type, tuple(labels), prompt)
+
+    # The heads' tensors at 8 bytes an element, and a header of at most a megabyte: anything larger is refused unread.
+    limit = 8 + MAX_CONFIG_BYTES + 8 * sum(len(labels) * (hidden_size + 1) for _, labels, _ in specs.values())
     try:
-        handle = safe_open(str(weights_path), framework="pt", device="cpu")
+        blob = read(HEADS_WEIGHTS, limit)
+    except FileTooLarge:
+        raise HeadError(f"{where}: {HEADS_WEIGHTS} is larger than its heads' tensors can be ({limit} bytes)") from None
+    if blob is None:
+        raise HeadError(f"{where}: {HEADS_WEIGHTS} is missing")
+    try:
+        tensors = load_safetensors(blob)
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a malformed file
         raise HeadError(f"{where}: {HEADS_WEIGHTS} is not a valid safetensors file ({e})") from None
-    with handle as f:
-        keys = set(f.keys())
-        for entry in entries:
-            if not isinstance(entry, dict):
-                raise HeadError(f"{where}: each entry of \"heads\" must be an object")
-            try:
-                task = validate_task_name(entry.get("task"))
-            except HeadError as e:
-                raise HeadError(f"{where}: {e}") from None
-            if task in heads:
-                raise HeadError(f"{where}: task {task!r} is listed twice")
-            task_type = entry.get("task_type")
-            if task_type not in TASK_TYPES:
-                raise HeadError(f"{where}: task {task!r}: task_type {task_type!r} is not one of {list(TASK_TYPES)}")
-            labels = entry.get("labels")
-            if (not isinstance(labels, list) or not 2 <= len(labels) <= MAX_LABELS
-                    or not all(isinstance(x, str) and 0 < len(x) <= MAX_LABEL_CHARS for x in labels)
-                    or len(set(labels)) != len(labels)):
-                raise HeadError(f"{where}: task {task!r}: labels must be 2 to {MAX_LABELS} distinct non-empty strings")
-            prompt = entry.get("prompt")
-            if prompt is not None and not isinstance(prompt, str):
-                raise HeadError(f"{where}: task {task!r}: prompt must be a string")
-            tensors = []
-            for suffix, shape in (("weight", (len(labels), hidden_size)), ("bias", (len(labels),))):
-                key = f"{task}.{suffix}"
-                if key not in keys:
-                    raise HeadError(f"{where}: {HEADS_WEIGHTS} has no tensor {key!r}")
-                got = tuple(f.get_slice(key).get_shape())
-                if got != shape:
-                    raise HeadError(f"{where}: {key!r} has shape {list(got)}, expected {list(shape)}")
-                t = f.get_tensor(key)
-                if not t.is_floating_point() or not torch.isfinite(t).all():
-                    raise HeadError(f"{where}: {key!r} must hold finite floating-point values")
-                tensors.append(t.to(torch.float32).contiguous())
-                keys.discard(key)
-            heads[task] = TaskHead(task, task_type, tuple(labels), tensors[0], tensors[1], prompt)
-        if keys:
-            raise HeadError(f"{where}: {HEADS_WEIGHTS} holds tensors no head names: {sorted(keys)[:3]}")
+    keys = set(tensors)
+    heads: dict[str, TaskHead] = {}
+    for task, (task_type, labels, prompt) in specs.items():
+        parts = []
+        for suffix, shape in (("weight", (len(labels), hidden_size)), ("bias", (len(labels),))):
+            key = f"{task}.{suffix}"
+            if key not in keys:
+                raise HeadError(f"{where}: {HEADS_WEIGHTS} has no tensor {key!r}")
+            t = tensors[key]
+            if tuple(t.shape) != shape:
+                raise HeadError(f"{where}: {key!r} has shape {list(t.shape)}, expected {list(shape)}")
+            if not t.is_floating_point() or not torch.isfinite(t).all():
+                raise HeadError(f"{where}: {key!r} must hold finite floating-point values")
+            parts.append(t.to(torch.float32).contiguous())
+            keys.discard(key)
+        heads[task] = TaskHead(task, task_type, labels, parts[0], parts[1], prompt)
+    if keys:
+        raise HeadError(f"{where}: {HEADS_WEIGHTS} holds tensors no head names: {sorted(keys)[:3]}")
     return heads

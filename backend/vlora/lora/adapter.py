@@ -28,6 +28,13 @@ match fast: at most ``MAX_PATTERN_KEY_CHARS`` characters, no backreferences, no 
 (``(x+)+``, ``(.*)*``), no alternation inside a repeat, and at most ``MAX_PATTERN_REPEATS`` repeats.
 A pattern holds at most ``MAX_PATTERN_KEYS`` keys, of which at most ``MAX_PATTERN_REGEX_KEYS`` regexes.
 
+Reading. Each file is opened once, without following a final symlink, and read through that one
+descriptor (:mod:`vlora.lora.files`): the bytes read are the bytes parsed and the bytes hashed into the
+adapter's ``version``, so a file changed or swapped while it is read cannot pair its old weights with a
+new version. The safetensors header is read first and every key and shape checked against the served
+model; the tensor data is read only then, and only up to what those shapes can hold (8 bytes an element),
+so a file padded out is refused before it is read into memory.
+
 Magnitude. A module's delta is ``scale * B @ A``; its gain (operator norm) is at most
 ``|scale| * ||B||_F * ||A||_F``. An adapter is refused at load when a scale is not finite or above
 ``MAX_LORA_SCALE``, or when that bound exceeds ``MAX_LORA_GAIN`` (1e4; the demo adapters are below 20):
@@ -45,6 +52,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 
 from vlora.errors import InvalidRequest
+from vlora.lora.files import ContentVersion, FileTooLarge, NotARegularFile, OneRead, read_once
 
 try:  # the parser behind re, used to vet regex keys of rank_pattern / alpha_pattern before running them
     from re import _constants as _sre_constants, _parser as _sre_parse
@@ -57,6 +65,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 MAX_CONFIG_BYTES = 1 << 20
+MAX_SAFETENSORS_HEADER_BYTES = 16 << 20  # a PEFT adapter's header is a few hundred bytes per tensor
 MAX_LORA_SCALE = 1e4  # |lora_alpha / r| (or / sqrt(r) with rsLoRA)
 MAX_LORA_GAIN = 1e4  # |scale| * ||B||_F * ||A||_F, an upper bound on how much a module's delta amplifies x
 MAX_PATTERN_KEYS = 1024  # keys of rank_pattern, and of alpha_pattern
@@ -159,8 +168,11 @@ class AdapterWeights:
     config: Mapping[str, Any] = field(default_factory=dict, repr=False)
     heads: Mapping[str, Any] = field(default_factory=dict, repr=False)  # task -> vlora.heads.TaskHead
     vision_targets: tuple[str, ...] = ()  # the targets of target_modules on the vision tower and projector
-    # Which files these weights were read from: (size, mtime, inode) of the config and weights files. A
-    # reload after the folder changed gives another version, so caches keyed on it never serve old results.
+    # What these weights were read from: the sha256 of the bytes of adapter_config.json, the safetensors
+    # file and the task-head files, as read (vlora.lora.files.ContentVersion). The prefix and encoder caches
+    # key on name@version: changed content (even with the same size, mtime and inode) gets new keys; the
+    # same bytes reloaded keep theirs, as their cached keys and values are still exact. "" for weights
+    # built in memory: LoraManager.register gives those a version of their own.
     version: str = ""
 
     def scale(self, layer: int, module: str) -> float:
@@ -235,8 +247,6 @@ def load_adapter(
     them are refused); ``max_rank`` is the largest rank a slot holds. Raises AdapterError naming the
     key, module, shape or setting at fault.
     """
-    from safetensors import safe_open
-
     adir = resolve_adapter_dir(root, name)
     where = f"adapter {name!r}"
     config_path = _inside(adir, CONFIG_FILE, root, where)
@@ -248,17 +258,20 @@ def load_adapter(
         raise AdapterError(f"{where}: {WEIGHTS_FILE} is missing")
     if config_path is None:
         raise AdapterError(f"{where}: {CONFIG_FILE} is missing")
-    config = _read_config(config_path, where)
+    version = ContentVersion()  # every byte parsed below is added, as it was read
+    try:
+        config_bytes = _read_file(config_path, CONFIG_FILE, MAX_CONFIG_BYTES, where)
+    except FileTooLarge:
+        raise AdapterError(f"{where}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes") from None
+    version.add(CONFIG_FILE, config_bytes)
+    config = _parse_config(config_bytes, where)
 
     supported = tuple(supported_modules)
     base_r, base_alpha, use_rslora, rank_pattern, alpha_pattern = _lora_settings(config, where)
 
-    try:
-        handle = safe_open(str(weights_path), framework="pt", device="cpu")
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a malformed file
-        raise AdapterError(f"{where}: {WEIGHTS_FILE} is not a valid safetensors file ({e})") from None
-    with handle as f:
-        keys = list(f.keys())
+    with _open_file(weights_path, WEIGHTS_FILE, where) as f:
+        header, header_bytes = _safetensors_header(f, where)
+        keys = sorted(k for k in header if k != "__metadata__")
         if not keys:
             raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no tensors")
         found: dict[tuple[int, str], dict[str, tuple[str, tuple[str, str]]]] = {}
@@ -271,7 +284,7 @@ def load_adapter(
             layer, module, names = _target_of(m["path"], key, where, supported, num_layers, vision)
             found.setdefault((layer, module), {})[m["ab"]] = (key, names)
 
-        pairs: dict[tuple[int, str], LoraPair] = {}
+        plan: list[tuple[int, str, str, str, str, float]] = []
         for (layer, module), ab in sorted(found.items()):
             if set(ab) != {"A", "B"}:
                 have, miss = next(iter(ab)), ({"A", "B"} - set(ab)).pop()
@@ -281,8 +294,8 @@ def load_adapter(
             if module not in module_dims:
                 raise AdapterError(f"{where}: the served model has no dimensions for module {module!r}")
             d_in, d_out = module_dims[module]
-            shape_a = tuple(f.get_slice(key_a).get_shape())
-            shape_b = tuple(f.get_slice(key_b).get_shape())
+            shape_a = tuple(header[key_a]["shape"])
+            shape_b = tuple(header[key_b]["shape"])
             if len(shape_a) != 2 or shape_a[1] != d_in:
                 raise AdapterError(f"{where}: {key_a!r} has shape {list(shape_a)}, expected [r, {d_in}]")
             r = shape_a[0]
@@ -296,10 +309,20 @@ def load_adapter(
                 raise AdapterError(f"{where}: {key_a!r} has rank {r}, but adapter_config.json gives r={cfg_r}")
             alpha = _pattern_value(alpha_pattern, module_name, base_alpha, current)
             scale = float(alpha / math.sqrt(r) if use_rslora else alpha / r)
-            a = _tensor(f, key_a, where)
-            b = _tensor(f, key_b, where)
-            _check_magnitude(where, module_name, scale, a, b)
-            pairs[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
+            plan.append((layer, module, module_name, key_a, key_b, scale))
+        # Every key is a checked LoRA weight now: the data holds at most 8 bytes per element of their shapes.
+        weights_bytes = _whole_file(f, header, header_bytes, where)
+    version.add(WEIGHTS_FILE, weights_bytes)
+    tensors = _parse_safetensors(weights_bytes, where)
+    del weights_bytes
+
+    pairs: dict[tuple[int, str], LoraPair] = {}
+    for layer, module, module_name, key_a, key_b, scale in plan:
+        a = _tensor(tensors, header, key_a, where)
+        b = _tensor(tensors, header, key_b, where)
+        _check_magnitude(where, module_name, scale, a, b)
+        pairs[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
+    del tensors
 
     ranks: dict[str, int] = {}
     for (_, module), pair in pairs.items():
@@ -307,10 +330,11 @@ def load_adapter(
     targets = tuple(m for m in supported if m in ranks)
     on_vision = set(vision.targets) if vision is not None else set()
     vision_targets = tuple(m for m in targets if m in on_vision)
-    heads = _load_heads(adir, root, where, hidden_size=module_dims["q_proj"][0]) if "q_proj" in module_dims else {}
-    version = "/".join(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}" for st in (config_path.stat(), weights_path.stat()))
-    return AdapterWeights(name=name, dir=adir, pairs=pairs, ranks=ranks, max_rank=max(ranks.values()), version=version,
-                          target_modules=targets, config=config, heads=heads, vision_targets=vision_targets)
+    heads = (_load_heads(adir, root, where, hidden_size=module_dims["q_proj"][0], version=version)
+             if "q_proj" in module_dims else {})
+    return AdapterWeights(name=name, dir=adir, pairs=pairs, ranks=ranks, max_rank=max(ranks.values()),
+                          version=version.hexdigest(), target_modules=targets, config=config, heads=heads,
+                          vision_targets=vision_targets)
 
 
 def _target_of(path: str, key: str, where: str, supported: tuple[str, ...], num_layers: int,
@@ -340,15 +364,21 @@ def _target_of(path: str, key: str, where: str, supported: tuple[str, ...], num_
     return layer, target, (path, current)
 
 
-def _load_heads(adir: Path, root: Path, where: str, hidden_size: int) -> dict[str, Any]:
-    """The adapter's vision task heads (vlora_heads.json + .safetensors beside the PEFT files), if any."""
-    from vlora.heads import HEADS_CONFIG, HEADS_WEIGHTS, HeadError, load_heads
+def _load_heads(adir: Path, root: Path, where: str, hidden_size: int, version: ContentVersion) -> dict[str, Any]:
+    """The adapter's vision task heads (vlora_heads.json + .safetensors beside the PEFT files), if any; the
+    bytes of both files, read once each, are added to ``version``."""
+    from vlora.heads import HeadError, load_heads
 
-    if _inside(adir, HEADS_CONFIG, root, where) is None:
-        return {}
-    _inside(adir, HEADS_WEIGHTS, root, where)  # refuses a weights file symlinked out of the root
+    def read(filename: str, limit: int) -> Optional[bytes]:
+        path = _inside(adir, filename, root, where)  # refuses a file symlinked out of the root
+        if path is None:
+            return None
+        data = _read_file(path, filename, limit, where)
+        version.add(filename, data)
+        return data
+
     try:
-        return load_heads(adir, hidden_size=hidden_size, where=where)
+        return load_heads(adir, hidden_size=hidden_size, where=where, read=read)
     except HeadError as e:
         raise AdapterError(str(e)) from None
 
@@ -364,16 +394,87 @@ def _inside(adir: Path, filename: str, root: Path, where: str) -> Optional[Path]
     return resolved
 
 
-def _read_config(path: Path, where: str) -> dict[str, Any]:
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdapterError(f"{where}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+def _open_file(path: Path, filename: str, where: str) -> OneRead:
+    """``path`` (checked by ``_inside``) opened for one read; refuses what is no longer a regular file
+    (a symlink swapped in since the check is not followed)."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        return OneRead(path)
+    except NotARegularFile:
+        raise AdapterError(f"{where}: {filename} is not a regular file inside the adapter root") from None
+
+
+def _read_file(path: Path, filename: str, limit: int, where: str) -> bytes:
+    """The bytes of ``path``, read once (FileTooLarge beyond ``limit``); see ``_open_file``."""
+    try:
+        return read_once(path, limit)
+    except NotARegularFile:
+        raise AdapterError(f"{where}: {filename} is not a regular file inside the adapter root") from None
+
+
+def _parse_config(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError included
         raise AdapterError(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise AdapterError(f"{where}: {CONFIG_FILE} must hold a JSON object")
     return config
+
+
+def _invalid_weights(where: str, why: str) -> AdapterError:
+    return AdapterError(f"{where}: {WEIGHTS_FILE} is not a valid safetensors file ({why})")
+
+
+def _safetensors_header(f: OneRead, where: str) -> tuple[dict[str, Any], bytes]:
+    """The header of the safetensors file ``f`` (read from its start: the 8-byte length, then the JSON) and
+    the bytes read. Every entry but ``__metadata__`` must have a ``shape`` of non-negative integers; the
+    rest (dtypes, offsets) is checked by safetensors itself when the whole file is parsed."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise _invalid_weights(where, f"{len(head)} bytes, shorter than a header")
+    n = int.from_bytes(head, "little")
+    if n > MAX_SAFETENSORS_HEADER_BYTES or 8 + n > f.size:
+        raise _invalid_weights(where, f"a header of {n} bytes in a file of {f.size}")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except ValueError as e:
+        raise _invalid_weights(where, f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise _invalid_weights(where, "its header is not a JSON object")
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (not isinstance(shape, list) or len(shape) > 8
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
+            raise _invalid_weights(where, f"tensor {key[:80]!r} has no valid shape")
+    return header, head + raw
+
+
+def _whole_file(f: OneRead, header: Mapping[str, Any], header_bytes: bytes, where: str) -> bytes:
+    """All of ``f``, whose header (``header_bytes``, read first) was checked: read in one piece from its
+    start, refused unread when its data is larger than the header's tensors can hold (8 bytes an element)
+    or grows past that while it is read, and refused when its header is no longer the one checked."""
+    limit = 8 * sum(math.prod(e["shape"]) for k, e in header.items() if k != "__metadata__")
+    if f.size - len(header_bytes) > limit:
+        raise _invalid_weights(where, f"{f.size - len(header_bytes)} bytes of data, more than its tensors' {limit}")
+    try:
+        data = f.read_all(len(header_bytes) + limit)
+    except FileTooLarge:
+        raise _invalid_weights(where, f"it grew past {limit} bytes of data while it was read") from None
+    if not data.startswith(header_bytes):
+        raise AdapterError(f"{where}: {WEIGHTS_FILE} changed while it was read; load it again")
+    return data
+
+
+def _parse_safetensors(data: bytes, where: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a malformed file
+        raise _invalid_weights(where, str(e)) from None
 
 
 def _lora_settings(config: Mapping[str, Any], where: str):
@@ -518,8 +619,10 @@ def _modern_name(module_name: str) -> str:
     return "model.language_model." + module_name[len(old):] if module_name.startswith(old) else module_name
 
 
-def _tensor(f, key: str, where: str) -> torch.Tensor:
-    t = f.get_tensor(key)
+def _tensor(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], key: str, where: str) -> torch.Tensor:
+    t = tensors.get(key)
+    if t is None or list(t.shape) != header[key]["shape"]:  # parsed from the bytes the header was read from
+        raise _invalid_weights(where, f"tensor {key!r} does not match its header")
     if not t.is_floating_point():
         raise AdapterError(f"{where}: {key!r} has dtype {t.dtype}; expected a floating-point tensor")
     t = t.to(torch.float32).contiguous()

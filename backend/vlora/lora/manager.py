@@ -25,6 +25,14 @@ On a CPU the copy runs at once on the engine thread: the same calls with the str
 skipped. A slot is refilled only when no request pins it (running requests and a merged adapter
 pin their slot), so a copy never overwrites weights that a step may still read.
 
+Versions: the prefix cache and the encoder cache key on a slot's ``name@version`` (``slot_identity``),
+where the version is the hash of the bytes the adapter was read from (:attr:`AdapterWeights.version`), taken
+from the same read as its weights. A reload (``unload``, then ``load``) of changed files gets new keys,
+whatever their size, mtime or inode; so does a host-tier miss that reads a folder changed since; an
+unchanged reload keeps its keys, which still hold exactly what the weights compute. ``describe`` (the admin
+``list`` and ``load`` answers) shows the version of the weights last read. Weights registered in memory
+without a version get ``memory-N``, N counted per registration.
+
 Ids: each adapter name gets an id when it is first seen (the adapters under the root at start, in
 name order, then in order of appearance), kept for the life of the server: unloading and loading an
 adapter again keeps its id, and an id is never given to another name.
@@ -79,6 +87,7 @@ class AdapterRecord:
     target_modules: tuple[str, ...] = ()
     vision_targets: tuple[str, ...] = ()
     heads: tuple[str, ...] = ()
+    version: Optional[str] = None  # of the weights last read (AdapterWeights.version); None: never read
 
 
 class SlotCopies:
@@ -236,6 +245,7 @@ class LoraManager:
         self._epoch: dict[str, int] = {}  # bumped by unload: a read started before it is discarded
         self._records: dict[str, AdapterRecord] = {}
         self._next_id = 1
+        self._registrations = 0  # versions of in-memory weights registered without one
 
         # Engine thread only (_slot_of is also read under _lock by host-tier eviction, so it is written under it).
         self._slot_of: dict[str, int] = {}
@@ -254,8 +264,14 @@ class LoraManager:
 
     def register(self, name: str, weights: AdapterWeights) -> None:
         """Make ``weights`` servable as ``name`` without a folder under the adapter root (benchmarks
-        and tests that need hundreds of adapters). Such adapters stay in host memory for good."""
+        and tests that need hundreds of adapters). Such adapters stay in host memory for good.
+
+        ``weights.version`` names them in the caches' keys: weights without one get ``memory-N``, new at
+        each registration, so other weights registered under the same name never meet this one's cache entries."""
         with self._lock:
+            if not weights.version:
+                self._registrations += 1
+                weights = dataclasses.replace(weights, version=f"memory-{self._registrations}")
             self._in_memory[name] = weights
             self._unloaded.discard(name)
             self._record(name, weights)
@@ -437,7 +453,8 @@ class LoraManager:
 
     def describe(self, names: Optional[Iterable[str]] = None) -> list[dict[str, Any]]:
         """One entry per adapter (every known one, or ``names``): id, tier, rank, targets (``vision_targets``:
-        those on the vision tower and projector), heads.
+        those on the vision tower and projector), heads, version (of the weights last read: the hash of
+        their files' bytes, the cache keys' part; None before a first read).
 
         ``tier``: ``gpu`` (in a device slot; ``ready`` is false while its copy is in flight), named
         ``cpu-slot`` on a CPU server, whose slots are in host memory; ``cpu`` (the host-memory tier) or
@@ -461,6 +478,7 @@ class LoraManager:
                     "source": "memory" if name in self._in_memory else "disk",
                     "rank": rec.rank, "target_modules": list(rec.target_modules),
                     "vision_targets": list(rec.vision_targets), "heads": list(rec.heads),
+                    "version": rec.version,
                 }
                 entry["state"] = "unloaded" if name in self._unloaded else "unloading" if name in self._draining else "loaded"
                 if slot is not None:
@@ -643,6 +661,7 @@ class LoraManager:
             rec.target_modules = tuple(w.target_modules)
             rec.vision_targets = tuple(w.vision_targets)
             rec.heads = tuple(sorted(w.heads))
+            rec.version = w.version
         return rec
 
     def _check_not_unloaded(self, name: str) -> None:
