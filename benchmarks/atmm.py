@@ -7,7 +7,7 @@ configuration (the tuner's search), written as a tiling table, loaded, and looke
 table like serving does. The static configuration is the single (shrink, split-K, expand) choice
 with the least total time over all cases (the Punica approach: one tile for every shape).
 
-    python benchmarks/atmm.py [--quick] [--out-dir DIR]
+    python -m benchmarks.atmm [--quick] [--out-dir DIR]
 """
 from __future__ import annotations
 
@@ -20,13 +20,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, git_commit, record_result  # noqa: E402
+from benchmarks.common import device_name, git_commit, record_result
 
-from vlora.atmm import AtmmKernels, atmm_reference  # noqa: E402
-from vlora.atmm.tiling import write_table  # noqa: E402
-from vlora.atmm.timing import copy_bandwidth_gbs, event_time_ms, graph_time_us, matmul_tflops  # noqa: E402
-from vlora.atmm.tuner import feasible_configs, make_problem, profile_shape, table_entries  # noqa: E402
+from vlora.atmm import AtmmKernels, atmm_reference
+from vlora.atmm.tiling import write_table
+from vlora.atmm.timing import copy_bandwidth_gbs, event_time_ms, graph_time_us, matmul_tflops
+from vlora.atmm.tuner import feasible_configs, make_problem, profile_shape, table_entries
 
 D = 4096
 DTYPE = "bf16"

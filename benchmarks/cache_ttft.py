@@ -29,8 +29,8 @@ part: hits, misses and reused tokens of each phase (off: none).
 Models: the presets at real size with random weights (bf16), the folders engine_floor.py and
 engine_decode.py write (``<work>/<preset stem>``, made on first use); on a CPU (``--tiny``), the tiny models.
 
-    python benchmarks/cache_ttft.py --out $OUT                # LLaVA-1.5-7B and Qwen2-VL-7B (CUDA)
-    python benchmarks/cache_ttft.py --tiny --no-record        # the tiny models on a CPU (a smoke run)
+    python -m benchmarks.cache_ttft --out $OUT                # LLaVA-1.5-7B and Qwen2-VL-7B (CUDA)
+    python -m benchmarks.cache_ttft --tiny --no-record        # the tiny models on a CPU (a smoke run)
 
 Writes ``<out>/cache-ttft-<device>.json`` and, unless ``--no-record``, results/cache-ttft-<device>.json and
 one line in benchmarks/RESULTS.md; prints that line after ``RESULTS``.
@@ -50,11 +50,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "backend"))
-
-from common import (PRESETS, TINY, build_model_engine, device_name, git_commit, model_folder,  # noqa: E402
+from benchmarks.common import (PRESETS, TINY, build_model_engine, device_name, git_commit, model_folder,
                     model_parser, write_result)
 
 NAME = "cache-ttft"
@@ -192,6 +188,7 @@ def set_caches(engine, on: bool, encoder_cache) -> None:
     registers them, so the on rounds' cached blocks are neither used nor added to."""
     cache = dataclasses.replace(engine.config.cache, prefix_caching=on)
     engine.config = dataclasses.replace(engine.config, cache=cache)
+    engine.scheduler.config = engine.config  # admission (the scheduler) reads it
     engine.runner.encoder_cache = encoder_cache if on else None
 
 

@@ -42,7 +42,7 @@ host_check() {
     echo "busy GPU before $1: no timed step run (HOST_CHECK_US=0 runs them anyway)"
     exit 3
   fi
-  python3 benchmarks/step_kernels.py --check-host "${HOST_CHECK_US:-10}" >> "$OUT/host-check.log" 2>&1
+  python3 -m benchmarks.step_kernels --check-host "${HOST_CHECK_US:-10}" >> "$OUT/host-check.log" 2>&1
   local hc=$?
   tail -1 "$OUT/host-check.log"
   if [[ $hc -eq 3 ]]; then
@@ -53,7 +53,7 @@ host_check() {
 if [[ " $STEPS " == *" gemv "* ]]; then
   host_check gemv
   t0=$(date +%s)
-  python3 benchmarks/gemv_probe.py ${GEMV_ARGS:-} --out "$OUT" --table-out "$OUT/gemv-table.json" 2>&1 |
+  python3 -m benchmarks.gemv_probe ${GEMV_ARGS:-} --out "$OUT" --table-out "$OUT/gemv-table.json" 2>&1 |
     tee "$OUT/gemv-probe.log" | tail -45
   rc=$(( rc | PIPESTATUS[0] ))
   if [[ -s "$OUT/gemv-table.json" ]]; then
@@ -73,25 +73,25 @@ if [[ " $STEPS " == *" test "* ]]; then
 fi
 if [[ " $STEPS " == *" floor "* ]]; then
   host_check floor
-  python3 benchmarks/engine_floor.py ${FLOOR_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/engine-floor.log" | tail -60
+  python3 -m benchmarks.engine_floor ${FLOOR_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/engine-floor.log" | tail -60
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" cache "* ]]; then
   host_check cache
   t0=$(date +%s)
-  python3 benchmarks/cache_ttft.py ${CACHE_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/cache-ttft.log" | tail -30
+  python3 -m benchmarks.cache_ttft ${CACHE_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/cache-ttft.log" | tail -30
   rc=$(( rc | PIPESTATUS[0] ))
   echo "benchmarks/cache_ttft.py: $(( $(date +%s) - t0 )) s"
 fi
 if [[ " $STEPS " == *" switch "* ]]; then
   host_check switch
-  python3 benchmarks/switch_probe.py --json "$OUT/switch-probe.json" 2>&1 | tee "$OUT/switch-probe.log" | tail -12
+  python3 -m benchmarks.switch_probe --json "$OUT/switch-probe.json" 2>&1 | tee "$OUT/switch-probe.log" | tail -12
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" atmmbench "* ]]; then
   host_check atmmbench
   t0=$(date +%s)
-  python3 benchmarks/atmm.py ${ATMM_BENCH_ARGS:---quick} --out-dir "$OUT" --table-out "$OUT/tiling-table.json" 2>&1 |
+  python3 -m benchmarks.atmm ${ATMM_BENCH_ARGS:---quick} --out-dir "$OUT" --table-out "$OUT/tiling-table.json" 2>&1 |
     tee "$OUT/atmm-bench.log" | tail -25
   rc=$(( rc | PIPESTATUS[0] ))
   echo "benchmarks/atmm.py: $(( $(date +%s) - t0 )) s"

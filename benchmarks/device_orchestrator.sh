@@ -9,7 +9,7 @@
 # could not end in time.
 # No Triton server: it skips device_env.sh.
 #   mkdir -p .devpack && cp .engpack/*.so.gz .devpack/ && OUT=$OUT/orch bash benchmarks/device_orchestrator.sh
-#       (carry [".engpack"]); then, here: python benchmarks/orchestrator.py --report <$OUT/orch/orchestrator.json>
+#       (carry [".engpack"]); then, here: python -m benchmarks.orchestrator --report <$OUT/orch/orchestrator.json>
 #       prints the tables, the verdicts and a RESULTS.md section, and records results/orchestrator-<device>.json.
 #   ORCH_STEPS   default "bench"; also "probe" (benchmarks/switch_probe.py, ~15 s) and "test" (the graph tests
 #                tests/gpu/test_engine_graphs.py): they run first and come out of the budget
@@ -39,13 +39,13 @@ if [[ " $STEPS " == *" test "* ]]; then
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" probe "* ]]; then
-  python3 benchmarks/switch_probe.py --json "$OUT/switch-probe.json" 2>&1 | tee "$OUT/switch-probe.log"
+  python3 -m benchmarks.switch_probe --json "$OUT/switch-probe.json" 2>&1 | tee "$OUT/switch-probe.log"
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   BUDGET=$(( ${ORCH_BUDGET_S:-415} - ($(date +%s) - T0) ))
   echo "[set-up done at $(( $(date +%s) - T0 )) s; orchestrator.py gets ${BUDGET} s]"
-  python3 benchmarks/orchestrator.py --device cuda --require-atmm-ext --budget-s "$BUDGET" --no-record \
+  python3 -m benchmarks.orchestrator --device cuda --require-atmm-ext --budget-s "$BUDGET" --no-record \
     --json-out "$OUT/orchestrator.json" ${ORCH_ARGS:-} 2>&1 | tee "$OUT/orchestrator.log" | tail -90
   rc=$(( rc | PIPESTATUS[0] ))
 fi

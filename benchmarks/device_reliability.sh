@@ -40,7 +40,7 @@ python3 -c 'import locust, gevent, geventhttpclient, tritonclient; print("locust
 # What is left of the budget, less ~15 s for the server's stop and the bundle.
 BUDGET=$(( ${RELIABILITY_BUDGET_S:-420} - ($(date +%s) - T0) - 15 ))
 echo "[setup done at $(( $(date +%s) - T0 )) s; reliability.py gets ${BUDGET} s]"
-python3 benchmarks/reliability.py --preset "$PRESET" --device cuda --work "$WORK" --out "$RES" \
+python3 -m benchmarks.reliability --preset "$PRESET" --device cuda --work "$WORK" --out "$RES" \
   --soak-minutes "${SOAK_MINUTES:-4}" --overload-s "${OVERLOAD_S:-60}" --budget-s "$BUDGET" ${RELIABILITY_ARGS:-}
 rc=$?
 find benchmarks/results -name '*.json' -newer /tmp/reliability.start -exec cp {} "$RES/" \;

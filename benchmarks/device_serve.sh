@@ -33,16 +33,15 @@ if want tests 120; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tail -15 || rc=1
 fi
 if want serve 150; then
-  python3 benchmarks/serve_decode.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench "$@" || rc=1
+  python3 -m benchmarks.serve_decode --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench "$@" || rc=1
 fi
 if want heads 90; then
-  python3 benchmarks/heads_latency.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-heads --device cuda \
+  python3 -m benchmarks.heads_latency --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-heads --device cuda \
     --json-out /tmp/heads-latency.json || rc=1
 fi
 if want engine 90; then
-  python3 benchmarks/engine_decode.py --work /tmp/vlora-bench || rc=1
+  python3 -m benchmarks.engine_decode --work /tmp/vlora-bench || rc=1
 fi
-[ -z "${PROFILE:-}" ] || python3 benchmarks/profile_step.py --work /tmp/vlora-bench
 mkdir -p /tmp/bundle
 cp /tmp/vlora-bench/server.log /tmp/bundle/ 2>/dev/null
 tail -c 300000 /tmp/vlora-bench/triton-ws/tritonserver.log > /tmp/bundle/tritonserver.log 2>/dev/null

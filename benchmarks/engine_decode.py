@@ -1,7 +1,7 @@
 """Decode throughput of the engine in-process (no server): tokens/s at batch 1 and 32, base model and a
 mixed batch of distinct rank-64 adapters, with the model and adapters that serve_decode.py writes.
 
-    python benchmarks/engine_decode.py --work /tmp/vlora-bench --preset configs/models/llava-1.5-7b.yaml
+    python -m benchmarks.engine_decode --work /tmp/vlora-bench --preset configs/models/llava-1.5-7b.yaml
 
 Every request decodes ``--max-tokens`` tokens (EOS ignored); the rate counts decode steps only, after
 every request of the batch has finished its prefill. Writes results/engine-decode-<device>.json.
@@ -9,14 +9,10 @@ every request of the batch has finished its prefill. Writes results/engine-decod
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import device_name, git_commit, record_result  # noqa: E402
+from benchmarks.common import device_name, git_commit, record_result
 
 
 def run(engine, n: int, adapters: list, max_tokens: int, policy: str) -> dict:

@@ -2,12 +2,12 @@
 (LLaVA-1.5-7B dimensions, random weights, bf16), each next to the time the hardware needs at least and
 next to a plain PyTorch decode step captured in a CUDA graph (benchmarks/plain_decode.py).
 
-    python benchmarks/engine_floor.py --out $OUT --deadline-s 420    # the full grid
-    python benchmarks/engine_floor.py --quick                          # batch 1 and 32, context 700, prefill 600
-    python benchmarks/engine_floor.py --quick --profile                # plus torch.profiler over 5 decode steps
-    python benchmarks/engine_floor.py --device cpu --quick --no-record # the tiny model on a CPU (a smoke run)
-    python benchmarks/engine_floor.py --preset configs/models/qwen2-vl-7b.yaml --quick --deadline-s 200  # Qwen2-VL-7B
-    python benchmarks/engine_floor.py --batches 1,8 --contexts 700 --gemv-max-rows 0 --variants base,gemv --skip-plain  # cuBLAS vs gemv
+    python -m benchmarks.engine_floor --out $OUT --deadline-s 420    # the full grid
+    python -m benchmarks.engine_floor --quick                          # batch 1 and 32, context 700, prefill 600
+    python -m benchmarks.engine_floor --quick --profile                # plus torch.profiler over 5 decode steps
+    python -m benchmarks.engine_floor --device cpu --quick --no-record # the tiny model on a CPU (a smoke run)
+    python -m benchmarks.engine_floor --preset configs/models/qwen2-vl-7b.yaml --quick --deadline-s 200  # Qwen2-VL-7B
+    python -m benchmarks.engine_floor --batches 1,8 --contexts 700 --gemv-max-rows 0 --variants base,gemv --skip-plain  # cuBLAS vs gemv
 
 The 7B model folder is written under ``--work`` on first use (random weights, the folder
 engine_decode.py uses). Points whose KV cache cannot fit are skipped and say so: on an 80 GB card, batch
@@ -78,11 +78,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "backend"))
-
-from common import RESULTS, device_name, git_commit, record_result  # noqa: E402
+from benchmarks.common import ROOT, RESULTS, device_name, git_commit, record_result
 
 NAME = "engine-floor"
 GIB = 2 ** 30
@@ -431,7 +427,7 @@ def run_plain(model_dir: Path, device, dtype, dims: ModelDims, batches: list[int
     takes more than ``slow_host_x`` times its memory floor at ``copy_gbs`` (0: no check)."""
     import torch
 
-    from plain_decode import PlainDecoder, check_against_hf
+    from benchmarks.plain_decode import PlainDecoder, check_against_hf
     from vlora.models.family import load_model
 
     out: dict[str, Any] = {"points": {}, "weights": "the same model folder as the engine, loaded once more"}
@@ -563,6 +559,7 @@ class BatchRun:
         from vlora.engine.api import GenerationRequest, SamplingParams
 
         self.engine, self.batch, self.context = engine, batch, context
+        self.last = None  # the last timed step's StepResult
         self.sync = sync_fn(engine.runner.device)
         self.errors: list[str] = []
         vocab = min(len(engine.tokenizer), engine.runner.vocab_size)
@@ -603,18 +600,20 @@ class BatchRun:
         out = []
         for _ in range(n):
             t0 = time.perf_counter()
-            if self.engine.step() is None:
+            self.last = self.engine.step()
+            if self.last is None:
                 raise RuntimeError(f"a decode step did not run ({self.errors[:1]})")
             out.append(time.perf_counter() - t0)
         if n:
             self.check()
         return out
 
-    def check(self) -> dict:
-        last = self.engine.last_step or {}
-        if last.get("num_decode") != self.batch or last.get("num_prefill", 0) != 0:
-            raise RuntimeError(f"expected a decode step of {self.batch} requests, the last step ran {last.get('num_decode')} "
-                               f"decode and {last.get('num_prefill')} prefill requests")
+    def check(self):
+        """The last step (a StepResult): a decode step of the whole batch, else RuntimeError."""
+        last = self.last
+        if last is None or last.num_decode != self.batch or last.num_prefill != 0:
+            ran = "nothing" if last is None else f"{last.num_decode} decode and {last.num_prefill} prefill requests"
+            raise RuntimeError(f"expected a decode step of {self.batch} requests, the last step ran {ran}")
         return last
 
     def contexts(self) -> list[int]:
@@ -656,17 +655,17 @@ def decode_point(engine, variant: str, batch: int, context: int, names: list[str
         last = run.check()
     finally:
         run.close()
-    distinct = len({s for s in last.get("slots", []) if s is not None and s >= 0})
+    distinct = len({s for s in last.slots if s is not None and s >= 0})
     if variant == "lora" and distinct != len(set(adapters)):
         raise RuntimeError(f"lora: {distinct} distinct slots ran, expected {len(set(adapters))}")
-    if variant == "merged" and (last.get("mode") != "merge" or last.get("merged") != names[0]):
-        raise RuntimeError(f"merged: the step ran mode {last.get('mode')!r} with {last.get('merged')!r} merged")
+    if variant == "merged" and (last.mode != "merge" or last.merged != names[0]):
+        raise RuntimeError(f"merged: the step ran mode {last.mode!r} with {last.merged!r} merged")
     if variant in ("base", "sync", "gemv") and distinct:
         raise RuntimeError(f"{variant}: {distinct} adapter slots ran")
     return {"ms": 1e3 * total / steps, "median_step_ms": 1e3 * statistics.median(per), "steps": steps,
             "prefill_steps": prefill_steps, "context_mean": statistics.mean(ctx0), "context_max": max(ctx0),
-            "distinct_adapters": len(set(a for a in adapters if a is not None)), "mode": last.get("mode"),
-            "merged": last.get("merged")}
+            "distinct_adapters": len(set(a for a in adapters if a is not None)), "mode": last.mode,
+            "merged": last.merged}
 
 
 _PREFILL_SEEDS = iter(range(10**6))  # every timed prompt its own tokens: none hits the prefix cache
@@ -681,13 +680,13 @@ def prefill_point(engine, tokens: int, reps: int) -> dict:
         try:
             run.sync()
             t0 = time.perf_counter()
-            if engine.step() is None:
+            last = engine.step()
+            if last is None:
                 raise RuntimeError(f"the prefill step did not run ({run.errors[:1]})")
             run.sync()
             dt = time.perf_counter() - t0
-            last = engine.last_step or {}
-            if last.get("num_prefill") != 1:
-                raise RuntimeError(f"expected one prefill, the step ran {last.get('num_prefill')}")
+            if last.num_prefill != 1:
+                raise RuntimeError(f"expected one prefill, the step ran {last.num_prefill}")
         finally:
             run.close()
         if i:
@@ -792,10 +791,10 @@ def media_point(engine, m: dict, reps: int, seed0: int = 1) -> dict:
         engine.flush()  # with the step overlap, its token is read back (and the request finishes) here
         sync()
         t2 = time.perf_counter()
-        last = engine.last_step or {}
-        if ran is None or last.get("num_prefill") != 1 or errors:
+        if ran is None or ran.num_prefill != 1 or errors:
             engine.fail_all("cancelled", "benchmark point failed")
-            raise RuntimeError(f"the {m['kind']} prefill step did not run alone ({last.get('num_prefill')} prefills, {errors[:1]})")
+            raise RuntimeError(f"the {m['kind']} prefill step did not run alone "
+                               f"({ran.num_prefill if ran else 0} prefills, {errors[:1]})")
         if engine.has_work():
             engine.fail_all("cancelled", "benchmark point done")
         if i:
@@ -1198,7 +1197,7 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
     engine = build(model_dir, device, dtype_name, slots, args.rank, max(batches), max(16384, max(prefills) + 16),
                    max_images=max([m["images"] for m in media], default=1))
     build_s = time.perf_counter() - t0
-    from orchestrator import ensure_resident, register_adapters, set_policy
+    from benchmarks.orchestrator import ensure_resident, register_adapters, set_policy
 
     probe = set_policy(engine, "unmerge-only")
     names = register_adapters(engine, slots, min(8, slots), args.rank, seed=0)

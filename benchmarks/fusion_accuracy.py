@@ -8,7 +8,7 @@ For each generated task it measures, on the test split:
   ``--floor-margin``: fusion must keep every task within that margin of its own adapter.
 and reports how many adapters fusion produced against one per task.
 
-    python benchmarks/fusion_accuracy.py --steps 30 --out /tmp/vlora-fusion-bench
+    python -m benchmarks.fusion_accuracy --steps 30 --out /tmp/vlora-fusion-bench
 
 Writes ``benchmarks/results/fusion-accuracy-<device>.json`` and ``.md`` (the table), the fusion report
 (markdown + PNG) under ``--out``, and a line in ``benchmarks/RESULTS.md``.
@@ -16,16 +16,11 @@ Writes ``benchmarks/results/fusion-accuracy-<device>.json`` and ``.md`` (the tab
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "backend"))
-
-from common import RESULTS, device_name, git_commit, record_result  # noqa: E402
+from benchmarks.common import RESULTS, device_name, git_commit, record_result
 
 TASKS = ("count-circles", "count-squares", "color", "shape", "presence-red-triangle", "action")
 

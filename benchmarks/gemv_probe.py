@@ -10,10 +10,10 @@ to cuBLAS (``F.linear``; for the fused kind ``silu_mul(F.linear(...))``, what th
 The launch of a shape is one for every M (a row's bits must not depend on M): the candidate with the least
 mean time relative to the fastest at each M.
 
-    python benchmarks/gemv_probe.py --out $OUT --table-out $OUT/gemv-table.json   # ~40-60 s on an H100
-    VLORA_GEMV_TABLE=$OUT/gemv-table.json python benchmarks/engine_floor.py ... --gemv-max-rows 16
-    python benchmarks/gemv_probe.py --configs n16k256w4s4,n32k512w8s3x2T --shapes o,down   # given launches
-    TRITON_INTERPRET=1 python benchmarks/gemv_probe.py --device cpu --tiny --rows 1,2 --no-record --out /tmp/p  # CPU smoke
+    python -m benchmarks.gemv_probe --out $OUT --table-out $OUT/gemv-table.json   # ~40-60 s on an H100
+    VLORA_GEMV_TABLE=$OUT/gemv-table.json python -m benchmarks.engine_floor ... --gemv-max-rows 16
+    python -m benchmarks.gemv_probe --configs n16k256w4s4,n32k512w8s3x2T --shapes o,down   # given launches
+    TRITON_INTERPRET=1 python -m benchmarks.gemv_probe --device cpu --tiny --rows 1,2 --no-record --out /tmp/p  # CPU smoke
 
 Prints, per shape and launch, us per call and the fraction of the measured copy rate at each M (bytes: the
 weight, x and y once), then the projections of one decode step (every layer and the LM head) with the best
@@ -35,11 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "backend"))
-
-from common import RESULTS, device_name, git_commit, write_result  # noqa: E402
+from benchmarks.common import ROOT, RESULTS, device_name, git_commit, write_result
 
 NAME = "gemv-probe"
 ROWS = "1,2,4,8,16"

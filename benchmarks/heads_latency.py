@@ -8,10 +8,10 @@ longer answers such as "The shape moves to the left." take 8 or more). Both run 
 one request alone and ``--batch`` requests together, on generated frames.
 
     # GPU, LLaVA-1.5-7B width (random weights; latency does not depend on what the weights are):
-    python benchmarks/heads_latency.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-heads --device cuda \
+    python -m benchmarks.heads_latency --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-heads --device cuda \
         --json-out $OUT/heads-latency.json
     # CPU smoke run on the tiny model:
-    python benchmarks/heads_latency.py --device cpu --repeats 2 --no-record
+    python -m benchmarks.heads_latency --device cpu --repeats 2 --no-record
 
 With ``--preset`` it writes a random-weight model of that size, a rank-16 q/v adapter and a random
 action head for it under ``--work`` (first run only). Writes
@@ -27,11 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "backend"))
-
-from common import device_name, git_commit, record_result  # noqa: E402
+from benchmarks.common import device_name, git_commit, record_result
 
 ADAPTER = "bench-action-head"
 TASK = "action"

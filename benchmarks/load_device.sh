@@ -49,12 +49,12 @@ for PART in "${PARTS[@]}"; do
   echo "== $PART"
   case "$PART" in
     retrieval)
-      python3 benchmarks/load_sweep.py --keep-raw --name load-7b-retrieval --workload visual_retrieval --preset $PRESET \
+      python3 -m benchmarks.load_sweep --keep-raw --name load-7b-retrieval --workload visual_retrieval --preset $PRESET \
         --rates ${RETRIEVAL_RATES:-0.25,0.5,1,2} --duration "$D" --skewness "${SKEWNESS:-}" --skew-duration "$D" --overload-duration "${OVERLOAD_S:-0}" \
         --out "$W/load-7b-retrieval" -- "${SERVER[@]}" --serve-arg="--max-queue-size 32" || rc=1 ;;
     video)
       # LLaVA-1.5 has a 4096-token context: 6 frames x 576 image tokens per action-recognition request.
-      python3 benchmarks/load_sweep.py --keep-raw --name load-7b-video --workload video --preset $PRESET \
+      python3 -m benchmarks.load_sweep --keep-raw --name load-7b-video --workload video --preset $PRESET \
         --rates ${VIDEO_RATES:-1,2,4} --duration "$D" --skewness "${SKEWNESS:-}" --skew-duration "$D" --overload-duration "${OVERLOAD_S:-0}" \
         --out "$W/load-7b-video" -- "${SERVER[@]}" --frames-per-chunk 6 --serve-arg="--max-queue-size 32" || rc=1 ;;
     scaling)
@@ -66,7 +66,7 @@ for PART in "${PARTS[@]}"; do
       for n in ${SCALING_GPUS:-1 2 4}; do
         [ "$n" -le "$NGPU" ] || { echo "skipping $n GPUs: $NGPU here"; continue; }
         echo "[${n} GPU(s) from ${SECONDS} s]"
-        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) python3 benchmarks/load_sweep.py --keep-raw --name "load-7b-scaling-${n}gpu" \
+        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) python3 -m benchmarks.load_sweep --keep-raw --name "load-7b-scaling-${n}gpu" \
           --workload visual_retrieval --preset $PRESET --closed-users $((32 * n)) --duration "${SCALING_DURATION:-110}" \
           --warmup-s "${SCALING_WARMUP:-40}" --out "$W/load-7b-scaling-${n}gpu" -- "${SERVER[@]}" \
           --serve-arg="${SCALING_SERVE_ARGS:---set scheduler.max_waiting=2 --set atmm.tune_at_load=never}" || rc=1

@@ -7,9 +7,9 @@ benchmarks/results/<name>-<device>.json and a line in benchmarks/RESULTS.md; the
 with PNG plots, summary JSON) to benchmarks/load_results/<name>-<device>/.
 
 CPU (the tiny model, small limits so the queue fills within seconds):
-    python benchmarks/load_sweep.py
+    python -m benchmarks.load_sweep
 GPU (LLaVA-1.5-7B width, random weights, rank-64 adapters; see benchmarks/load_device.sh):
-    python benchmarks/load_sweep.py --name load-7b --preset configs/models/llava-1.5-7b.yaml \\
+    python -m benchmarks.load_sweep --name load-7b --preset configs/models/llava-1.5-7b.yaml \\
         --rates 1,2,4,6,8,12 -- --device cuda --num-adapters 8 --adapter-rank 64 --image-size 336 \\
         --serve-arg="--max-queue-size 64"
 """
@@ -21,14 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common import ROOT, device_name, git_commit, record_result
 
-from common import ROOT, device_name, git_commit, record_result  # noqa: E402
-
-from vlora_load import cli  # noqa: E402
-from vlora_load.heads import HeadPolicy  # noqa: E402
-from vlora_load.runner import Point, Target, run_point, run_sweep, sweep_points, wait_idle  # noqa: E402
-from vlora_load.summary import queue_built, read_records, window_stats  # noqa: E402
+from vlora_load import cli
+from vlora_load.heads import HeadPolicy
+from vlora_load.runner import Point, Target, run_point, run_sweep, sweep_points, wait_idle
+from vlora_load.summary import queue_built, read_records, window_stats
 
 CPU_DEFAULTS = ["--length-scale", "0.05", "--image-size", "64", "--device", "cpu",
                 "--serve-arg=--max-batch-size 8 --max-queue-size 8 --set scheduler.max_waiting=4"]
@@ -86,7 +84,7 @@ def main(argv=None) -> int:
     server, adapter_root, names = cli.start_server(lt_args, workload, work, out)
     target = Target(server.http_url.replace("http://", ""), server.grpc_url, server.metrics_url)
     heads = HeadPolicy.from_adapter_root(adapter_root, tuple(names))
-    settings = {"benchmark": f"python benchmarks/load_sweep.py {' '.join(sys.argv[1:])}".strip(),
+    settings = {"benchmark": f"python -m benchmarks.load_sweep {' '.join(sys.argv[1:])}".strip(),
                 "server flags": " ".join(extra), "device": device_name(), "commit": git_commit()}
     t_start = time.time()
     if args.closed_users:

@@ -39,9 +39,9 @@ each cell are reported. No cell starts once it could not end inside the budget, 
 what it measured. Cells run adapter count by skewness by rate, the four policies one after the other on the same
 stream, so that a cut-short run still holds whole comparisons:
 
-    python benchmarks/orchestrator.py --device cuda --require-atmm-ext --budget-s 400 \\
+    python -m benchmarks.orchestrator --device cuda --require-atmm-ext --budget-s 400 \\
         --json-out $OUT/orchestrator.json --no-record
-    python benchmarks/orchestrator.py --report path/to/orchestrator.json   # here: tables, verdicts, RESULTS.md line
+    python -m benchmarks.orchestrator --report path/to/orchestrator.json   # here: tables, verdicts, RESULTS.md line
 
 ``--report`` prints the tables (average and p99 token latency per cell, requests per cell), vlora's cut against
 each baseline, and for every missed comparison the measured step and switch costs beside the cost model's; then
@@ -50,7 +50,7 @@ the same as a markdown section for RESULTS.md. A second run with ``--merge-into 
 ``--require-atmm-ext`` stops at once when the ATMM extension cannot serve (put a built ``vlora_atmm_ext*.so`` on
 PYTHONPATH, see ``benchmarks/run_device.sh``). CPU smoke run (tiny model; ``--budget-s 120`` runs the full grid):
 
-    python benchmarks/orchestrator.py --device cpu --quick --no-record
+    python -m benchmarks.orchestrator --device cpu --quick --no-record
 
 Writes ``--json-out`` if given, and (unless ``--no-record``) ``benchmarks/results/orchestrator-<device>.json``
 and one line in ``benchmarks/RESULTS.md``.
@@ -69,11 +69,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "backend"))
-
-from common import device_name, git_commit, record_result  # noqa: E402
+from benchmarks.common import ROOT, device_name, git_commit, record_result
 
 POLICIES = ("vlora", "merge-only", "unmerge-only", "dlora")
 BASELINES = ("merge-only", "unmerge-only", "dlora")
@@ -376,10 +372,10 @@ def set_policy(engine, policy: str) -> ComputeProbe:
     old_costs = old.estimates.costs
     cfg = dataclasses.replace(engine.config.orchestrator, policy=policy)
     engine.config = dataclasses.replace(engine.config, orchestrator=cfg)
-    engine.orchestrator = None
+    engine.use_orchestrator(None)
     del old
-    engine.orchestrator = Orchestrator(cfg, engine.config.scheduler.max_batch_size, engine.runner, engine.loras,
-                                       engine.metrics, costs=old_costs)
+    engine.use_orchestrator(Orchestrator(cfg, engine.config.scheduler.max_batch_size, engine.runner, engine.loras,
+                                         engine.metrics, costs=old_costs))
     graphs = engine.runner.graphs
     if graphs is not None:  # a step of a timed cell never pays a capture
         graphs.capture_missing()
@@ -550,7 +546,8 @@ def run_cell(engine, s: dict[str, Any], prompt: str, schedule: list, probe: Comp
                 engine.fail_all("cancelled", "benchmark drain limit reached")
                 engine.flush()  # the step overlap's last step in flight: read back, its requests already failed
                 break
-            if engine.step() is None:  # nothing could run: its adapters are still being copied into slots
+            last = engine.step()
+            if last is None:  # nothing could run: its adapters are still being copied into slots
                 stalled = now if stalled is None else stalled
                 if now - stalled > STALL_S:
                     raise RuntimeError(f"the engine made no progress for {STALL_S:g} s with {len(engine.waiting)} waiting "
@@ -558,9 +555,8 @@ def run_cell(engine, s: dict[str, Any], prompt: str, schedule: list, probe: Comp
                 time.sleep(IDLE_POLL_S)
                 continue
             stalled = None
-            last = engine.last_step
-            steps[last["mode"]] += 1
-            batch_total += len(last["request_ids"])
+            steps[last.mode] += 1
+            batch_total += len(last.request_ids)
         elif i < n:
             time.sleep(max(0.0, schedule[i][0] - now))
         else:
@@ -869,7 +865,7 @@ def markdown_section(result: dict[str, Any]) -> str:
     walls = ", ".join("%.0f s" % r.get("wall_s", 0.0) for r in runs)
     lines = [f"## Orchestrator policies on {result['device']} (issue 21): target {'met' if met else 'NOT met'}", ""]
     lines.append(
-        f"`python benchmarks/orchestrator.py` ({len(runs)} run(s), commit {commits}, {walls} wall): "
+        f"`python -m benchmarks.orchestrator` ({len(runs)} run(s), commit {commits}, {walls} wall): "
         f"{Path(st['model']).name}, {st['dtype']}, rank-{st['rank']} "
         f"adapters on {'/'.join(st['target_modules'])} ({st['distinct_weights']} weight sets), MaxBS {st['max_batch_size']}, "
         f"{st['slots']} slots, {st.get('prompt_tokens_actual', st['prompt_tokens'])}-token prompts and {st['output_tokens']} output "

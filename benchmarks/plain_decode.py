@@ -13,7 +13,7 @@ per-sequence length mask (any mix of lengths: what a general server needs), or e
 ``context_len + 1`` positions with no mask (every sequence at the same length: the flash kernel may
 serve it). Both are timed by engine_floor.py.
 
-    from plain_decode import PlainDecoder, check_against_hf
+    from benchmarks.plain_decode import PlainDecoder, check_against_hf
     dec = PlainDecoder(hf_model, max_batch=32, max_len=768)
     dec.prefill_fill(700)
     ms = dec.time_decode_step(32, 700, iters=20)

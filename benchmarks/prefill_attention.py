@@ -7,7 +7,7 @@ replays over rotated inputs (q and the pools of enough layers to exceed twice th
 causal-attention FLOPs and the rate they imply beside the measured bf16 matmul rate (the floor), and
 checked against the reference (SDPA over the gathered prompt).
 
-    python benchmarks/prefill_attention.py --tokens 600,2300,8000 [--kv-heads 32] [--triton m64n64w4s3,...]
+    python -m benchmarks.prefill_attention --tokens 600,2300,8000 [--kv-heads 32] [--triton m64n64w4s3,...]
 
 A Triton launch label is ``m<block_m>n<block_n>w<warps>s<stages>``, with ``-o`` for the grid in order
 (no heavy-first) and ``-u`` for the causal mask on every key tile (no split); ``default`` is

@@ -2,10 +2,10 @@
 twice the load harness's measured capacity, against the same `vlora serve` (the real tritonserver).
 
     # GPU, one device call (benchmarks/device_reliability.sh): LLaVA-1.5-7B width, random weights
-    python benchmarks/reliability.py --preset configs/models/llava-1.5-7b.yaml --device cuda --soak-minutes 4 \\
+    python -m benchmarks.reliability --preset configs/models/llava-1.5-7b.yaml --device cuda --soak-minutes 4 \\
         --overload-s 60 --budget-s 400 --out $OUT/reliability
     # CPU smoke run (the tiny model and its demo adapters)
-    python benchmarks/reliability.py --device cpu --soak-minutes 0.3 --capacity-s 6 --overload-s 8 --no-record
+    python -m benchmarks.reliability --device cpu --soak-minutes 0.3 --capacity-s 6 --overload-s 8 --no-record
 
 1. The model: a preset's random weights (written once under ``--work``), else the tiny model. For a preset, the
    soak's adapters at its dimensions (``soak.write_soak_adapters``: the demo adapters, the cycled one included,
@@ -39,10 +39,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import RESULTS, device_name, git_commit, record_result  # noqa: E402
+from benchmarks.common import ROOT, RESULTS, device_name, git_commit, record_result
 
 
 def _soak_module():
@@ -142,7 +139,7 @@ def harness_overload(args, target, names: list[str], adapter_root: Optional[str]
         length_scale=args.length_scale if args.length_scale is not None else (0.25 if gpu else 0.05),
         image_size=args.image_size or (336 if gpu else 64), frames_per_chunk=args.frames_per_chunk or (6 if gpu else 3))
     heads = HeadPolicy.from_adapter_root(adapter_root, tuple(names))
-    settings = {"benchmark": "python benchmarks/reliability.py " + " ".join(sys.argv[1:]), "device": device_name(),
+    settings = {"benchmark": "python -m benchmarks.reliability " + " ".join(sys.argv[1:]), "device": device_name(),
                 "commit": git_commit()}
     users = args.closed_users or max_batch
     wait_idle(target.metrics_url, 120, out)

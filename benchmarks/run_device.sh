@@ -36,7 +36,7 @@ if [[ " $STEPS " == *" test "* ]]; then
   echo "tests/gpu: rc=$rc, $(( $(date +%s) - t0 )) s"
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
-  $PY benchmarks/atmm.py ${ATMM_BENCH_ARGS:-} --out-dir "$OUT" --table-out "$OUT/tiling-table.json" 2>&1 | tee "$OUT/bench.log" | tail -40
+  $PY -m benchmarks.atmm ${ATMM_BENCH_ARGS:-} --out-dir "$OUT" --table-out "$OUT/tiling-table.json" 2>&1 | tee "$OUT/bench.log" | tail -40
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" tune "* ]]; then

@@ -4,7 +4,7 @@ Starts ``vlora serve`` (the real tritonserver) on a model folder, streams reques
 HTTP ``/generate_stream`` endpoint from client processes, and measures decode throughput in the window
 where every request of the batch is decoding (after the last first token, before the first finish).
 
-    python benchmarks/serve_decode.py --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench
+    python -m benchmarks.serve_decode --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench
 
 With ``--preset`` it first writes a random-weight model of that size and ``--num-adapters`` random
 rank-``--rank`` adapters (q/k/v/o). Without it, it serves the tiny default model (a smoke run).
@@ -25,10 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import device_name, git_commit, record_result  # noqa: E402
+from benchmarks.common import device_name, git_commit, record_result
 
 
 def stream_request(url: str, body: dict, out: dict) -> None:

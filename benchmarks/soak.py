@@ -1,8 +1,8 @@
 """Soak test: mixed traffic against a real vlora server for N minutes; every request's outcome, latency,
 and whether the server's and its Python stub's memory stays flat after warm-up.
 
-    python benchmarks/soak.py --minutes 5 --load 0.8          # starts `vlora serve` on loopback (tiny model)
-    python benchmarks/soak.py --url 127.0.0.1:8000 --admin-token-file admin.token --rate 3
+    python -m benchmarks.soak --minutes 5 --load 0.8          # starts `vlora serve` on loopback (tiny model)
+    python -m benchmarks.soak --url 127.0.0.1:8000 --admin-token-file admin.token --rate 3
 
 Without ``--url`` it starts ``vlora serve`` on free 127.0.0.1 ports (the tiny default model and its demo
 adapters unless ``--serve-arg`` says otherwise) with a fresh admin token, and stops it at the end. First it
@@ -62,17 +62,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.common import RESULTS, device_name, git_commit, record_result
 
-from common import RESULTS, device_name, git_commit, record_result  # noqa: E402
-
-from vlora_load.generators import RequestSpec  # noqa: E402
-from vlora_load.grpc_worker import GrpcSender  # noqa: E402
-from vlora_load.runner import Target, wait_idle  # noqa: E402
-from vlora_load.scrape import parse_prometheus  # noqa: E402
-from vlora_load.summary import percentile  # noqa: E402
-from vlora_load.transport import (  # noqa: E402
+from vlora_load.generators import RequestSpec
+from vlora_load.grpc_worker import GrpcSender
+from vlora_load.runner import Target, wait_idle
+from vlora_load.scrape import MetricsScraper
+from vlora_load.summary import percentile
+from vlora_load.transport import (
     HttpTransport,
     RequestRecord,
     classify_error,
@@ -80,7 +77,7 @@ from vlora_load.transport import (  # noqa: E402
     job_payload,
     record_grpc_result,
 )
-from vlora.server.launcher import STUB_NAME  # noqa: E402
+from vlora.server.launcher import STUB_NAME
 
 MODEL = "vlora"
 SOAK_OUTCOMES = ("ok", "expected", "rejected", "unexpected", "lost")
@@ -804,10 +801,8 @@ def server_error_lines(log_path: Optional[Path], offset: int) -> tuple[int, list
 
 
 def gauges(metrics_url: str) -> dict:
-    try:
-        with urllib.request.urlopen(metrics_url, timeout=5) as r:
-            samples = parse_prometheus(r.read().decode("utf-8", errors="replace"))
-    except OSError:
+    samples = MetricsScraper(metrics_url).scrape_once()  # the load harness's scrape: parsed samples, None on OSError
+    if samples is None:
         return {}
     names = ("vlora_running_requests", "vlora_waiting_requests", "nv_inference_pending_request_count")
     return {n: sum(v for m, _l, v in samples if m == n) for n in names}
@@ -835,10 +830,8 @@ def choose_adapters(listed: list[dict], cycle: Optional[str]) -> tuple[tuple[str
 
 def finished_by_reason(metrics_url: str) -> dict[str, float]:
     """The server's vlora_requests_finished_total summed per finish_reason (all adapters and instances)."""
-    try:
-        with urllib.request.urlopen(metrics_url, timeout=5) as r:
-            samples = parse_prometheus(r.read().decode("utf-8", errors="replace"))
-    except OSError:
+    samples = MetricsScraper(metrics_url).scrape_once()
+    if samples is None:
         return {}
     out: dict[str, float] = {}
     for name, labels, value in samples:

@@ -9,8 +9,8 @@
 Each is timed as CUDA-graph replays (``vlora.atmm.timing.graph_time_us``, median per call) of calls over rotated buffers larger than L2 (attention) or, for the
 norm, over the few rows a step has (they sit in L2 in a real step too).
 
-    python benchmarks/step_kernels.py [--batches 1,8,32,64] [--contexts 700,2000] [--rows 1,8,32,64,600]
-    python benchmarks/step_kernels.py --check-host 10   # exit 3 on a host whose kernels run slow (see below)
+    python -m benchmarks.step_kernels [--batches 1,8,32,64] [--contexts 700,2000] [--rows 1,8,32,64,600]
+    python -m benchmarks.step_kernels --check-host 10   # exit 3 on a host whose kernels run slow (see below)
 
 Prints one line per point; writes nothing. Some device hosts run every kernel 4-12x slow (the plain graphed
 step included) while the copy probe reads normal; ``--check-host`` tells them apart in a few seconds, so that a

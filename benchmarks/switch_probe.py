@@ -1,7 +1,7 @@
 """Where a mode switch's time goes at 7B width: rank 64 into q/k/v/o of 32 layers, timed eagerly between
 device synchronisations (as the orchestrator times a switch), with the switchers' own code.
 
-    python benchmarks/switch_probe.py [--json FILE]     # CUDA only
+    python -m benchmarks.switch_probe [--json FILE]     # CUDA only
 
 The weights and slot buffers are laid out as the model runner lays them out (one stack per weight group,
 q/k/v [L, 3d, d] and o [L, d, d]; the LoRA slot buffers of each group in one stack, A [L, M, S, r, d]), and
@@ -23,8 +23,6 @@ from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "backend"))
 
 TARGET_X_FLOOR = 1.3
 

@@ -17,8 +17,8 @@ over the largest value).
 Models: a preset's vision tower and projector at real width with random weights (bf16; the decoder cut to
 2 layers, which nothing here runs), written under ``--work`` on first use; on a CPU, the tiny models.
 
-    python benchmarks/vision_lora.py --out $OUT                  # LLaVA-1.5-7B and Qwen2-VL-7B widths (CUDA)
-    python benchmarks/vision_lora.py --device cpu --no-record     # the tiny models on a CPU (a smoke run)
+    python -m benchmarks.vision_lora --out $OUT                  # LLaVA-1.5-7B and Qwen2-VL-7B widths (CUDA)
+    python -m benchmarks.vision_lora --device cpu --no-record     # the tiny models on a CPU (a smoke run)
 
 Writes ``<out>/vision-lora-<device>.json`` and, unless ``--no-record``, results/vision-lora-<device>.json and
 one line in benchmarks/RESULTS.md.
@@ -35,11 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "backend"))
-
-from common import (PRESETS, TINY, build_model_engine, device_name, git_commit, model_folder,  # noqa: E402
+from benchmarks.common import (PRESETS, TINY, build_model_engine, device_name, git_commit, model_folder,
                     model_parser, write_result)
 
 NAME = "vision-lora"

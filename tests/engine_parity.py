@@ -119,13 +119,13 @@ def check_mixed_batch(engine, reference, rtol: float, exact_tokens: bool = True)
         engine.add_request(prepared[rid], cb)
         seq_of[rid] = engine.waiting[-1]
     result = engine.step()  # decode of the first two, prefill of four more: one mixed step
-    info = engine.last_step
-    assert info["num_prefill"] == 4 and info["num_decode"] == 2
+    info = result
+    assert info.num_prefill == 4 and info.num_decode == 2
     assert len({engine.loras.resident[a] for a in ADAPTERS}) == 3  # three adapters resident in one step
-    assert -1 in info["slots"] and len(set(info["slots"])) == 4
+    assert -1 in info.slots and len(set(info.slots)) == 4
 
     seqs = {s.req.request_id: s for s in engine.running}
-    for row, rid in enumerate(info["request_ids"]):
+    for row, rid in enumerate(info.request_ids):
         s = seqs[rid]
         # The logits of this step predicted its last token: output_ids[-1], or the token still in flight
         # under the step overlap (the step's tokens are read back during the next one).
@@ -166,7 +166,7 @@ def step_recording(engine, seqs: dict, logits: dict):
     request id -> its Sequence. Returns the step's result (None: nothing ran)."""
     result = engine.step()
     if result is not None:
-        for row, rid in enumerate(engine.last_step["request_ids"]):
+        for row, rid in enumerate(result.request_ids):
             s = seqs[rid]
             logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].clone()
     return result

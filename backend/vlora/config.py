@@ -55,7 +55,7 @@ class LoraConfig:
     max_rank: int = 64
     target_modules: tuple[str, ...] = LORA_TARGETS
     # LoRA on the vision tower and projector (or merger) too: slot buffers for every vision-side projection
-    # the model family lists (vlora.models.family); off: adapters that target them are refused at load.
+    # the model family lists (vlora.models.base.ModelFamily.vision_lora_modules); off: adapters that target them are refused at load.
     vision_lora: bool = True
     load_timeout_s: float = 30.0  # an adapter read (on the loader threads) that takes longer is refused
     # An unload waits this long for the adapter's running and waiting requests to finish, then answers

@@ -15,6 +15,7 @@
 #include "cutlass/gemm_coord.h"
 
 #include "atmm/atmm.h"
+#include "atmm/convert.cuh"
 #include "atmm/driver.h"
 #include "atmm/fused.cuh"
 #include "atmm/stream.cuh"
@@ -58,15 +59,7 @@ namespace atmm {
 #define ATMM_TRITON_EXPAND_COLS(NAME, ...) ATMM_DECLARE_FUSED(NAME) size_t atmm_fused_##NAME##_smem();
 #endif
 #include "atmm/tile_configs.def"
-#undef ATMM_CONFIG
-#undef ATMM_GEMV_SHRINK
-#undef ATMM_FUSED_EXPAND
-#undef ATMM_STREAM_SHRINK
-#undef ATMM_STREAM_EXPAND
-#undef ATMM_SM90_EXPAND
-#undef ATMM_TRITON_SHRINK
-#undef ATMM_TRITON_EXPAND
-#undef ATMM_TRITON_EXPAND_COLS
+#include "atmm/tile_configs_undef.h"
 
 #define ATMM_FNS_ATMM_BOTH(NAME) \
   atmm_run_##NAME##_f16_shrink, atmm_run_##NAME##_bf16_shrink, atmm_run_##NAME##_f16_expand, atmm_run_##NAME##_bf16_expand
@@ -110,15 +103,7 @@ const std::vector<KernelConfig>& kernel_configs() {
                atmm_fused_##NAME##_f16, atmm_fused_##NAME##_bf16, R, atmm_fused_##NAME##_smem()},
 #endif
 #include "atmm/tile_configs.def"
-#undef ATMM_CONFIG
-#undef ATMM_GEMV_SHRINK
-#undef ATMM_FUSED_EXPAND
-#undef ATMM_STREAM_SHRINK
-#undef ATMM_STREAM_EXPAND
-#undef ATMM_SM90_EXPAND
-#undef ATMM_TRITON_SHRINK
-#undef ATMM_TRITON_EXPAND
-#undef ATMM_TRITON_EXPAND_COLS
+#include "atmm/tile_configs_undef.h"
   };
   return configs;
 }
@@ -351,12 +336,7 @@ cudaError_t launch_prep(ForwardArgs const& a, WorkspaceLayout const& w, SlotTabl
 // ---------------------------------------------------------------------------------------------
 // Reduce: v[t, c] = sum_k partial[k, t, c] for c < the padded rank of t's segment.
 // ---------------------------------------------------------------------------------------------
-template <typename T>
-__device__ inline T from_float(float f);
-template <>
-__device__ inline __half from_float<__half>(float f) { return __float2half_rn(f); }
-template <>
-__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float f) { return __float2bfloat16_rn(f); }
+using detail::from_f;  // atmm/convert.cuh
 
 template <typename T>
 __global__ void reduce_kernel(const int32_t* __restrict__ seg_indptr, const int* __restrict__ seg_rank,
@@ -385,7 +365,7 @@ __global__ void reduce_kernel(const int32_t* __restrict__ seg_indptr, const int*
     }
     alignas(16) T out[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) out[e] = from_float<T>(acc[e]);
+    for (int e = 0; e < 8; ++e) out[e] = from_f<T>(acc[e]);
     *reinterpret_cast<uint4*>(v + t * r_max + c) = *reinterpret_cast<uint4*>(out);
   }
 }

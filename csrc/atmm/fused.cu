@@ -5,6 +5,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "atmm/convert.cuh"
 #include "atmm/fused.cuh"
 #include "atmm/stream.cuh"
 
@@ -13,18 +14,8 @@ namespace {
 using detail::find_tile;
 using detail::seg_rank;
 
-template <typename T>
-__device__ inline float to_f(T v);
-template <>
-__device__ inline float to_f<__half>(__half v) { return __half2float(v); }
-template <>
-__device__ inline float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ inline T from_f(float f);
-template <>
-__device__ inline __half from_f<__half>(float f) { return __float2half_rn(f); }
-template <>
-__device__ inline __nv_bfloat16 from_f<__nv_bfloat16>(float f) { return __float2bfloat16_rn(f); }
+using detail::from_f;  // atmm/convert.cuh
+using detail::to_f;
 
 // ------------------------------------------------------------------------------------------------
 // gemv shrink: block (segment i, chunk c). partial[c, t, j] = sum_{k in chunk c} x[t, k] * A[slot, j, k]

@@ -1,6 +1,7 @@
 """Request generators: seeded, so the same workload and seed always send the same requests at the same times.
 
-Each application kind is a class in ``GENERATORS`` that validates its ``params`` and draws requests:
+Each application kind is a class in ``GENERATORS`` that draws requests (its ``params``, their defaults and checks, are
+its kind's in ``vlora_load.workload.APPLICATION_KINDS``, which it subclasses):
 
 - ``visual_retrieval``: VQA, captioning and grounding prompts over one generated image, with input
   and output lengths from log-normal shapes fitted to the Azure LLM inference trace. Open-loop
@@ -23,7 +24,8 @@ from typing import Any, ClassVar, Iterator, Mapping, Optional
 
 from vlora.config import ConfigError
 from vlora_load.heads import HeadPolicy
-from vlora_load.workload import Application, LengthDistribution, Workload, length_from
+from vlora_load.workload import (Application, LengthDistribution, VideoAnalyticsKind, VisualRetrievalKind, Workload,
+                                 length_from)
 
 # Words for filler text (context in the prompt) so that a prompt has the drawn input length.
 _FILLER = (
@@ -158,7 +160,8 @@ def _filler(rng: random.Random, words: int) -> str:
 
 
 class ApplicationGenerator:
-    """Draws the requests of one application. Subclasses are registered in ``GENERATORS`` by kind."""
+    """Draws the requests of one application. Subclasses (each also a subclass of its
+    ``vlora_load.workload.ApplicationKind``, which owns its ``params``) are registered in ``GENERATORS`` by kind."""
 
     kind: ClassVar[str]
     PARAMS: ClassVar[dict[str, Any]] = {}
@@ -170,16 +173,6 @@ class ApplicationGenerator:
         self.images = ImagePool(app_seed, workload.image_size, workload.image_pool)
         self.rate = workload.arrivals.rate * workload.shares()[app.name]
 
-    @classmethod
-    def validate(cls, app: Application) -> None:
-        unknown = sorted(set(app.params) - set(cls.PARAMS))
-        if unknown:
-            raise ConfigError(f"application {app.name} ({cls.kind}): unknown key(s) {unknown}; known: {sorted(cls.PARAMS)}")
-
-    @classmethod
-    def scale_lengths(cls, params: dict[str, Any], factor: float) -> dict[str, Any]:
-        return params
-
     def draw(self, rng: random.Random, index: int, stream_id: Optional[int] = None,
              send_at: Optional[float] = None) -> RequestSpec:
         raise NotImplementedError
@@ -189,13 +182,7 @@ class ApplicationGenerator:
         raise NotImplementedError
 
 
-class VisualRetrieval(ApplicationGenerator):
-    kind = "visual_retrieval"
-    PARAMS = {
-        "tasks": {"vqa": 0.5, "caption": 0.3, "grounding": 0.2},
-        "input_tokens": {"shape": "azure-conversation-input", "max": 2048},
-        "output_tokens": {"shape": "azure-conversation-output", "max": 1024},
-    }
+class VisualRetrieval(VisualRetrievalKind, ApplicationGenerator):
     PROMPTS = {
         "vqa": "USER: <image>\n{context}\nQuestion: how many {colour} objects are in the picture? "
                "Answer the question in detail. ASSISTANT:",
@@ -209,25 +196,6 @@ class VisualRetrieval(ApplicationGenerator):
         self.tasks = dict(self.params["tasks"])
         self.input_len = length_from(self.params["input_tokens"], f"{self.app.name}.input_tokens")
         self.output_len = length_from(self.params["output_tokens"], f"{self.app.name}.output_tokens")
-
-    @classmethod
-    def validate(cls, app: Application) -> None:
-        super().validate(app)
-        params = {**cls.PARAMS, **dict(app.params)}
-        tasks = params["tasks"]
-        if not isinstance(tasks, Mapping) or not tasks or set(tasks) - set(cls.PROMPTS) or min(tasks.values()) < 0:
-            raise ConfigError(f"application {app.name}: tasks must map some of {sorted(cls.PROMPTS)} to weights >= 0")
-        length_from(params["input_tokens"], f"{app.name}.input_tokens")
-        length_from(params["output_tokens"], f"{app.name}.output_tokens")
-
-    @classmethod
-    def scale_lengths(cls, params: dict[str, Any], factor: float) -> dict[str, Any]:
-        out = dict(params)
-        for key in ("input_tokens", "output_tokens"):
-            spec = dict(out.get(key, cls.PARAMS[key]))
-            spec["scale"] = float(spec.get("scale", 1.0)) * factor
-            out[key] = spec
-        return out
 
     def draw(self, rng, index, stream_id=None, send_at=None) -> RequestSpec:
         task = _weighted(rng, self.tasks)
@@ -250,36 +218,12 @@ class VisualRetrieval(ApplicationGenerator):
             yield t, None
 
 
-class VideoAnalytics(ApplicationGenerator):
-    kind = "video_analytics"
-    PARAMS = {
-        "frames_per_chunk": 8,
-        "chunk_period_s": 1.0,
-        "tasks": {"detection": 0.5, "action": 0.5},
-        # Generated answers when no head declares the task: short labels (the paper: 5-10 tokens for
-        # video understanding; detection answers with a few boxes).
-        "output_tokens": {"detection": 24, "action": 8},
-    }
+class VideoAnalytics(VideoAnalyticsKind, ApplicationGenerator):
     PROMPTS = {
         "detection": "USER: <image>\nDetect every {obj} in this video frame and give their bounding boxes. ASSISTANT:",
         "action": "USER: {images}\nThese are {frames} consecutive frames of a video. Which action happens in this "
                   "clip? Answer with one of: {actions}. ASSISTANT:",
     }
-
-    @classmethod
-    def validate(cls, app: Application) -> None:
-        super().validate(app)
-        p = {**cls.PARAMS, **dict(app.params)}
-        if not (isinstance(p["frames_per_chunk"], int) and 1 <= p["frames_per_chunk"] <= 64):
-            raise ConfigError(f"application {app.name}: frames_per_chunk must be an integer in [1, 64]")
-        if not (isinstance(p["chunk_period_s"], (int, float)) and p["chunk_period_s"] > 0):
-            raise ConfigError(f"application {app.name}: chunk_period_s must be > 0")
-        tasks = p["tasks"]
-        if not isinstance(tasks, Mapping) or not tasks or set(tasks) - set(cls.PROMPTS):
-            raise ConfigError(f"application {app.name}: tasks must map some of {sorted(cls.PROMPTS)} to weights")
-        outs = {**cls.PARAMS["output_tokens"], **dict(p["output_tokens"])}
-        if any(not isinstance(v, int) or v < 1 for v in outs.values()):
-            raise ConfigError(f"application {app.name}: output_tokens must map tasks to integers >= 1")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

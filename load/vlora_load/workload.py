@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 import yaml
 
@@ -176,11 +176,92 @@ class Arrivals:
         return f"open loop at {self.rate:g} req/s" if self.mode == "open" else f"closed loop with {self.users} user(s)"
 
 
+class ApplicationKind:
+    """An application kind's ``params``: their defaults (``PARAMS``), their checks (:meth:`validate`) and how
+    a length scale applies to them (:meth:`scale_lengths`). What a workload file may say lives here; the
+    requests each kind draws are its generator's (``vlora_load.generators``, a subclass of its kind)."""
+
+    kind: ClassVar[str]
+    PARAMS: ClassVar[dict[str, Any]] = {}
+    TASKS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def validate(cls, app: "Application") -> None:
+        unknown = sorted(set(app.params) - set(cls.PARAMS))
+        if unknown:
+            raise ConfigError(f"application {app.name} ({cls.kind}): unknown key(s) {unknown}; known: {sorted(cls.PARAMS)}")
+
+    @classmethod
+    def scale_lengths(cls, params: dict[str, Any], factor: float) -> dict[str, Any]:
+        return params
+
+
+class VisualRetrievalKind(ApplicationKind):
+    kind = "visual_retrieval"
+    PARAMS = {
+        "tasks": {"vqa": 0.5, "caption": 0.3, "grounding": 0.2},
+        "input_tokens": {"shape": "azure-conversation-input", "max": 2048},
+        "output_tokens": {"shape": "azure-conversation-output", "max": 1024},
+    }
+    TASKS = ("vqa", "caption", "grounding")
+
+    @classmethod
+    def validate(cls, app: "Application") -> None:
+        super().validate(app)
+        params = {**cls.PARAMS, **dict(app.params)}
+        tasks = params["tasks"]
+        if not isinstance(tasks, Mapping) or not tasks or set(tasks) - set(cls.TASKS) or min(tasks.values()) < 0:
+            raise ConfigError(f"application {app.name}: tasks must map some of {sorted(cls.TASKS)} to weights >= 0")
+        length_from(params["input_tokens"], f"{app.name}.input_tokens")
+        length_from(params["output_tokens"], f"{app.name}.output_tokens")
+
+    @classmethod
+    def scale_lengths(cls, params: dict[str, Any], factor: float) -> dict[str, Any]:
+        out = dict(params)
+        for key in ("input_tokens", "output_tokens"):
+            spec = dict(out.get(key, cls.PARAMS[key]))
+            spec["scale"] = float(spec.get("scale", 1.0)) * factor
+            out[key] = spec
+        return out
+
+
+class VideoAnalyticsKind(ApplicationKind):
+    kind = "video_analytics"
+    PARAMS = {
+        "frames_per_chunk": 8,
+        "chunk_period_s": 1.0,
+        "tasks": {"detection": 0.5, "action": 0.5},
+        # Generated answers when no head declares the task: short labels (the paper: 5-10 tokens for
+        # video understanding; detection answers with a few boxes).
+        "output_tokens": {"detection": 24, "action": 8},
+    }
+    TASKS = ("detection", "action")
+
+    @classmethod
+    def validate(cls, app: "Application") -> None:
+        super().validate(app)
+        p = {**cls.PARAMS, **dict(app.params)}
+        if not (isinstance(p["frames_per_chunk"], int) and 1 <= p["frames_per_chunk"] <= 64):
+            raise ConfigError(f"application {app.name}: frames_per_chunk must be an integer in [1, 64]")
+        if not (isinstance(p["chunk_period_s"], (int, float)) and p["chunk_period_s"] > 0):
+            raise ConfigError(f"application {app.name}: chunk_period_s must be > 0")
+        tasks = p["tasks"]
+        if not isinstance(tasks, Mapping) or not tasks or set(tasks) - set(cls.TASKS):
+            raise ConfigError(f"application {app.name}: tasks must map some of {sorted(cls.TASKS)} to weights")
+        outs = {**cls.PARAMS["output_tokens"], **dict(p["output_tokens"])}
+        if any(not isinstance(v, int) or v < 1 for v in outs.values()):
+            raise ConfigError(f"application {app.name}: output_tokens must map tasks to integers >= 1")
+
+
+APPLICATION_KINDS: dict[str, type[ApplicationKind]] = {k.kind: k for k in (VisualRetrievalKind, VideoAnalyticsKind)}
+
+
 @dataclass(frozen=True)
 class Application:
-    """One application: its kind (a generator in ``vlora_load.generators``), its share and its SLO.
+    """One application: its kind (:data:`APPLICATION_KINDS`; its generator in ``vlora_load.generators``),
+    its share and its SLO.
 
-    ``params`` are the kind's own settings; the generator validates them (see ``generators.py``).
+    ``params`` are the kind's own settings; its :class:`ApplicationKind` validates them.
     """
 
     name: str
@@ -195,10 +276,9 @@ class Application:
         _require(self.share > 0, f"application {self.name}: share must be > 0")
         _require(self.protocol is None or self.protocol in PROTOCOLS,
                  f"application {self.name}: protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
-        from vlora_load.generators import GENERATORS
-
-        _require(self.kind in GENERATORS, f"application {self.name}: kind must be one of {sorted(GENERATORS)}, got {self.kind!r}")
-        GENERATORS[self.kind].validate(self)
+        _require(self.kind in APPLICATION_KINDS,
+                 f"application {self.name}: kind must be one of {sorted(APPLICATION_KINDS)}, got {self.kind!r}")
+        APPLICATION_KINDS[self.kind].validate(self)
 
 
 @dataclass(frozen=True)
@@ -316,14 +396,12 @@ class Workload:
             pop = Popularity(**{**dataclasses.asdict(pop), **changes})
         apps = self.applications
         if protocol is not None or length_scale is not None or frames_per_chunk is not None:
-            from vlora_load.generators import GENERATORS
-
             new_apps = []
             for a in apps:
                 params = dict(a.params)
                 if length_scale is not None:
-                    params = GENERATORS[a.kind].scale_lengths(params, length_scale)
-                if frames_per_chunk is not None and "frames_per_chunk" in GENERATORS[a.kind].PARAMS:
+                    params = APPLICATION_KINDS[a.kind].scale_lengths(params, length_scale)
+                if frames_per_chunk is not None and "frames_per_chunk" in APPLICATION_KINDS[a.kind].PARAMS:
                     params["frames_per_chunk"] = frames_per_chunk
                 new_apps.append(Application(name=a.name, kind=a.kind, share=a.share, slo=a.slo,
                                             protocol=protocol if protocol is not None else a.protocol, params=params))

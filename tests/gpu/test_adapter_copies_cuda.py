@@ -41,8 +41,7 @@ def test_copy_on_the_side_stream_delays_only_its_own_request(tiny_model_dir, dem
     engine.step()
     torch.cuda._sleep(200_000_000)  # keeps the compute stream busy: the side stream's copy, ordered after it, stays in flight
     engine.add_request(engine.inputs.prepare(_req("late", lora=ADAPTER)), cb)
-    engine.step()
-    assert engine.last_step["request_ids"] == ["base"], "a request was admitted before its adapter's copy completed"
+    assert engine.step().request_ids == ["base"], "a request was admitted before its adapter's copy completed"
     (entry,) = loras.describe([ADAPTER])
     assert entry["tier"] == "gpu"
     deadline = time.monotonic() + 60

@@ -3,8 +3,7 @@ term) against an fp32 reference: the LoRA slot stacks as the model runner lays t
 one launch, weights as a row slice of a stack (GQA modules), and the swift switcher on the switch probe's runner."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
 import torch
@@ -135,9 +134,7 @@ def test_refusals():
 def test_swift_switcher_reads_the_slot_stacks(launches):
     """The switch probe's runner (q/k/v and o stacks, slot stacks) at a small width: merge, swap, unmerge with
     the swift switcher, each checked against fp32, one launch per group and switch."""
-    spec = importlib.util.spec_from_file_location("switch_probe", Path(__file__).parents[2] / "benchmarks" / "switch_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = importlib.import_module("benchmarks.switch_probe")
     from vlora.orchestrator.switcher import SwiftSwitcher
 
     L, d, r, S = 3, 512, 64, 6

@@ -126,7 +126,7 @@ def run_mixed(engine, specs: dict, max_new: int, check_mixed: bool = True):
     def step():
         result = engine.step()
         if result is not None:
-            for row, rid in enumerate(engine.last_step["request_ids"]):
+            for row, rid in enumerate(result.request_ids):
                 s = seqs[rid]  # the step's token: output_ids[-1], or (step overlap) the one still in flight
                 logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].float().clone()
         return result
@@ -141,9 +141,8 @@ def run_mixed(engine, specs: dict, max_new: int, check_mixed: bool = True):
         add(rid)
     mixed = False
     while engine.has_work():
-        step()
-        last = engine.last_step or {}
-        mixed |= bool(last.get("num_prefill")) and bool(last.get("num_decode"))
+        ran = step()
+        mixed |= ran is not None and bool(ran.num_prefill) and bool(ran.num_decode)
     if check_mixed:  # the scheduler may spread the joiners' prefills over steps (memory, slots); one must mix
         assert mixed, "no step ran prefills beside decodes"
     return {rid: s.output_ids for rid, s in seqs.items()}, logits

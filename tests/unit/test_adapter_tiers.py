@@ -17,7 +17,7 @@ from vlora.config import EngineConfig
 from vlora.engine.api import GenerationRequest, InvalidRequest, SamplingParams
 from vlora.engine.async_engine import AsyncEngine
 from vlora.engine.builder import build_engine
-from vlora.engine.metrics import NullMetrics
+from vlora.metrics import NullMetrics
 from vlora.lora.adapter import AdapterError
 from vlora.lora.manager import SlotCopies
 
@@ -112,13 +112,11 @@ def test_a_request_waits_only_for_its_own_adapter_copy(tiny_model_dir, root):
     engine.step()
     _add(engine, _req("late", lora=A), outs)
     for _ in range(3):  # the copy of A is in flight: the base request decodes alone, "late" waits
-        engine.step()
-        assert engine.last_step["request_ids"] == ["base"]
+        assert engine.step().request_ids == ["base"]
         assert [e["ready"] for e in engine.loras.describe([A])] == [False]
     slot = engine.loras.resident[A]
     copies.complete()
-    engine.step()
-    assert engine.last_step["admitted"] == ["late"]
+    assert engine.step().admitted == ["late"]
     assert slot in copies.waited[-1], "the step did not wait on the copy of the slot it reads"
     _drain(engine, outs, 2)
     # The same request once the adapter is resident: the deferred copy changed nothing.
@@ -169,8 +167,8 @@ def test_host_tier_miss_is_read_off_the_engine_thread(tiny_model_dir, root):
     _add(engine, _req("base", max_tokens=12), outs)
     engine.step()
     engine.add_request(prepared, lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
-    engine.step()  # A's read started on the loader thread; the step went on without it
-    assert engine.last_step["request_ids"] == ["base"]
+    ran = engine.step()  # A's read started on the loader thread; the step went on without it
+    assert ran.request_ids == ["base"]
     _drain(engine, outs, 2)
     assert outs["a"].finish_reason == "length" and not outs["a"].error
 

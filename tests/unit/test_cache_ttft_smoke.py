@@ -4,9 +4,8 @@ and on, the on rounds reuse encoder features and KV blocks, the off rounds touch
 are the same (fp32)."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,7 @@ def test_cache_ttft_runs_on_the_tiny_models(tiny_model_dir, vlora_cache, tmp_pat
     from vlora.models.tiny_qwen import ensure_tiny_qwen
 
     ensure_tiny_qwen(vlora_cache, variant="qwen2_vl")
-    spec = importlib.util.spec_from_file_location("cache_ttft", ROOT / "benchmarks" / "cache_ttft.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["cache_ttft"] = bench
-    spec.loader.exec_module(bench)
+    bench = importlib.import_module("benchmarks.cache_ttft")
     assert tiny_model_dir.parent == Path(vlora_cache)  # the benchmark finds the session's tiny models there
     rc = bench.main(["--tiny", "--no-record", "--work", str(vlora_cache), "--out", str(tmp_path),
                      "--rounds", "2", "--frames", "2", "--stride", "1", "--questions", "2", "--batch", "2",

@@ -4,9 +4,8 @@ graphs are captured only on CUDA), and one whole run of the benchmark at a tiny 
 run cannot fail on something a CPU would have shown."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def ef():
-    spec = importlib.util.spec_from_file_location("engine_floor", ROOT / "benchmarks" / "engine_floor.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["engine_floor"] = module  # its dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)  # puts benchmarks/ on sys.path: plain_decode imports from there
-    return module
+    return importlib.import_module("benchmarks.engine_floor")
 
 
 @pytest.fixture(scope="module")
 def plain_decode(ef):
-    return sys.modules.get("plain_decode") or importlib.import_module("plain_decode")
+    return importlib.import_module("benchmarks.plain_decode")
 
 
 LLAVA_7B_TEXT = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
@@ -122,7 +117,7 @@ def test_whole_run_on_tiny_model(ef, tiny_model_dir, tmp_path):
 
 
 def test_results_line_is_recorded(ef, tmp_path, monkeypatch):
-    common = sys.modules["common"]  # benchmarks/common.py, as engine_floor imported it
+    common = importlib.import_module("benchmarks.common")
     (tmp_path / "benchmarks").mkdir()
     monkeypatch.setattr(common, "ROOT", tmp_path)
     monkeypatch.setattr(common, "RESULTS", tmp_path / "benchmarks" / "results")

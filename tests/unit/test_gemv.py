@@ -152,7 +152,7 @@ def _run(engine, requests, max_tokens=5):
         result = engine.step()
         if result is None:
             continue
-        for row, rid in enumerate(engine.last_step["request_ids"]):
+        for row, rid in enumerate(result.request_ids):
             logits.setdefault(rid, []).append(result.logits[row].clone())
     engine.flush()
     return {rid: s.output_ids for rid, s in seqs.items()}, logits
@@ -352,18 +352,9 @@ def test_interpreter_engine_runs_the_kernels(tiny_model_dir, demo_adapter_root, 
 
 
 def _load_benchmark(name: str):
-    import importlib.util
-    import sys
-    from pathlib import Path
+    import importlib
 
-    root = Path(__file__).resolve().parents[2]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, root / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_probe_parses_launch_labels_and_shapes():

@@ -121,8 +121,9 @@ def _run(engine, reqs):
         engine.add_request(engine.inputs.prepare(r), lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
     steps = []
     while engine.has_work():
-        engine.step()
-        steps.append(dict(engine.last_step or {}))
+        ran = engine.step()
+        if ran is not None:
+            steps.append({"request_ids": ran.request_ids})
     return outs, steps
 
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vlora.engine.core import LLMEngine, Sequence, _fast_decode
+from vlora.engine.core import LLMEngine, _fast_decode
+from vlora.engine.sequence import Sequence
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ second merged into the first's JSON), every request answered in full, the result
 the verdicts computed from all four policies."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -15,10 +15,7 @@ POLICIES = ("vlora", "merge-only", "unmerge-only", "dlora")
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("orchestrator_benchmark", ROOT / "benchmarks" / "orchestrator.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.orchestrator")
 
 
 def common_args(model_dir: Path) -> list[str]:

@@ -50,8 +50,8 @@ def run(engine, script=None):
         result = engine.step()
         if result is None:
             continue
-        modes.append((engine.last_step["mode"], engine.last_step["merged"]))
-        for row, rid in enumerate(engine.last_step["request_ids"]):
+        modes.append((result.mode, result.merged))
+        for row, rid in enumerate(result.request_ids):
             s = seqs[rid]  # the step's token: output_ids[-1], or (step overlap) the one still in flight
             logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].clone()
     engine.orchestrator.enter(UNMERGE, None)

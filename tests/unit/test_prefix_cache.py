@@ -178,8 +178,8 @@ def test_a_waiting_prompt_is_charged_without_its_cached_prefix(tiny_model_dir, r
                             sampling=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     engine.add_request(engine.inputs.prepare(req), lambda o: None)
     seq = engine.waiting[-1]
-    engine.step()
-    assert sorted(engine.last_step["request_ids"]) == ["busy", "cached"], engine.last_step
+    ran = engine.step()
+    assert sorted(ran.request_ids) == ["busy", "cached"], ran
     assert seq.cached_tokens >= 6 * 16 and seq.prefilled
     while engine.has_work():
         engine.step()

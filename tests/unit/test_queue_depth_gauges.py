@@ -9,7 +9,7 @@ import time
 from vlora.config import EngineConfig
 from vlora.engine.api import GenerationRequest, SamplingParams
 from vlora.engine.async_engine import AsyncEngine
-from vlora.engine.metrics import NullMetrics
+from vlora.metrics import NullMetrics
 
 
 class DepthRecorder(NullMetrics):

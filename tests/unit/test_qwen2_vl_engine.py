@@ -83,8 +83,8 @@ def _run(engine, specs: dict, together: bool):
         engine.step()
         for rid in ids[2:]:
             add(rid)
-        engine.step()
-        assert engine.last_step["num_prefill"] == len(ids) - 2 and engine.last_step["num_decode"] == 2
+        ran = engine.step()
+        assert ran.num_prefill == len(ids) - 2 and ran.num_decode == 2
     else:  # one request at a time
         for rid in ids:
             add(rid)

@@ -136,8 +136,8 @@ def test_small_qwen_serves_an_image_request(small_qwen):
     image_tokens = sum(1 for i in prepared.prompt_ids if i == engine.inputs.loaded.image_token_id)
     assert image_tokens == (112 // 28) * (56 // 28)
     engine.add_request(prepared, outputs.append)
-    engine.step()
-    assert engine.last_step is not None and engine.last_step["num_prefill"] == 1
+    ran = engine.step()
+    assert ran is not None and ran.num_prefill == 1
     while engine.has_work():
         engine.step()
     final = outputs[-1]

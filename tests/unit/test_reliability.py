@@ -3,9 +3,8 @@ one CPU run end to end on the tiny model: soak, then an overload through the loa
 its measured capacity, on one real server; every request answered or rejected explicitly, none lost."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,20 +12,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _module(name: str, file: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def _module(name: str):
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 @pytest.fixture(scope="module")
 def rel():
-    return _module("reliability_benchmark", "reliability.py")
+    return _module("reliability")
 
 
 def test_soak_minutes_fit_the_budget(rel):

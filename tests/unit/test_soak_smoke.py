@@ -3,9 +3,8 @@ request of its mix (bad ones, disconnects and adapter unload/load included), and
 and 0 lost, memory measured for tritonserver and its stub."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +15,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def _soak_module():
-    spec = importlib.util.spec_from_file_location("soak_benchmark", ROOT / "benchmarks" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.soak")
 
 
 def test_soak_runs_every_kind_and_passes(tmp_path, vlora_cache, demo_adapter_root):

@@ -84,14 +84,11 @@ def test_each_group_merges_in_one_call_from_the_slot_stacks(monkeypatch):
     (the new adapter in and the old one out as two terms of one call), with A and B read in place: the operands
     are views of the slot stacks, not copies (the synthetic runner of benchmarks/switch_probe.py, in fp64 here);
     an adapter that targets q/k/v only leaves o alone."""
-    import importlib.util
-    from pathlib import Path
+    import importlib
 
     import vlora.orchestrator.switcher as switcher
 
-    spec = importlib.util.spec_from_file_location("switch_probe", Path(__file__).parents[2] / "benchmarks" / "switch_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = importlib.import_module("benchmarks.switch_probe")
     L, d, r, S = 3, 16, 4, 5
     runner = probe.synthetic_runner(L, d, r, S, torch.float64, "cpu")
     gen = torch.Generator().manual_seed(0)

@@ -155,9 +155,9 @@ def test_merged_adapters_keep_their_vision_side(tiny_model_dir, llava_root, llav
         engine.add_request(_prepare(engine, rid, *spec), lambda out: None)
         seq = engine.waiting[-1]
         while engine.has_work():
-            engine.step()
-            if engine.last_step["mode"] == MERGE and engine.last_step["num_prefill"]:  # the images' step
-                merged.add(engine.last_step["merged"])
+            ran = engine.step()
+            if ran is not None and ran.mode == MERGE and ran.num_prefill:  # the images' step
+                merged.add(ran.merged)
         got[rid] = seq.output_ids
     assert got == llava_want
     assert set(VISION_ADAPTER_NAMES) <= merged
@@ -287,13 +287,9 @@ def test_adapters_trained_with_transformers_4_key_names(llava, llava_root, tmp_p
 
 def test_benchmark_runs_on_the_tiny_model(tiny_model_dir):
     """benchmarks/vision_lora.py's measurement on a CPU, so that the GPU run cannot fail on what a CPU shows."""
-    import importlib.util
-    from pathlib import Path
+    import importlib
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vision_lora.py"
-    spec = importlib.util.spec_from_file_location("vision_lora_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = importlib.import_module("benchmarks.vision_lora")
     engine = bench.build(tiny_model_dir, torch.device("cpu"), rank=8, slots=3)
     slots = bench.register_vision_adapters(engine, 2, rank=8, seed=1)
     point = bench.measure(engine, 3, slots, reps=1, px=64)

@@ -10,8 +10,12 @@ import dataclasses
 import json
 import math
 import re
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 # The error types live in vlora.errors; they are part of this contract too, so they are named here as well.
 from vlora.errors import EngineDead, EngineOverloaded, InvalidRequest  # noqa: F401
@@ -207,6 +211,27 @@ class GenerationRequest:
 
 
 @dataclass
+class PreparedRequest:
+    """A validated request: token ids, preprocessed images, and everything the loop needs (made by
+    :class:`vlora.engine.inputs.InputProcessor` from a :class:`GenerationRequest`)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    lora_name: Optional[str] = None
+    stream: bool = False
+    pixel_values: Optional[torch.Tensor] = None  # as the model family's vision tower takes them
+    image_keys: tuple[bytes, ...] = ()
+    task: Optional[str] = None
+    image_grid_thw: Optional[torch.Tensor] = None  # [n_images, 3] (Qwen2-VL)
+    mrope_positions: Optional[torch.Tensor] = None  # [3, len(prompt_ids)] (M-RoPE), None: 1-D positions
+    rope_delta: int = 0  # generated tokens sit at their index plus this (M-RoPE)
+    video: bool = False  # pixel_values are one video's frames (Qwen2-VL's video path)
+    latency_target: Optional[float] = None  # seconds: this application's target, for the scheduler's credits
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class GenerationOutput:
     """One event for a request. Streaming clients get every event; others only the final one.
 
@@ -258,3 +283,23 @@ def coalesce(events: list) -> list:
 
 
 OutputCallback = Callable[[GenerationOutput], None]
+
+
+@dataclass
+class StepResult:
+    """What one engine step ran (``LLMEngine.step()`` returns it; tests and benchmarks read it): the batch's
+    requests in row order, how many were prefills and decodes, their adapter slots, the waiting requests it
+    admitted, the inference mode and merged adapter, the running requests it left out (paused), and the
+    forward's last-token logits [rows, vocab] and hidden states [rows, hidden] (on the device)."""
+
+    request_ids: list[str]
+    num_prefill: int
+    num_decode: int
+    slots: list[int]
+    admitted: list[str]
+    mode: str
+    merged: Optional[str]
+    paused: list[str]
+    logits: "torch.Tensor"
+    hidden: "torch.Tensor"
+    num_images_encoded: int = 0

@@ -26,11 +26,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
 from vlora.config import EngineConfig
-from vlora.engine.api import EngineDead, EngineOverloaded, GenerationOutput, GenerationRequest, InvalidRequest, OutputCallback
+from vlora.engine.api import (EngineDead, EngineOverloaded, GenerationOutput, GenerationRequest, InvalidRequest, OutputCallback,
+                              PreparedRequest)
 from vlora.engine.builder import build_engine
-from vlora.engine.core import LLMEngine, PreparedRequest
+from vlora.engine.core import LLMEngine
 from vlora.engine.inputs import CheckedRequest
-from vlora.engine.metrics import EngineMetrics
+from vlora.metrics import EngineMetrics
 from vlora.engine.preprocess import PreprocessPool
 
 log = logging.getLogger(__name__)

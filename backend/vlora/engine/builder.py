@@ -11,7 +11,7 @@ import torch
 
 from vlora.config import ConfigError, EngineConfig, default_cache_dir
 from vlora.engine.core import LLMEngine
-from vlora.engine.metrics import EngineMetrics
+from vlora.metrics import EngineMetrics
 from vlora.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -145,19 +145,20 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int
 def resolve_cost_model(config: EngineConfig, engine: LLMEngine) -> None:
     """Give the orchestrator the cost model ``orchestrator.cost_model`` names (after the graphs are captured:
     a measurement replays them). Policies other than vlora only measure one when asked to (``measure``)."""
-    from vlora.orchestrator import costs
+    from vlora.engine import cost_probe
     from vlora.orchestrator.switcher import SWITCHERS
 
     cfg = config.orchestrator
     if cfg.policy != "vlora" and cfg.cost_model == "auto":
         return
     runner = engine.runner
-    key = costs.model_key(runner, dtype=str(runner.dtype).removeprefix("torch."), max_rank=config.lora.max_rank,
-                          targets=config.lora.target_modules, max_batch_size=config.scheduler.max_batch_size,
-                          lora_backend=cfg.resolved_lora_compute, switcher=cfg.resolved_switcher)
+    key = cost_probe.model_key(runner, dtype=str(runner.dtype).removeprefix("torch."), max_rank=config.lora.max_rank,
+                               targets=config.lora.target_modules, max_batch_size=config.scheduler.max_batch_size,
+                               lora_backend=cfg.resolved_lora_compute, switcher=cfg.resolved_switcher)
     cache = Path(cfg.cost_model_dir) if cfg.cost_model_dir else default_cache_dir() / "cost-model"
-    model = costs.resolve(cfg.cost_model, runner, cache_dir=cache, key=key, max_batch_size=config.scheduler.max_batch_size,
-                          switcher_cls=SWITCHERS[cfg.resolved_switcher], loras=engine.loras)
+    model = cost_probe.resolve(cfg.cost_model, runner, cache_dir=cache, key=key,
+                               max_batch_size=config.scheduler.max_batch_size,
+                               switcher_cls=SWITCHERS[cfg.resolved_switcher], loras=engine.loras)
     engine.orchestrator.set_costs(model)
     engine.model_info["cost_model"] = model.summary()
 

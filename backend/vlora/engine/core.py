@@ -23,95 +23,27 @@ whose adapter is being loaded waits for it while the others keep decoding.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 from vlora.config import EngineConfig
-from vlora.engine.api import GenerationOutput, InvalidRequest, OutputCallback, SamplingParams
+from vlora.engine.api import GenerationOutput, OutputCallback, PreparedRequest, StepResult
 from vlora.engine.kv_cache import SequenceBlocks
-from vlora.engine.metrics import EngineMetrics, NullMetrics
-from vlora.engine.model_runner import ModelRunner, SeqInput, StepResult
-from vlora.engine.sampler import PendingSample, make_seed, sample_async
+from vlora.metrics import EngineMetrics, NullMetrics
+from vlora.engine.model_runner import ModelRunner, SeqInput
+from vlora.engine.sampler import PendingSample, sample_async
+from vlora.engine.scheduler import Scheduler
+from vlora.engine.sequence import Sequence
 from vlora.lora.manager import LoraManager
 from vlora.orchestrator.orchestrator import Orchestrator
-from vlora.orchestrator.policies import UNMERGE, Candidate, Decision
+from vlora.orchestrator.policies import UNMERGE
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PreparedRequest:
-    """A validated request: token ids, preprocessed images, and everything the loop needs."""
-
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    lora_name: Optional[str] = None
-    stream: bool = False
-    pixel_values: Optional[torch.Tensor] = None  # as the model family's vision tower takes them
-    image_keys: tuple[bytes, ...] = ()
-    task: Optional[str] = None
-    image_grid_thw: Optional[torch.Tensor] = None  # [n_images, 3] (Qwen2-VL)
-    mrope_positions: Optional[torch.Tensor] = None  # [3, len(prompt_ids)] (M-RoPE), None: 1-D positions
-    rope_delta: int = 0  # generated tokens sit at their index plus this (M-RoPE)
-    video: bool = False  # pixel_values are one video's frames (Qwen2-VL's video path)
-    latency_target: Optional[float] = None  # seconds: this application's target, for the scheduler's credits
-    arrival: float = field(default_factory=time.monotonic)
-
-
-@dataclass(eq=False)  # compared by identity: the loop's `in` and `remove` must not compare every field
-class Sequence:
-    req: PreparedRequest
-    callback: OutputCallback
-    max_len: int  # prompt + output tokens this request may reach
-    blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
-    slot: int = -1
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    sent: int = 0  # characters of text already reported
-    seed: int = 0  # the sampling seed: the request's own, or drawn at admission
-    # Incremental detokenization: text holds the decode of output_ids[:read_offset]; the next decode
-    # covers output_ids[prefix_offset:], from a character boundary a few tokens back.
-    prefix_offset: int = 0
-    read_offset: int = 0
-    pending_chars: int = 0  # characters of the window's new text already sent while its last one was incomplete
-    prefilled: bool = False
-    inflight: int = 0  # tokens sampled on the device and not read back yet (step overlap: at most 2)
-    inflight_row: int = -1  # this sequence's row in the last step it was launched in
-    finished: bool = False
-    answer: Optional[dict] = None  # a task head's answer (task, label, labels, scores)
-    candidate: Optional[Candidate] = None  # what the scheduling policy sees of this request
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt and output tokens, those still in flight included."""
-        return len(self.req.prompt_ids) + len(self.output_ids) + self.inflight
-
-    @property
-    def schedulable(self) -> bool:
-        """False while the token in flight surely ends the request (its length, or a task head's answer):
-        scheduling it again would only compute a row to discard."""
-        if not self.inflight:
-            return True
-        if self.req.task is not None:
-            return False
-        return len(self.output_ids) + self.inflight < self.req.sampling.max_tokens and self.num_tokens < self.max_len
-
-    prefix_hashes: list = field(default_factory=list)  # the prefix cache's hash of each full prompt block
-    prefix_identity: Optional[str] = None  # the adapter weights prefix_hashes were made for
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (a whole number of blocks)
-
-    @property
-    def step_tokens(self) -> int:
-        """Tokens this request puts into its next step: the prompt (less its cached prefix), then one at a time."""
-        return 1 if self.prefilled else len(self.req.prompt_ids) - self.cached_tokens
 
 
 class LLMEngine:
@@ -124,19 +56,16 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
         self.metrics = metrics or NullMetrics()
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self._aborted: set[str] = set()
         self._unloading: dict[str, list[Callable[[dict], None]]] = {}  # adapter -> who waits for its unload
-        self.last_step: Optional[dict] = None  # what the last step ran; read by tests and benchmarks
         self.inputs = None  # the InputProcessor that prepares requests for this engine (set by build_engine)
         self.model_info: dict = {}
         self.orchestrator = Orchestrator(config.orchestrator, config.scheduler.max_batch_size, runner, loras, self.metrics)
+        self.scheduler = Scheduler(config, runner.kv, loras, self.orchestrator, runner.loaded, self.metrics, max_model_len)
         self._reported: tuple = ()  # the per-adapter counts and residency last sent to the metrics
         self._reported_depth: Optional[tuple[int, int]] = None  # (running, waiting) last sent to the metrics
         self.tuner = None  # the ATMM tuner sidecar started at model load (vlora.atmm.tuner.start_at_load), if any
         self._decode = _fast_decode(tokenizer)
-        self.prefix_stats = {"queried_tokens": 0, "reused_tokens": 0, "evictions": 0}  # cache.prefix_caching
         self._encoder_reported: dict = {}  # the encoder cache's counters last sent to the metrics
         mode = config.engine.overlap
         self.overlap = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
@@ -144,13 +73,26 @@ class LLMEngine:
         self._last_done = 0.0  # when the last step's tokens were read back
 
     # -- queue -------------------------------------------------------------------------------
+    @property
+    def waiting(self):
+        """The scheduler's waiting queue (read-only use)."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The scheduler's admitted requests (read-only use)."""
+        return self.scheduler.running
+
+    @property
+    def prefix_stats(self) -> dict:
+        return self.scheduler.prefix_stats
+
+    def use_orchestrator(self, orchestrator: Optional[Orchestrator]) -> None:
+        """Serve with another orchestrator (a benchmark switching policies on an idle engine)."""
+        self.orchestrator = self.scheduler.orchestrator = orchestrator
+
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
-        max_len = min(self.max_model_len, len(req.prompt_ids) + (1 if req.task else req.sampling.max_tokens))
-        seq = Sequence(req=req, callback=callback, max_len=max_len, seed=make_seed(req.sampling))
-        seq.candidate = Candidate(req.request_id, req.lora_name, self.orchestrator.clock(),
-                                  self.orchestrator.latency_target(req.lora_name, req.latency_target),
-                                  remaining=max_len - len(req.prompt_ids))
-        self.waiting.append(seq)
+        self.scheduler.add(req, callback)
         self.metrics.request_admitted(req.lora_name)
 
     def abort(self, request_id: str) -> None:
@@ -183,8 +125,11 @@ class LLMEngine:
 
     def _step(self) -> Optional[StepResult]:
         self._process_aborts()
-        batch, new = self._schedule()
-        launched = self._launch(batch, new) if batch else None
+        plan = self.scheduler.schedule()
+        for s, error in plan.failed:
+            self._finish(s, "error", error=error)
+        batch = plan.batch
+        launched = self._launch(batch, plan.admitted) if batch else None
         prev, self._inflight = self._inflight, None
         if prev is not None:  # the last step's tokens, read back while the GPU runs this one
             self._complete(prev)
@@ -254,16 +199,12 @@ class LLMEngine:
             s.prefilled = True
             s.inflight += 1
             s.inflight_row = i
-        self.last_step = {
-            "request_ids": [s.req.request_id for s in batch],
-            "num_prefill": n_prefill_reqs,
-            "num_decode": len(batch) - n_prefill_reqs,
-            "slots": [s.slot for s in batch],
-            "admitted": [s.req.request_id for s in new],
-            "mode": orch.mode,
-            "merged": orch.merged,
-            "paused": [s.req.request_id for s in self.running if s not in batch],
-        }
+        step = StepResult(
+            request_ids=[s.req.request_id for s in batch], num_prefill=n_prefill_reqs,
+            num_decode=len(batch) - n_prefill_reqs, slots=[s.slot for s in batch],
+            admitted=[s.req.request_id for s in new], mode=orch.mode, merged=orch.merged,
+            paused=[s.req.request_id for s in self.running if s not in batch],
+            logits=result.logits, hidden=result.hidden, num_images_encoded=result.num_images_encoded)
         cache = self.runner.encoder_cache
         if cache is not None and n_prefill_reqs:
             now_stats = cache.stats()
@@ -271,7 +212,7 @@ class LLMEngine:
             self.metrics.encoder_cache(*(now_stats[k] - last.get(k, 0) for k in ("hits", "misses", "evictions")),
                                        now_stats["bytes"])
             self._encoder_reported = now_stats
-        return _Launched(batch, inputs, result, sampled, heads, t0, n_prefill_reqs, n_prefill)
+        return _Launched(batch, inputs, step, sampled, heads, t0, n_prefill_reqs, n_prefill)
 
     def _complete(self, step: "_Launched") -> None:
         """Read a launched step's tokens back; stop, detokenize and report. A sequence that finished
@@ -311,149 +252,6 @@ class LLMEngine:
         self.metrics.step(len(batch), step.n_prefill, len(batch) - step.n_prefill_reqs, elapsed)
         self.metrics.mode_step(orch.mode, orch.merged, elapsed)
         self.metrics.queue_depth(len(self.running), len(self.waiting))
-
-    def _schedule(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Ask the policy for the next batch and mode, switch, then admit what fits.
-
-        The batch comes from every known request, running or waiting; a running request the policy
-        leaves out waits with its KV cache intact. Waiting requests are admitted (KV blocks reserved
-        for prompt + max_tokens, adapter slot pinned) when they are picked and there is room.
-        """
-        cands = [s for s in self.running if s.schedulable] + list(self.waiting)
-        if not cands:
-            return [], []
-        orch = self.orchestrator
-        decision = orch.decide([s.candidate for s in cands])
-        if not orch.enter(decision.mode, decision.merged):  # the adapter to merge found no free slot
-            decision = self._fifo_unmerged(cands)
-        batch, new = self._fill(decision.batch, cands)
-        if not batch and orch.mode != UNMERGE:  # nothing of that mode fits now: make progress unmerged
-            decision = self._fifo_unmerged(cands)
-            batch, new = self._fill(decision.batch, cands)
-        orch.mode_impl.check([s.slot for s in batch], orch.merged_slot)
-        return sorted(batch, key=lambda s: orch.lora_slots(s.slot)), new
-
-    def _fifo_unmerged(self, cands: list[Sequence]) -> Decision:
-        self.orchestrator.enter(UNMERGE, None)
-        return Decision(UNMERGE, None, sorted((s.candidate for s in cands), key=lambda c: c.last_served))
-
-    def _fill(self, picked, cands: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-        sch = self.config.scheduler
-        by_id = {s.req.request_id: s for s in cands}
-        budget = sch.max_num_batched_tokens
-        batch: list[Sequence] = []
-        new: list[Sequence] = []
-        for c in picked:
-            if len(batch) >= sch.max_batch_size:
-                break
-            s = by_id[c.request_id]
-            n = s.step_tokens
-            if s not in self.running:
-                # A waiting prompt is charged what it will run: its length less the cached prefix that
-                # admission finds. Without the prefix cache that is its whole length, known now.
-                if n > budget and batch and not self.config.cache.prefix_caching:
-                    continue
-                if not self._admit_one(s):
-                    continue
-                new.append(s)
-                n = s.step_tokens
-                if n > budget and batch:
-                    continue  # admitted (its blocks and slot held): it runs in a later step
-            elif n > budget and batch:
-                continue  # a prompt larger than the whole budget still runs, alone
-            batch.append(s)
-            budget -= n
-        # Top up with running requests the mode can serve, so a request that could run never idles
-        # because the policy's pick could not be admitted.
-        orch = self.orchestrator
-        for s in sorted(self.running, key=lambda s: s.candidate.last_served):
-            if len(batch) >= sch.max_batch_size:
-                break
-            n = s.step_tokens
-            if s in batch or not s.schedulable or (n > budget and batch) or not orch.mode_impl.accepts(s.slot, orch.merged_slot):
-                continue
-            batch.append(s)
-            budget -= n
-        return batch, new
-
-    def _admit_one(self, s: Sequence) -> bool:
-        """Reserve KV blocks and pin an adapter slot for a waiting request; False: it waits."""
-        if len(self.running) >= self.config.scheduler.max_batch_size:
-            return False
-        need = self.runner.kv.blocks_for(s.max_len)
-        if need > self.runner.kv.num_blocks:
-            self.waiting.remove(s)
-            self._finish(s, "error", error=f"request needs {need} KV blocks, the cache has {self.runner.kv.num_blocks}")
-            return False
-        try:
-            # Asked before the KV check so that a load starts (and overlaps) even while the cache is full.
-            slot = self.loras.try_acquire(s.req.lora_name)
-        except InvalidRequest as e:  # unloaded, or its folder broke since the request was validated
-            self.waiting.remove(s)
-            self._finish(s, "error", error=str(e))
-            return False
-        if slot is None:
-            return False  # its adapter is being read or copied, or every slot is pinned: a later step
-        alloc = self.runner.kv.allocator
-        hit: list[int] = []
-        if self.config.cache.prefix_caching:
-            identity = self.loras.slot_identity(slot)
-            if s.prefix_identity != identity:  # a request that waits for memory is tried again every step
-                s.prefix_hashes, s.prefix_identity = self._prefix_hashes(s, identity), identity
-            hit = alloc.lookup(s.prefix_hashes)
-            alloc.share(hit)  # held before the allocation below, which may evict other cached blocks
-        if need - len(hit) > alloc.num_free:
-            alloc.free(hit)
-            self.loras.release(slot)
-            return False
-        self.waiting.remove(s)
-        s.slot = slot
-        s.blocks = SequenceBlocks(hit + alloc.allocate(need - len(hit)))
-        s.cached_tokens = len(hit) * self.runner.kv.block_size
-        self.prefix_stats["queried_tokens"] += len(s.req.prompt_ids)
-        self.prefix_stats["reused_tokens"] += s.cached_tokens
-        evicted = alloc.evictions - self.prefix_stats["evictions"]
-        self.prefix_stats["evictions"] = alloc.evictions
-        self.metrics.prefix_cache(len(s.req.prompt_ids), s.cached_tokens, evicted)
-        self.running.append(s)
-        s.candidate.running = True
-        return True
-
-    def _prefix_hashes(self, s: Sequence, identity: str) -> list[bytes]:
-        """Chained hashes of the prompt's full blocks, leaving at least one token to run (its logits).
-
-        Block i's hash covers the weights that made the KV (``identity``: the adapter's name and version, "" for the
-        base model), blocks 0..i's token ids, and the content hashes of the images (or video) whose
-        placeholder tokens start in blocks 0..i: a block is shared only by requests that would have
-        computed the same keys and values."""
-        bs = self.runner.kv.block_size
-        ids = s.req.prompt_ids
-        n_full = (len(ids) - 1) // bs
-        if n_full <= 0:
-            return []
-        starts: dict[int, list[bytes]] = {}  # block -> keys of the images starting there
-        req = s.req
-        if req.pixel_values is not None and len(req.image_keys):
-            loaded = self.runner.loaded
-            family = loaded.family
-            counts = family.item_tokens(loaded, req.pixel_values, req.image_grid_thw, req.video)
-            marker = family.placeholder_id(loaded, req.video)
-            positions = [i for i, t in enumerate(ids) if t == marker]
-            first = 0
-            for key, n in zip(req.image_keys, counts):
-                if first < len(positions):
-                    starts.setdefault(positions[first] // bs, []).append(key)
-                first += n
-        h = hashlib.sha256(b"vlora-prefix\0" + identity.encode()).digest()
-        out = []
-        for i in range(n_full):
-            m = hashlib.sha256(h)
-            m.update(np.asarray(ids[i * bs:(i + 1) * bs], dtype=np.int64).tobytes())
-            for key in starts.get(i, ()):
-                m.update(key)
-            h = m.digest()
-            out.append(h)
-        return out
 
     # -- stopping and reporting ----------------------------------------------------------------
     def _advance(self, s: Sequence, tok: int) -> None:
@@ -529,8 +327,7 @@ class LLMEngine:
 
     def _finish(self, s: Sequence, reason: str, error: Optional[str] = None) -> None:
         s.finished = True
-        if s in self.running:
-            self.running.remove(s)
+        self.scheduler.remove(s)
         if s.blocks.blocks:
             self.runner.kv.allocator.free(s.blocks.blocks)
             s.blocks = SequenceBlocks()
@@ -558,10 +355,7 @@ class LLMEngine:
         if not self._aborted:
             return
         ids, self._aborted = self._aborted, set()
-        for s in [x for x in self.running if x.req.request_id in ids]:
-            self._finish(s, "cancelled")
-        for s in [x for x in self.waiting if x.req.request_id in ids]:
-            self.waiting.remove(s)
+        for s in [x for x in list(self.running) + list(self.waiting) if x.req.request_id in ids]:
             self._finish(s, "cancelled")
 
     # -- adapters (engine thread) ---------------------------------------------------------------
@@ -630,8 +424,6 @@ class LLMEngine:
 
     def fail_all(self, reason: str, error: Optional[str] = None) -> None:
         for s in list(self.running) + list(self.waiting):
-            if s in self.waiting:
-                self.waiting.remove(s)
             self._finish(s, reason, error)
         self._report_queue_depth()
 
@@ -642,7 +434,7 @@ class _Launched:
 
     batch: list[Sequence]
     inputs: list[SeqInput]
-    result: StepResult
+    result: StepResult  # what the step ran, with its forward's logits and hidden states
     sampled: PendingSample
     heads: dict  # batch row -> hidden state, for the rows a task head answers
     t0: float

@@ -30,7 +30,7 @@ from vlora.atmm.mapping import LoraBatchMapping
 from vlora.engine.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from vlora.engine.model_runner import ModelRunner, SeqInput, StepResult
+    from vlora.engine.model_runner import ModelRunner, SeqInput, ForwardOutput
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,8 @@ class DecodeGraphs:
 
     # -- replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list["SeqInput"], prev_tokens: Optional[torch.Tensor] = None) -> "StepResult":
-        from vlora.engine.model_runner import StepResult
+    def run(self, seqs: list["SeqInput"], prev_tokens: Optional[torch.Tensor] = None) -> "ForwardOutput":
+        from vlora.engine.model_runner import ForwardOutput
 
         r = self.runner
         kv = r.kv
@@ -227,14 +227,14 @@ class DecodeGraphs:
         self._copied.record()
         g.replay()
         self.replays[(b, variant)] += 1
-        return StepResult(logits=logits[:n], hidden=hidden[:n])
+        return ForwardOutput(logits=logits[:n], hidden=hidden[:n])
 
 
 # Prefill steps: token-count buckets (a step pads its tokens up to the next one): every PREFILL_BUCKET
 # tokens up to 1,024, 8 short of each multiple (24, 56, ..., 1,016, then 1,024), then every 64 up to
 # 2,048, then every 128. cuBLAS's heuristics pick slower kernels for many row counts that are multiples of
 # 32: on an H100 the 7B model's four projections took 4.0% less time per row on average at 32k - 8 rows
-# than at 32k over 512..1,024 (benchmarks/gemm_rows_probe.py, results/gemm-rows-probe-nvidia-h100-80gb-hbm3.json;
+# than at 32k over 512..1,024 (the since-removed gemm_rows_probe: benchmarks/NOTES.md, results/gemm-rows-probe-nvidia-h100-80gb-hbm3.json;
 # 600 rows 327 us a layer, 608 rows 359).
 PREFILL_BUCKET = 32
 
@@ -434,8 +434,8 @@ class PrefillGraphs:
 
     # -- replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list["SeqInput"], prev_tokens: Optional[torch.Tensor] = None) -> "StepResult":
-        from vlora.engine.model_runner import StepResult
+    def run(self, seqs: list["SeqInput"], prev_tokens: Optional[torch.Tensor] = None) -> "ForwardOutput":
+        from vlora.engine.model_runner import ForwardOutput
 
         r = self.runner
         kv = r.kv
@@ -463,4 +463,4 @@ class PrefillGraphs:
         n_enc = r._insert_images(seqs, ids, self.hidden[:n])
         g.replay()
         self.replays[b] += 1
-        return StepResult(logits=logits[:ns], hidden=hidden[:ns], num_images_encoded=n_enc)
+        return ForwardOutput(logits=logits[:ns], hidden=hidden[:ns], num_images_encoded=n_enc)

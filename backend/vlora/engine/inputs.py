@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from vlora.config import InputLimits
 from vlora.engine.api import GenerationRequest, InvalidRequest
-from vlora.engine.core import PreparedRequest
+from vlora.engine.api import PreparedRequest
 from vlora.lora.adapter import validate_adapter_name
 from vlora.lora.manager import LoraManager
 from vlora.models.family import LoadedModel

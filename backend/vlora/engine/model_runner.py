@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -35,7 +35,7 @@ from vlora.engine.fused_ops import add_rms_norm, fused_available, rms_norm, rota
 from vlora.engine.kv_cache import PagedKVCache, SequenceBlocks
 from vlora.lora.adapter import VisionSites
 from vlora.lora.backends import LoraBackend
-from vlora.lora.layers import LoraContext, LoraLinear
+from vlora.lora.layers import GroupSlots, LoraContext, LoraLinear
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class WeightGroup:
     bias: Optional[torch.Tensor]
     modules: tuple[tuple[str, int, int], ...]
     lora: list[tuple[tuple[int, int, LoraLinear], ...]]
-    slots: Optional["GroupSlots"] = None  # the LoRA slot buffers of its wrapped modules, all layers
+    slots: Optional[GroupSlots] = None  # the LoRA slot buffers of its wrapped modules, all layers
     gemv_rows: int = 0
 
     def __post_init__(self) -> None:
@@ -98,25 +98,6 @@ class WeightGroup:
         if self.fusable(li, x, lora):
             return gemv.gate_up_silu(x, self.weights[li], self.biases[li], impl="triton")
         return silu_mul(self.forward(li, x, lora))
-
-
-@dataclass
-class GroupSlots:
-    """The LoRA slot buffers of one weight group's wrapped modules, every layer's in one stack per operand.
-
-    Each layer's :class:`LoraLinear` reads a contiguous view ``a[layer, k]`` [S, r, d_in] and
-    ``b_parts[k][layer]`` [S, d_out, r] (what the ATMM kernels take), while one slot's A and B of every
-    layer are one strided slice, ``a[:, :, slot]`` [L, M, r, d_in]: the swift switcher merges from it
-    without gathering per-layer buffers.
-
-    Shape: a [L, M, S, r, d_in]; b [L, M, S, d_out, r] when the M modules share d_out, else None;
-    b_parts: per module [L, S, d_out_k, r] (views of b when it exists); modules: the wrapped modules' names.
-    """
-
-    modules: tuple[str, ...]
-    a: torch.Tensor
-    b: Optional[torch.Tensor]
-    b_parts: tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -227,11 +208,10 @@ class StepPlan:
 
 
 @dataclass
-class StepResult:
+class ForwardOutput:
     logits: torch.Tensor  # [n_seqs, vocab] float32, at each sequence's last new token
     hidden: torch.Tensor  # [n_seqs, hidden] final-norm hidden state there (for task heads)
     num_images_encoded: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def language_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -522,7 +502,7 @@ class ModelRunner:
                         src=host[3 * T + S:] if pending else None)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqInput], prev_tokens: Optional[torch.Tensor] = None) -> StepResult:
+    def forward(self, seqs: list[SeqInput], prev_tokens: Optional[torch.Tensor] = None) -> ForwardOutput:
         """One packed step. A decode-only step replays a captured CUDA graph where one fits; any other
         runs eagerly (the same layer code, with the prefill attention).
 
@@ -551,7 +531,7 @@ class ModelRunner:
             logits, h_last = self._decoder(hidden, plan.positions, plan.slot_mapping, attend, plan.last_index)
         finally:
             self.lora_ctx.mapping = self.lora_ctx.delora = None
-        return StepResult(logits=logits, hidden=h_last, num_images_encoded=n_enc)
+        return ForwardOutput(logits=logits, hidden=h_last, num_images_encoded=n_enc)
 
     def _decoder(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, attend,
                  last_index: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from vlora.files import FileTooLarge, json_object, read_once
+
 HEADS_CONFIG = "vlora_heads.json"
 HEADS_WEIGHTS = "vlora_heads.safetensors"
 FORMAT = "vlora-task-heads"
@@ -110,14 +112,13 @@ def load_heads(adapter_dir: Path, *, hidden_size: int, where: str = "adapter",
     duplicate tasks or labels, a weights file larger than its heads' tensors can be.
 
     ``read(file name, limit)`` gives the bytes of a file of the folder (raising
-    ``vlora.lora.files.FileTooLarge`` past ``limit`` bytes), or None when it is absent. Each file is read
+    ``vlora.files.FileTooLarge`` past ``limit`` bytes), or None when it is absent. Each file is read
     once and parsed from those bytes; the default reads it through one descriptor
-    (``vlora.lora.files.read_once``). The adapter loader passes a reader that checks the path against the
+    (``vlora.files.read_once``). The adapter loader passes a reader that checks the path against the
     adapter root and adds the bytes to the adapter's version.
     """
     from safetensors.torch import load as load_safetensors
 
-    from vlora.lora.files import FileTooLarge, read_once
 
     adapter_dir = Path(adapter_dir)
     if read is None:
@@ -132,10 +133,10 @@ def load_heads(adapter_dir: Path, *, hidden_size: int, where: str = "adapter",
     if raw is None:
         return {}
     try:
-        config = json.loads(raw.decode("utf-8"))
+        config = json_object(raw, HEADS_CONFIG)
     except ValueError as e:
-        raise HeadError(f"{where}: {HEADS_CONFIG} is not valid JSON ({e})") from None
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        raise HeadError(f"{where}: {e}") from None
+    if config.get("format") != FORMAT:
         raise HeadError(f"{where}: {HEADS_CONFIG} must be a JSON object with \"format\": \"{FORMAT}\"")
     if config.get("version") != VERSION:
         raise HeadError(f"{where}: {HEADS_CONFIG} version {config.get('version')!r} is not supported (only {VERSION})")

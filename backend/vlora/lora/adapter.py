@@ -29,7 +29,7 @@ match fast: at most ``MAX_PATTERN_KEY_CHARS`` characters, no backreferences, no 
 A pattern holds at most ``MAX_PATTERN_KEYS`` keys, of which at most ``MAX_PATTERN_REGEX_KEYS`` regexes.
 
 Reading. Each file is opened once, without following a final symlink, and read through that one
-descriptor (:mod:`vlora.lora.files`): the bytes read are the bytes parsed and the bytes hashed into the
+descriptor (:mod:`vlora.files`, :mod:`vlora.lora.files`): the bytes read are the bytes parsed and the bytes hashed into the
 adapter's ``version``, so a file changed or swapped while it is read cannot pair its old weights with a
 new version. The safetensors header is read first and every key and shape checked against the served
 model; the tensor data is read only then, and only up to what those shapes can hold (8 bytes an element),
@@ -52,7 +52,8 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 
 from vlora.errors import InvalidRequest
-from vlora.lora.files import ContentVersion, FileTooLarge, NotARegularFile, OneRead, read_once
+from vlora.files import FileTooLarge, NotARegularFile, OneRead, json_object, read_once
+from vlora.lora.files import ContentVersion
 
 try:  # the parser behind re, used to vet regex keys of rank_pattern / alpha_pattern before running them
     from re import _constants as _sre_constants, _parser as _sre_parse
@@ -413,12 +414,9 @@ def _read_file(path: Path, filename: str, limit: int, where: str) -> bytes:
 
 def _parse_config(raw: bytes, where: str) -> dict[str, Any]:
     try:
-        config = json.loads(raw.decode("utf-8"))
-    except ValueError as e:  # UnicodeDecodeError included
-        raise AdapterError(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{where}: {CONFIG_FILE} must hold a JSON object")
-    return config
+        return json_object(raw, CONFIG_FILE)
+    except ValueError as e:
+        raise AdapterError(f"{where}: {e}") from None
 
 
 def _invalid_weights(where: str, why: str) -> AdapterError:

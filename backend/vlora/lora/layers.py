@@ -9,6 +9,7 @@ graphs).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -119,3 +120,22 @@ class LoraLinear(nn.Module):
         if minus:  # deLoRA: take the merged adapter's delta back out for tokens of other adapters
             ctx.backend.segments(y, x, self.lora_a, self.lora_b, self._ranks_t, self._neg_unit_t, ctx.delora)
         return y
+
+
+@dataclass
+class GroupSlots:
+    """The LoRA slot buffers of one weight group's wrapped modules, every layer's in one stack per operand.
+
+    Each layer's :class:`LoraLinear` reads a contiguous view ``a[layer, k]`` [S, r, d_in] and
+    ``b_parts[k][layer]`` [S, d_out, r] (what the ATMM kernels take), while one slot's A and B of every
+    layer are one strided slice, ``a[:, :, slot]`` [L, M, r, d_in]: the swift switcher merges from it
+    without gathering per-layer buffers.
+
+    Shape: a [L, M, S, r, d_in]; b [L, M, S, d_out, r] when the M modules share d_out, else None;
+    b_parts: per module [L, S, d_out_k, r] (views of b when it exists); modules: the wrapped modules' names.
+    """
+
+    modules: tuple[str, ...]
+    a: torch.Tensor
+    b: Optional[torch.Tensor]
+    b_parts: tuple[torch.Tensor, ...]

@@ -55,7 +55,7 @@ import torch
 
 from vlora.config import LoraConfig
 from vlora.errors import InvalidRequest
-from vlora.engine.metrics import EngineMetrics, NullMetrics
+from vlora.metrics import EngineMetrics, NullMetrics
 from vlora.lora.adapter import (
     AdapterError,
     AdapterWeights,
@@ -70,7 +70,7 @@ from vlora.lora.layers import LoraLinear
 
 log = logging.getLogger(__name__)
 
-# Kinds of adapter_swap events (vlora.engine.metrics.EngineMetrics.adapter_swap).
+# Kinds of adapter_swap events (vlora.metrics.EngineMetrics.adapter_swap).
 GPU_LOAD, GPU_EVICTION, HOST_LOAD, HOST_EVICTION = "gpu_load", "gpu_eviction", "host_load", "host_eviction"
 
 

@@ -1,5 +1,5 @@
 """The LLaVA-1.5 family: loading a LLaVA-architecture model from a local Hugging Face folder, building
-prompt token ids, and its vision tower (:class:`LlavaFamily`, see :mod:`vlora.models.family`).
+prompt token ids, and its vision tower (:class:`LlavaFamily`, see :mod:`vlora.models.base`).
 
 One path serves the embedded tiny model and real llava-hf checkpoints (llava-hf/llava-1.5-7b-hf:
 ``config.json``, sharded ``*.safetensors`` with an index, tokenizer files, ``preprocessor_config.json``,
@@ -17,16 +17,8 @@ from typing import Any, Optional
 import torch
 
 from vlora.errors import InvalidRequest
-from vlora.models.family import (
-    PROJECTOR_STAGE,
-    VISION_STAGE,
-    LoadedModel,
-    ModelFamily,
-    ModelLoadError,
-    Prompt,
-    load_weights,
-    read_config,
-)
+from vlora.models.base import (PROJECTOR_STAGE, VISION_STAGE, LoadedModel, ModelFamily, ModelLoadError, Prompt,
+                               check_safetensors_present, load_weights, read_config)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +57,7 @@ def load_llava(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     if not path.is_dir():
         raise ModelLoadError(f"model folder {str(path)!r} does not exist or is not a directory")
     config = _read_config(path)
-    _check_safetensors_present(path)
+    check_safetensors_present(path)
 
     kwargs: dict[str, Any] = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = load_weights(LlavaForConditionalGeneration, path, dtype, device, **kwargs)
@@ -168,17 +160,6 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{str(path)!r}: vision tower {vision_type!r} is not supported; "
                              f"supported: {sorted(_CLASS_TOKEN)}")
     return config
-
-
-def _check_safetensors_present(path: Path) -> None:
-    if any(path.glob("*.safetensors")):
-        return
-    pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
-    if pickles:
-        raise ModelLoadError(f"{str(path)!r} has only pickle weights ({', '.join(pickles[:3])}); vlora reads "
-                             f"safetensors only, because loading pickle files can run arbitrary code. "
-                             f"Convert the checkpoint to safetensors first")
-    raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights")
 
 
 def _num_image_tokens(config: Any) -> int:

@@ -7,7 +7,7 @@
   processor expands the pad token to the image's token count); with no placeholder the images come
   first; the chat-template option wraps the text as one user turn. The tokenizer adds no BOS.
 - Positions are M-RoPE's three axes, from the model's own ``get_rope_index``; the prompt's
-  ``rope_delta`` shifts every generated token (see :mod:`vlora.models.family`).
+  ``rope_delta`` shifts every generated token (see :mod:`vlora.models.base`).
 - Decoder layers are Qwen2's: LLaMA's with biases on q/k/v (the runner's fused q/k/v GEMM carries them).
 
 - Videos: a prompt with ``<|vision_start|><|video_pad|><|vision_end|>`` (once) makes the request's images
@@ -23,16 +23,8 @@ from typing import Any, Optional
 import torch
 
 from vlora.errors import InvalidRequest
-from vlora.models.family import (
-    PROJECTOR_STAGE,
-    VISION_STAGE,
-    LoadedModel,
-    ModelFamily,
-    ModelLoadError,
-    Prompt,
-    load_weights,
-    read_model_type,
-)
+from vlora.models.base import (PROJECTOR_STAGE, VISION_STAGE, LoadedModel, ModelFamily, ModelLoadError, Prompt,
+                               check_safetensors_present, load_weights, read_model_type)
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +49,12 @@ class Qwen2VLFamily(ModelFamily):
     def load(self, path: Path, dtype: torch.dtype, device) -> LoadedModel:
         import transformers
 
-        from vlora.models.loader import _check_safetensors_present
 
         path = Path(path)
         if not path.is_dir():
             raise ModelLoadError(f"model folder {str(path)!r} does not exist or is not a directory")
         model_type = read_model_type(path)
-        _check_safetensors_present(path)
+        check_safetensors_present(path)
         model = load_weights(getattr(transformers, _CLASSES[model_type]), path, dtype, device)
         try:
             # AutoProcessor where torchvision is installed; composed from the same files where it is not.

@@ -3,7 +3,7 @@
 ``SwiftSwitcher`` (V-LoRA §4.4.1) works on the model runner's weight groups: the projections that
 run as one GEMM (q/k/v, gate/up; o and down alone) keep their weights of all layers in one contiguous
 stack [L, sum of d_out, d_in] (each layer's ``nn.Linear`` weights are views of it), and their LoRA slot
-buffers of all layers in one stack per operand (:class:`~vlora.engine.model_runner.GroupSlots`, A [L, M,
+buffers of all layers in one stack per operand (:class:`~vlora.lora.layers.GroupSlots`, A [L, M,
 S, r, d_in]; each layer's :class:`~vlora.lora.layers.LoraLinear` reads a view of it). A slot's A and B of
 every layer are then one strided slice, which the merge operator's streaming kernel reads in place (no
 gathering copies). Where the group's modules share d_out and all have slot buffers, the stack is M x L
@@ -21,15 +21,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from vlora.atmm.merge import merge_lora_terms
-from vlora.lora.layers import LoraLinear
-
-if TYPE_CHECKING:
-    from vlora.engine.model_runner import GroupSlots
+from vlora.lora.layers import GroupSlots, LoraLinear
 
 log = logging.getLogger(__name__)
 

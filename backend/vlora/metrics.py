@@ -1,8 +1,9 @@
-"""What the engine reports about itself. The Triton model implements this with ``pb_utils.MetricFamily``
-(vlora.server.metrics, which only accumulates here and applies the values from its own thread every 0.2 s);
-tests and benchmarks may record into plain Python objects. Calls come from the engine thread, several per
-step, so an implementation must not block or wake other threads per call; ``adapter_swap`` for host loads
-may also come from request and loader threads."""
+"""What the engine reports about itself: the EngineMetrics protocol, in a leaf module that imports nothing of
+vlora, so that the engine and the LoRA manager (adapter swaps) report through it without importing each other.
+The Triton model implements it with ``pb_utils.MetricFamily`` (vlora.server.metrics, which only accumulates
+here and applies the values from its own thread every 0.2 s); tests and benchmarks may record into plain
+Python objects. Calls come from the engine thread, several per step, so an implementation must not block or
+wake other threads per call; ``adapter_swap`` for host loads may also come from request and loader threads."""
 from __future__ import annotations
 
 from typing import Mapping, Optional, Protocol
