@@ -13,3 +13,7 @@ class EngineOverloaded(RuntimeError):
 class EngineDead(EngineOverloaded):
     """The engine thread died or stopped making progress: this instance serves nothing more. The
     message says why. (A kind of EngineOverloaded, so callers answer it as "unavailable".)"""
+
+
+class RequestCancelled(RuntimeError):
+    """The client went away before its request reached the engine (it waited for the image workers)."""

@@ -1,14 +1,13 @@
-"""Incremental detokenization (LLMEngine._decode_delta) gives the text a full decode gives, token by
+"""Incremental detokenization (OutputProcessor.decode_delta) gives the text a full decode gives, token by
 token, with the tiny model's byte-level tokenizer: multi-byte characters split over byte tokens,
 special tokens and invalid byte sequences included."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
-from vlora.engine.core import LLMEngine, _fast_decode
+from vlora.engine.output import OutputProcessor
 from vlora.engine.sequence import Sequence
 
 
@@ -37,17 +36,17 @@ def _full(tokenizer, ids):
 
 
 def _check_incremental(tokenizer, ids):
-    engine = SimpleNamespace(tokenizer=tokenizer, _decode=_fast_decode(tokenizer))
+    engine = OutputProcessor(tokenizer, set())
     seq = Sequence(req=None, callback=None, max_len=len(ids))
     for n, tok in enumerate(ids, 1):
         seq.output_ids.append(tok)
-        seq.text += LLMEngine._decode_delta(engine, seq)
+        seq.text += engine.decode_delta(seq)
         full = _full(tokenizer, ids[:n])
         assert full.startswith(seq.text), (ids[:n], seq.text, full)
         if not full.endswith("\ufffd"):
             assert seq.text == full, (ids[:n], seq.text, full)
         assert seq.prefix_offset <= seq.read_offset <= n
-    seq.text += LLMEngine._decode_delta(engine, seq, final=True)
+    seq.text += engine.decode_delta(seq, final=True)
     assert seq.text == _full(tokenizer, ids)
 
 
@@ -77,12 +76,12 @@ def test_random_token_sequences(tokenizer, seed):
 def test_pending_bytes_wait_and_then_complete(tokenizer):
     byte_ids = _byte_token_ids(tokenizer)
     euro = [byte_ids[b] for b in "€".encode()]
-    engine = SimpleNamespace(tokenizer=tokenizer, _decode=_fast_decode(tokenizer))
+    engine = OutputProcessor(tokenizer, set())
     seq = Sequence(req=None, callback=None, max_len=8)
     deltas = []
     for tok in [byte_ids[ord("a")]] + euro + [byte_ids[ord("b")]]:
         seq.output_ids.append(tok)
-        deltas.append(LLMEngine._decode_delta(engine, seq))
+        deltas.append(engine.decode_delta(seq))
     assert deltas == ["a", "", "", "€", "b"]
     assert (seq.prefix_offset, seq.read_offset) == (4, 5)  # the window is one token back, not the whole text
 
@@ -91,11 +90,11 @@ def test_stray_byte_tokens_still_stream(tokenizer):
     """A model that keeps emitting lead bytes never completes a character: every replacement character
     but the last (which a next byte could still complete) goes out as it is generated."""
     lead = _byte_token_ids(tokenizer)[0xE2]
-    engine = SimpleNamespace(tokenizer=tokenizer, _decode=_fast_decode(tokenizer))
+    engine = OutputProcessor(tokenizer, set())
     seq = Sequence(req=None, callback=None, max_len=64)
     for n in range(1, 41):
         seq.output_ids.append(lead)
-        seq.text += LLMEngine._decode_delta(engine, seq)
+        seq.text += engine.decode_delta(seq)
         assert seq.text == "\ufffd" * (n - 1)
-    seq.text += LLMEngine._decode_delta(engine, seq, final=True)
+    seq.text += engine.decode_delta(seq, final=True)
     assert seq.text == _full(tokenizer, seq.output_ids)

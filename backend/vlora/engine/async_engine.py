@@ -33,6 +33,7 @@ from vlora.engine.core import LLMEngine
 from vlora.engine.inputs import CheckedRequest
 from vlora.metrics import EngineMetrics
 from vlora.engine.preprocess import PreprocessPool
+from vlora.errors import RequestCancelled
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,38 @@ class AsyncEngine:
     def preprocess(self, checked: CheckedRequest) -> PreparedRequest:
         """The costly half of ``prepare``: decode the images, build the model inputs."""
         return self.inputs.preprocess(checked)
+
+    def generate(self, req: GenerationRequest, callback: OutputCallback, refuse: Callable[[Exception], None], *,
+                 is_cancelled: Optional[Callable[[], bool]] = None, fault: Optional[str] = None) -> None:
+        """The one request entry: check, defer to the image workers when the images are heavy, preprocess,
+        submit. Never raises: a request that never reaches the engine is answered by ``refuse(error)``, once,
+        with InvalidRequest (a bad request), EngineOverloaded (the server cannot take it now: a full queue,
+        shutting down, dead), RequestCancelled (its client went away while it waited for the image workers)
+        or any other exception (an internal error); one that does gets its events through ``callback``.
+
+        A request whose images have more than limits.inline_image_pixels pixels is decoded on the image
+        workers (a bounded pool): this call returns at once, and a heavy request delays only itself.
+        Otherwise it preprocesses and submits here, blocking while the engine is full (back-pressure).
+        ``is_cancelled()`` is asked before a deferred request is preprocessed."""
+        try:
+            checked = self.inputs.check(req)  # fields, adapter, image headers: no pixel decoded yet
+            if checked.pixels > self.config.limits.inline_image_pixels:
+                self.defer(lambda: self._enter(checked, callback, refuse, is_cancelled, fault),
+                           lambda reason: refuse(EngineOverloaded(reason or "server is shutting down")))
+                return
+        except Exception as e:  # every refusal goes to the caller's refuse()
+            refuse(e)
+            return
+        self._enter(checked, callback, refuse, None, fault)
+
+    def _enter(self, checked: CheckedRequest, callback: OutputCallback, refuse: Callable[[Exception], None],
+               is_cancelled: Optional[Callable[[], bool]], fault: Optional[str]) -> None:
+        try:
+            if is_cancelled is not None and is_cancelled():
+                raise RequestCancelled("request cancelled")
+            self.submit(self.inputs.preprocess(checked), callback, fault=fault)
+        except Exception as e:
+            refuse(e)
 
     def defer(self, run: Callable[[], None], refuse: Callable[[str], None]) -> None:
         """Run ``run()`` on the image workers (it preprocesses and submits a request, and answers its

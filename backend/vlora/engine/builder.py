@@ -101,14 +101,13 @@ def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device
     runner.set_encoder_cache(config.cache.encoder_cache_mb)
     loras = LoraManager(adapter_root, runner.lora_wrappers, runner.num_layers, runner.module_dims(), config.lora, metrics,
                         vision=runner.vision_lora_sites())
-    engine = LLMEngine(config, runner, loras, loaded.tokenizer, max_model_len, eos_token_ids(loaded), metrics)
-    engine.inputs = InputProcessor(loaded, config.limits, loras, max_model_len)
-    engine.model_info = {"name": loaded.name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-                         "max_model_len": max_model_len, "model_dir": str(model_dir),
-                         "adapter_root": str(adapter_root) if adapter_root else None}
-    capture_graphs(config, runner, max_model_len, engine)
-    resolve_cost_model(config, engine)
-    engine.tuner = start_tuner(config, runner, device, dtype)
+    info = {"name": loaded.name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+            "max_model_len": max_model_len, "model_dir": str(model_dir), "adapter_root": str(adapter_root) if adapter_root else None}
+    engine = LLMEngine(config, runner, loras, loaded.tokenizer, max_model_len, eos_token_ids(loaded), metrics,
+                       inputs=InputProcessor(loaded, config.limits, loras, max_model_len), model_info=info)
+    capture_graphs(config, runner, max_model_len, engine)  # after the orchestrator placed the weights
+    resolve_cost_model(config, engine)  # after the graphs: a measurement replays them
+    engine.tuner = start_tuner(config, runner, device, dtype)  # last: it profiles beside the finished engine
     log.info("engine ready: %s on %s/%s in %.1fs, adapters at %s", loaded.name, device, dtype, time.perf_counter() - t0, adapter_root)
     return engine
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -36,36 +35,39 @@ from vlora.engine.api import GenerationOutput, OutputCallback, PreparedRequest, 
 from vlora.engine.kv_cache import SequenceBlocks
 from vlora.metrics import EngineMetrics, NullMetrics
 from vlora.engine.model_runner import ModelRunner, SeqInput
+from vlora.engine.adapter_requests import AdapterRequests
+from vlora.engine.output import OutputProcessor
 from vlora.engine.sampler import PendingSample, sample_async
 from vlora.engine.scheduler import Scheduler
 from vlora.engine.sequence import Sequence
 from vlora.lora.manager import LoraManager
 from vlora.orchestrator.orchestrator import Orchestrator
-from vlora.orchestrator.policies import UNMERGE
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner, loras: LoraManager, tokenizer,
-                 max_model_len: int, eos_ids: set[int], metrics: Optional[EngineMetrics] = None) -> None:
+                 max_model_len: int, eos_ids: set[int], metrics: Optional[EngineMetrics] = None,
+                 inputs=None, model_info: Optional[dict] = None, tuner=None) -> None:
+        """``inputs``: the InputProcessor that prepares requests for this engine; ``model_info``: what the
+        builder found (name, dtype, device, graphs...), shown to clients; ``tuner``: the ATMM tuner sidecar
+        started at model load (vlora.atmm.tuner.start_at_load), whose table is swapped in between steps."""
         self.config = config
         self.runner = runner
         self.loras = loras
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.eos_ids = eos_ids
         self.metrics = metrics or NullMetrics()
         self._aborted: set[str] = set()
-        self._unloading: dict[str, list[Callable[[dict], None]]] = {}  # adapter -> who waits for its unload
-        self.inputs = None  # the InputProcessor that prepares requests for this engine (set by build_engine)
-        self.model_info: dict = {}
+        self.inputs = inputs
+        self.model_info: dict = model_info if model_info is not None else {}
         self.orchestrator = Orchestrator(config.orchestrator, config.scheduler.max_batch_size, runner, loras, self.metrics)
         self.scheduler = Scheduler(config, runner.kv, loras, self.orchestrator, runner.loaded, self.metrics, max_model_len)
-        self._reported: tuple = ()  # the per-adapter counts and residency last sent to the metrics
+        self.adapters = AdapterRequests(loras, self.scheduler, self.metrics)
         self._reported_depth: Optional[tuple[int, int]] = None  # (running, waiting) last sent to the metrics
-        self.tuner = None  # the ATMM tuner sidecar started at model load (vlora.atmm.tuner.start_at_load), if any
-        self._decode = _fast_decode(tokenizer)
+        self.tuner = tuner
+        self.output = OutputProcessor(tokenizer, eos_ids)
         self._encoder_reported: dict = {}  # the encoder cache's counters last sent to the metrics
         mode = config.engine.overlap
         self.overlap = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
@@ -86,6 +88,15 @@ class LLMEngine:
     @property
     def prefix_stats(self) -> dict:
         return self.scheduler.prefix_stats
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """The token ids that end a request (unless it ignores them)."""
+        return self.output.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: set[int]) -> None:
+        self.output.eos_ids = ids
 
     def use_orchestrator(self, orchestrator: Optional[Orchestrator]) -> None:
         """Serve with another orchestrator (a benchmark switching policies on an idle engine)."""
@@ -109,7 +120,7 @@ class LLMEngine:
             return self._step()
         finally:
             self._report_queue_depth()
-            self._report_adapters()
+            self.adapters.report()
             if self.tuner is not None and self.tuner.poll():  # swap the tuned tiling table in between steps
                 self.model_info["atmm_tiling_table"] = self.tuner.kernels.table_source
                 self.tuner = None
@@ -248,70 +259,16 @@ class LLMEngine:
                                                f"(adapter {s.req.lora_name!r}); generation stopped")
                 continue
             s.output_ids.append(tok)
-            self._advance(s, tok)
+            reason, event = self.output.advance(s, tok)
+            if reason is not None:
+                self._finish(s, reason)
+            elif event is not None:
+                self._emit(s, event)
         self.metrics.step(len(batch), step.n_prefill, len(batch) - step.n_prefill_reqs, elapsed)
         self.metrics.mode_step(orch.mode, orch.merged, elapsed)
         self.metrics.queue_depth(len(self.running), len(self.waiting))
 
     # -- stopping and reporting ----------------------------------------------------------------
-    def _advance(self, s: Sequence, tok: int) -> None:
-        sp = s.req.sampling
-        reason = None
-        if tok in self.eos_ids and not sp.ignore_eos:
-            reason = "stop"
-        if reason is None and len(s.output_ids) >= sp.max_tokens:
-            reason = "length"
-        if reason is None and len(s.req.prompt_ids) + len(s.output_ids) >= s.max_len:  # a token in flight is not counted
-            reason = "length"
-        old_len = len(s.text)
-        # A finishing request takes its incomplete last character too, as a full decode would show it.
-        text = s.text + self._decode_delta(s, final=reason is not None)
-        if sp.stop:
-            # The text only grows, and an earlier match would have stopped the request already: only
-            # matches that reach into the new text are looked for.
-            found = (text.find(x, max(0, old_len - len(x) + 1)) for x in sp.stop)
-            cut = min((i for i in found if i >= 0), default=-1)
-            if cut >= 0:
-                text, reason = text[:cut], "stop"
-        s.text = text
-        if reason is not None:
-            self._finish(s, reason)
-        elif s.req.stream:
-            hold = max((len(x) for x in sp.stop), default=1) - 1
-            upto = len(text) - hold  # text never ends in an incomplete character: _decode_delta waits
-            if upto > s.sent:
-                self._emit(s, GenerationOutput(s.req.request_id, text[s.sent:upto], text[:upto], False,
-                                               num_input_tokens=len(s.req.prompt_ids), num_output_tokens=len(s.output_ids)))
-                s.sent = upto
-
-    def _decode_delta(self, s: Sequence, final: bool = False) -> str:
-        """The text that ``s.output_ids`` add to ``s.text``, decoding only the last few tokens.
-
-        As vLLM's incremental detokenizer: decode ids[prefix:] and ids[prefix:read] and return the
-        difference. Both decodes start on the same character boundary, so the difference is what a full
-        decode adds. While the new text ends in an incomplete UTF-8 sequence, the offsets stay (the
-        window grows until the character completes) and only the text before its replacement character
-        goes out: a trailing incomplete sequence decodes to exactly one "\ufffd", so everything before it
-        is final (a model that keeps emitting stray byte tokens still streams). ``final`` returns the
-        pending text as it stands.
-        """
-        ids = s.output_ids
-        decode = self._decode
-        before = decode(ids[s.prefix_offset:s.read_offset]) if s.read_offset > s.prefix_offset else ""
-        after = decode(ids[s.prefix_offset:])
-        if len(after) <= len(before):  # nothing new yet (a skipped special token)
-            return ""
-        new = after[len(before):]
-        if new.endswith("\ufffd") and not final:
-            ready = new[:-1]
-            out = ready[s.pending_chars:]
-            s.pending_chars = max(s.pending_chars, len(ready))
-            return out
-        s.prefix_offset, s.read_offset = s.read_offset, len(ids)
-        out = new[s.pending_chars:]
-        s.pending_chars = 0
-        return out
-
     def _answer_with_head(self, s: Sequence, hidden: torch.Tensor) -> None:
         """A head request ends with its prefill: its text is the label, and it counts as one output token
         (one answer from one forward pass, where generating the label would take several)."""
@@ -339,11 +296,7 @@ class LLMEngine:
         s.sent = len(s.text)
         self.metrics.request_finished(s.req.lora_name, reason, n_out)
         self._emit(s, out)
-        if s.req.lora_name in self._unloading:  # the last request of an adapter being unloaded completes it
-            try:
-                self._complete_unload(s.req.lora_name)
-            except Exception:  # the step goes on; the adapter stays "unloading" and the error is logged
-                log.exception("completing the unload of %s failed", s.req.lora_name)
+        self.adapters.request_finished(s.req.lora_name)
 
     def _emit(self, s: Sequence, out: GenerationOutput) -> None:
         try:
@@ -359,68 +312,11 @@ class LLMEngine:
             self._finish(s, "cancelled")
 
     # -- adapters (engine thread) ---------------------------------------------------------------
-    def adapter_requests(self) -> dict[Optional[str], tuple[int, int]]:
-        """(running, waiting) requests per adapter name (None: the base model)."""
-        running = Counter(s.req.lora_name for s in self.running)
-        waiting = Counter(s.req.lora_name for s in self.waiting)
-        return {name: (running[name], waiting[name]) for name in set(running) | set(waiting)}
-
     def describe_adapters(self, names=None) -> list[dict]:
-        """The adapter registry as a client lists it: the manager's entries plus requests and merge state."""
-        counts = self.adapter_requests()
-        out = self.loras.describe(names)
-        for entry in out:
-            entry["running"], entry["waiting"] = counts.get(entry["name"], (0, 0))
-            entry["merged"] = entry["name"] == self.orchestrator.merged
-        return out
+        return self.adapters.describe(names)
 
     def unload_adapter(self, name: str, on_unloaded: Optional[Callable[[dict], None]] = None) -> dict:
-        """Unload ``name``, deferred while requests use it.
-
-        New requests for it are refused at once (LoraManager.begin_unload); its running and waiting
-        requests finish, and the last one to finish completes the unload (a merge of it is undone
-        first). Returns its entry: ``state`` "unloading" until then, "unloaded" after.
-        ``on_unloaded(entry)`` is called on this thread when the unload completes (at once when no
-        request uses it). Unloading twice is not an error.
-        """
-        self.loras.begin_unload(name)
-        waiters = self._unloading.setdefault(name, [])
-        if on_unloaded is not None:
-            waiters.append(on_unloaded)
-        self._complete_unload(name)
-        return self._adapter_entry(name)
-
-    def _complete_unload(self, name: str) -> None:
-        """Unload ``name`` (being unloaded) once no request runs or waits for it, and tell its waiters."""
-        if name not in self._unloading or name in self.adapter_requests():
-            return
-        if self.orchestrator.merged == name:
-            self.orchestrator.enter(UNMERGE, None)
-        self.loras.unload(name)
-        entry = self._adapter_entry(name)
-        for notify in self._unloading.pop(name):
-            try:
-                notify(entry)
-            except Exception:
-                log.exception("an unload waiter of %s failed", name)
-
-    def _adapter_entry(self, name: str) -> dict:
-        entries = self.describe_adapters([name])
-        return entries[0] if entries else {"name": name, "id": self.loras.adapter_id(name), "loaded": False,
-                                           "state": "unloaded"}
-
-    def _report_adapters(self) -> None:
-        running = Counter(s.req.lora_name for s in self.running)
-        waiting = Counter(s.req.lora_name for s in self.waiting)
-        resident = self.loras.resident_counts()
-        if (running, waiting, resident) == self._reported:
-            return
-        old = self._reported
-        self._reported = (running, waiting, resident)
-        if not old or (running, waiting) != old[:2]:
-            self.metrics.adapter_requests(dict(running), dict(waiting))
-        if not old or resident != old[2]:
-            self.metrics.adapters_resident(*resident)
+        return self.adapters.unload(name, on_unloaded)
 
     def fail_all(self, reason: str, error: Optional[str] = None) -> None:
         for s in list(self.running) + list(self.waiting):
@@ -440,13 +336,3 @@ class _Launched:
     t0: float
     n_prefill_reqs: int
     n_prefill: int
-
-
-def _fast_decode(tokenizer):
-    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)``. A fast tokenizer without
-    clean-up is called directly on its Rust backend, skipping the wrapper's argument conversions (five
-    times the decode itself, per token of every request)."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode") and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,9 +1,10 @@
 """The Triton model: a thin adapter between Triton's request objects and the vlora engine.
 
-execute() validates each request and submits it to the engine, which runs on its own thread. A request
-whose images have more than limits.inline_image_pixels pixels is decoded and submitted by the image
-workers (a bounded pool; when its queue is full the request is refused as UNAVAILABLE), so execute()
-returns at once and a heavy request delays only itself. The engine reports every event through a
+execute() parses each request off the wire and hands it to the engine's one request entry,
+``AsyncEngine.generate``: it checks the request, defers heavy images to the image workers (a bounded pool;
+when its queue is full the request is refused as UNAVAILABLE), preprocesses and submits; a request it
+does not take comes back through ``refuse`` and is answered with the code its error stands for. The engine,
+on its own thread, reports every event through a
 callback that only appends it to the outbox, and wakes the response thread once per engine step
 (AsyncEngine's ``after_outputs``), not once per token; the response thread sends the responses (what
 queued up while it sent goes out together, each request's events merged into one response) and watches
@@ -45,8 +46,7 @@ import triton_python_backend_utils as pb_utils
 from vlora.config import EngineConfig, read_admin_token
 from vlora.engine import AsyncEngine
 from vlora.engine.api import GenerationOutput, coalesce
-from vlora.engine.inputs import CheckedRequest
-from vlora.errors import EngineOverloaded, InvalidRequest
+from vlora.errors import EngineOverloaded, InvalidRequest, RequestCancelled
 from vlora.server.admin import AdminActions, admin_request
 from vlora.server.metrics import TritonModelMetrics
 from vlora.server.wire import Wire
@@ -79,6 +79,7 @@ class TritonPythonModel:
                 "vlora: config.pbtxt must set model_transaction_policy { decoupled: true }"
             )
         config = self._engine_config(args)
+        self._fault_injection = config.scheduler.fault_injection  # tests only: the vlora_test_fault parameter
         # Read once, before the engine loads: an unreadable token file fails the model load, naming the file.
         token_file = config.lora.admin_token_file
         admin_token: Optional[bytes] = read_admin_token(token_file).encode("utf-8") if token_file else None
@@ -148,27 +149,42 @@ class TritonPythonModel:
             if admin is not None:
                 self._submit_admin(sender, admin)
                 return
-            parsed = self._wire.parse(request, request_id, fault_injection=self._engine.config.scheduler.fault_injection)
-            exclude_input, fault = parsed.exclude_input, parsed.fault
-            checked = self._engine.check(parsed.gen)  # fields, adapter, image headers: no pixel decoded yet
-            if checked.pixels > self._engine.config.limits.inline_image_pixels:
-                # Decoding costs CPU per pixel: on the image workers, so that execute() returns at once
-                # and this request delays only itself.
-                self._engine.defer(lambda: self._enter_deferred(sender, checked, exclude_input, fault),
-                                   lambda reason: self._wire.send_error(sender, str(reason) or "server shutting down",
-                                                                        unavailable=True))
-                return
+            parsed = self._wire.parse(request, request_id, fault_injection=self._fault_injection)
         except InvalidRequest as e:
             self._wire.send_error(sender, str(e))
-            return
-        except EngineOverloaded as e:  # the image workers' queue is full, or the server is stopping
-            self._wire.send_error(sender, str(e) or "server overloaded", unavailable=True)
             return
         except Exception as e:
             pb_utils.Logger.log_error(f"vlora: request refused by an internal error: {traceback.format_exc()}")
             self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}", internal=True)
             return
-        self._enter(sender, checked, exclude_input, fault)
+        gen = parsed.gen
+        state = _InFlight(request_id=request_id, sender=sender, stream=gen.stream,
+                          prefix="" if parsed.exclude_input or gen.stream else gen.prompt)
+        # Registered before the engine sees it: the outbox is FIFO, so the response thread knows the request
+        # before its first output arrives (no wake-up needed: that output comes with one).
+        self._outbox.append(("open", state))
+
+        def refuse(error: Exception) -> None:  # it never reached the engine: answered here, once
+            self._post(("close", request_id))
+            self._refuse(sender, error)
+
+        # Checks, defers heavy images to the image workers, preprocesses and submits; blocks while the engine
+        # is full, which pushes back into Triton's queue (or the image workers' bounded queue).
+        self._engine.generate(gen, self._outbox.append, refuse, is_cancelled=lambda: _cancelled(sender),
+                              fault=parsed.fault)
+
+    def _refuse(self, sender, error: Exception) -> None:
+        """Answer a request the engine did not take, with the code its error stands for."""
+        if isinstance(error, InvalidRequest):
+            self._wire.send_error(sender, str(error))
+        elif isinstance(error, EngineOverloaded):  # a full queue, the server stopping, a dead engine
+            self._wire.send_error(sender, str(error) or "server overloaded", unavailable=True)
+        elif isinstance(error, RequestCancelled):
+            self._wire.send_cancelled(sender)
+        else:
+            pb_utils.Logger.log_error("vlora: request refused by an internal error: "
+                                      + "".join(traceback.format_exception(error)))
+            self._wire.send_error(sender, f"internal error: {type(error).__name__}: {error}", internal=True)
 
     def _submit_admin(self, sender, admin: tuple) -> None:
         """Run an adapter action on an admin thread. Answered there; if it never runs (the server stops
@@ -191,59 +207,6 @@ class TritonPythonModel:
                 self._wire.send_error(sender, "internal error", internal=True)
 
         future.add_done_callback(done)
-
-    def _enter_deferred(self, sender, checked: CheckedRequest, exclude_input: bool, fault: Optional[str]) -> None:
-        """An image worker: ``_enter`` unless the client went away while the request waited."""
-        try:
-            try:
-                cancelled = sender.is_cancelled()
-            except Exception:
-                cancelled = False
-            if cancelled:
-                self._wire.send_cancelled(sender)
-                return
-            self._enter(sender, checked, exclude_input, fault)
-        except Exception as e:  # _enter answers its refusals; this is the last resort
-            pb_utils.Logger.log_error(f"vlora: a deferred request failed: {type(e).__name__}: {e}")
-            self._wire.send_error(sender, f"internal error: {type(e).__name__}", internal=True)
-
-    def _enter(self, sender, checked: CheckedRequest, exclude_input: bool, fault: Optional[str]) -> None:
-        """Preprocess (decode the images, build the model inputs) and submit one checked request; every
-        refusal goes to its client."""
-        gen = checked.req
-        request_id = gen.request_id
-        try:
-            prepared = self._engine.preprocess(checked)
-        except InvalidRequest as e:
-            self._wire.send_error(sender, str(e))
-            return
-        except Exception as e:
-            pb_utils.Logger.log_error(f"vlora: request refused by an internal error: {traceback.format_exc()}")
-            self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}", internal=True)
-            return
-        state = _InFlight(
-            request_id=request_id,
-            sender=sender,
-            stream=gen.stream,
-            prefix="" if exclude_input or gen.stream else gen.prompt,
-        )
-        # Registered before submit: the outbox is FIFO, so the response thread knows the request
-        # before its first output arrives (no wake-up needed: that output comes with one).
-        self._outbox.append(("open", state))
-        try:
-            # Blocks while the engine is full: that is what pushes back into Triton's queue (or, on an
-            # image worker, into the image workers' bounded queue).
-            self._engine.submit(prepared, self._outbox.append, fault=fault)
-        except EngineOverloaded as e:
-            self._post(("close", request_id))
-            self._wire.send_error(sender, str(e) or "server overloaded", unavailable=True)
-        except InvalidRequest as e:
-            self._post(("close", request_id))
-            self._wire.send_error(sender, str(e))
-        except Exception as e:
-            self._post(("close", request_id))
-            pb_utils.Logger.log_error(f"vlora: submit failed: {traceback.format_exc()}")
-            self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}", internal=True)
 
     def _post(self, item: Any) -> None:
         """Queue a control item for the response thread and wake it."""
@@ -379,3 +342,10 @@ class TritonPythonModel:
 
 
 _STOP = object()
+
+
+def _cancelled(sender) -> bool:
+    try:
+        return bool(sender.is_cancelled())
+    except Exception:
+        return False
