@@ -9,10 +9,11 @@ Each adapter differs in rank and target modules, so one batch can mix them the w
 | demo-r32-mlp      | 32 | 32    | all seven, MLP included         | use_rslora: scale alpha / sqrt(r)      |
 | demo-r4-pattern   | 4  | 8     | q_proj o_proj down_proj         | rank_pattern down_proj=12, alpha_pattern o_proj=16 |
 
-The weights are random (from fixed seeds) and B is not zero, so each adapter visibly changes the
-model's output; they are scaled so that activations stay finite. ``target_modules`` is a regex limited
-to the language model, so that PEFT does not also wrap the CLIP tower's q_proj/k_proj/v_proj. Key
-names are those PEFT writes for LlavaForConditionalGeneration under transformers 5.
+The weights are random (from fixed seeds, drawn with :func:`portable_randn`, the same bits on every
+CPU) and B is not zero, so each adapter visibly changes the model's output; they are scaled so that
+activations stay finite. ``target_modules`` is a regex limited to the language model, so that PEFT
+does not also wrap the CLIP tower's q_proj/k_proj/v_proj. Key names are those PEFT writes for
+LlavaForConditionalGeneration under transformers 5.
 PEFT itself is not needed to write or read them.
 
 Beside them, the demo adapters with vision task heads (``demo-count-circles``, ``demo-shapes``) ship as
@@ -39,7 +40,7 @@ from vlora.lora.adapter import ATTN_MODULES, CONFIG_FILE, WEIGHTS_FILE, decoder_
 
 log = logging.getLogger(__name__)
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # 2: values from portable_randn (bit-identical on every CPU), not torch.randn
 STAMP_FILE = "vlora_demo.json"
 COMMITTED_DIR = Path(__file__).parent / "demo_adapters"  # the trained demo adapters (package data)
 TARGET_DELTA = 0.2  # typical size of one LoRA delta entry for a unit-RMS input (base projections give ~0.2)
@@ -73,6 +74,52 @@ DEMO_ADAPTERS = (
                 rank_pattern={"down_proj": 12}, alpha_pattern={"o_proj": 16}),
 )
 DEMO_ADAPTER_NAMES = tuple(a.name for a in DEMO_ADAPTERS)
+
+
+# Irwin-Hall N(0, 1): the sum of 12 uniforms on [0, 1) has mean 6 and variance 12 * 1/12 = 1.
+_IRWIN_HALL_TERMS = 12
+_UNIFORM_BITS = 24
+
+
+def portable_randn(shape, generator: torch.Generator, *, std: float = 1.0,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """N(0, std^2)-like values from ``generator`` that are bit-identical on every CPU, ISA and thread count.
+
+    ``torch.randn`` is not: its Box-Muller transform takes log/cos from Sleef on the AVX2/AVX-512 path
+    and from libm on the scalar one (what ``ATEN_CPU_CAPABILITY=default``, old x86 and ARM get), and the
+    two differ in the last bit. Here only integers are drawn and every step after is exact:
+
+    - ``torch.randint(0, 2**24)`` takes the low 24 bits of each 32-bit Mersenne Twister output, in a
+      serial integer kernel: the same integers on every platform;
+    - each value is the Irwin-Hall sum of 12 uniforms ``(k_i + 1/2) / 2^24`` minus 6, i.e.
+      ``(sum k_i + 6 - 6 * 2^24) / 2^24``: the numerator is an integer below 2^29, summed in int64 and
+      converted to float64 exactly, and the division by 2^24 is exact;
+    - the one rounding step is IEEE: ``z * std`` in float64, then the cast to ``dtype`` (both correctly
+      rounded, no transcendental function, no fused multiply-add to contract).
+
+    The distribution: mean exactly 0, variance 1 - 2^-48, bounded to [-6, 6) (a normal passes 6 sigma
+    once in 5e8 draws; weights' tails are a little lighter than a normal's). Values take 12 draws each, in
+    row-major order: a tensor's values depend on every draw made from ``generator`` before it, so the
+    model and adapter generators give each tensor a generator of its own (:func:`seeded_randn`) or draw
+    in a fixed order.
+    """
+    shape = tuple(int(n) for n in shape)
+    numel = math.prod(shape)
+    ints = torch.randint(0, 1 << _UNIFORM_BITS, (numel, _IRWIN_HALL_TERMS), generator=generator, dtype=torch.int64)
+    numerator = ints.sum(dim=1) + (_IRWIN_HALL_TERMS // 2 - (_IRWIN_HALL_TERMS // 2 << _UNIFORM_BITS))
+    z = numerator.to(torch.float64) / float(1 << _UNIFORM_BITS)
+    if std != 1.0:
+        z = z * float(std)
+    return z.to(dtype).reshape(shape)
+
+
+def seeded_randn(key: str, shape, std: float = 1.0) -> torch.Tensor:
+    """:func:`portable_randn` from a generator seeded by ``key`` (float32): the same key and shape, the same
+    bits on every machine. Draws for different keys are independent of each other and of the order they
+    are made in."""
+    digest = hashlib.sha256(key.encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return portable_randn(shape, gen, std=std)
 
 
 def ensure_demo_adapters(model_dir: Path, out_root: Path, *, trained: bool = True) -> Path:
@@ -198,7 +245,10 @@ def _ensure_one(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any],
 
 
 def write_adapter(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any], out: Path) -> None:
-    """Write ``spec`` as a PEFT adapter folder ``out`` (random weights) for a decoder with ``text_config``."""
+    """Write ``spec`` as a PEFT adapter folder ``out`` (random weights) for a decoder with ``text_config``.
+
+    The values come from one generator seeded by ``spec.seed`` (:func:`portable_randn`), drawn layer by
+    layer in the spec's module order: the same bits on every machine."""
     from safetensors.torch import save_file
 
     dims = decoder_module_dims(text_config)
@@ -210,8 +260,8 @@ def write_adapter(spec: DemoAdapter, model_dir: Path, text_config: dict[str, Any
             r = spec.rank(module)
             block = "self_attn" if module in ATTN_MODULES else "mlp"
             prefix = f"base_model.model.model.language_model.layers.{layer}.{block}.{module}"
-            a = torch.randn(r, d_in, generator=gen) / math.sqrt(d_in)
-            b = torch.randn(d_out, r, generator=gen) * (TARGET_DELTA / (spec.scale(module) * math.sqrt(r)))
+            a = portable_randn((r, d_in), gen, std=1 / math.sqrt(d_in))
+            b = portable_randn((d_out, r), gen, std=TARGET_DELTA / (spec.scale(module) * math.sqrt(r)))
             tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
             tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})

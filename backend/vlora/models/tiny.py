@@ -6,8 +6,10 @@ into ``<cache_dir>/tiny-llava-<spec hash>/``. The folder is laid out like a llav
 through the same loader as a real checkpoint.
 
 Determinism: the weights do not come from transformers' initialisers (which may change between
-versions) but from one ``torch.Generator`` per tensor, seeded from the tensor's name; the tokenizer is
-a byte-level BPE trained on the corpus below. The same spec gives bit-identical files.
+versions) but from one ``torch.Generator`` per tensor, seeded from the tensor's name, through
+:func:`vlora.lora.demo.portable_randn` (integer draws and exact arithmetic, not ``torch.randn``, whose
+vectorized and scalar paths differ in the last bit); the tokenizer is a byte-level BPE trained on the
+corpus below. The same spec gives bit-identical files on every CPU (x86-64 of any ISA level, ARM).
 
 The model is not trained. It exercises every code path (CLIP vision tower, projector, a LLaMA decoder
 with grouped-query attention) in a few MB and a few seconds, and its answers are meaningless text.
@@ -32,11 +34,12 @@ import torch
 
 from vlora.config import default_cache_dir
 from vlora.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
-from vlora.lora.demo import STAMP_FILE, DemoAdapter, install, read_stamp
+from vlora.lora.demo import STAMP_FILE, DemoAdapter, install, read_stamp, seeded_randn  # noqa: F401 (re-exported)
 from vlora.models.loader import LLAVA_15_CHAT_TEMPLATE
 
 # Bump when anything below changes what is generated; it is part of the folder's hash.
-GENERATOR_VERSION = 1
+# 2: values from vlora.lora.demo.portable_randn (bit-identical on every CPU) instead of torch.randn.
+GENERATOR_VERSION = 2
 SEED = 20240917
 
 VISION = dict(
@@ -256,11 +259,8 @@ def _seeded_init(model: torch.nn.Module) -> None:
             elif name.endswith(".bias"):
                 param.zero_()
             else:
-                digest = hashlib.sha256(f"{SEED}:{name}".encode()).digest()
-                gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
                 std = LM_HEAD_STD if name.endswith("lm_head.weight") else INIT_STD
-                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-                param.copy_(values.to(param.dtype))
+                param.copy_(seeded_randn(f"{SEED}:{name}", param.shape, std=std).to(param.dtype))
 
 
 def _shape_output_distribution(model, tokenizer) -> None:
@@ -335,7 +335,7 @@ def preprocessor_config() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 # LoRA adapters, made with PEFT
 
-VISION_ADAPTER_VERSION = 1
+VISION_ADAPTER_VERSION = 2  # 2: portable_randn
 VISION_ADAPTER_DELTA = 0.2  # typical size of one LoRA delta entry for a unit-RMS input (base projections: ~0.2)
 # ``modules`` are the served target names (what the adapter reader and ``list`` call them): decoder
 # projections as they are, vision-side ones as ``vision.<path in a block>`` and ``projector.<path>``.
@@ -347,13 +347,6 @@ VISION_ADAPTERS = (
                 modules=("vision.mlp.fc1", "vision.mlp.fc2", "projector.linear_2")),
 )
 VISION_ADAPTER_NAMES = tuple(a.name for a in VISION_ADAPTERS)
-
-
-def seeded_randn(key: str, shape) -> torch.Tensor:
-    """N(0, 1) values from a generator seeded by ``key``: the same key and shape, the same values."""
-    digest = hashlib.sha256(key.encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32)
 
 
 def peft_target_regex(modules: Sequence[str], tower: str, projector: str) -> str:
@@ -413,8 +406,8 @@ def write_peft_adapter(spec: DemoAdapter, model: torch.nn.Module, target_regex: 
             a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
             r, d_in = a.shape
             scale = layer.scaling["default"]
-            a.copy_(seeded_randn(f"{spec.seed}:{name}.lora_A", a.shape) / math.sqrt(d_in))
-            b.copy_(seeded_randn(f"{spec.seed}:{name}.lora_B", b.shape) * (delta / (scale * math.sqrt(r))))
+            a.copy_(seeded_randn(f"{spec.seed}:{name}.lora_A", a.shape, std=1 / math.sqrt(d_in)))
+            b.copy_(seeded_randn(f"{spec.seed}:{name}.lora_B", b.shape, std=delta / (scale * math.sqrt(r))))
     model.save_pretrained(out, safe_serialization=True)
     (out / "README.md").write_text(
         f"# {spec.name}\n\nA LoRA adapter made with PEFT by vlora for {what}: random weights from seed "

@@ -17,7 +17,8 @@ Each folder is laid out like the Hub checkpoints (Qwen/Qwen2-VL-7B-Instruct, Qwe
   112x56 -> 8 tokens).
 
 The generation is deterministic, as in :mod:`vlora.models.tiny`: every tensor comes from its own
-``torch.Generator`` seeded by (SEED, tensor name), not from transformers' initialisers. Unlike the
+``torch.Generator`` seeded by (SEED, tensor name), not from transformers' initialisers, through
+:func:`vlora.lora.demo.portable_randn`: the same bits on every CPU. Unlike the
 LLaVA one, biases are random too, so Qwen2's q/k/v biases (and the vision tower's) are non-zero and an
 engine that drops them is caught.
 
@@ -62,7 +63,8 @@ from vlora.models.tiny import (
 )
 
 # Bump when anything below changes what is generated; it is part of the folder's hash.
-GENERATOR_VERSION = 1
+# 2: values from vlora.lora.demo.portable_randn (bit-identical on every CPU) instead of torch.randn.
+GENERATOR_VERSION = 2
 SEED = 20250128
 
 TEXT = dict(
@@ -348,7 +350,7 @@ def _seeded_init(model: torch.nn.Module) -> None:
                 std = BIAS_STD
             else:
                 std = WEIGHT_GAIN / math.sqrt(param[0].numel())
-            param.copy_((seeded_randn(f"{SEED}:{name}", param.shape) * std).to(param.dtype))
+            param.copy_(seeded_randn(f"{SEED}:{name}", param.shape, std=std).to(param.dtype))
 
 
 def _shape_output_distribution(model, tokenizer) -> None:
@@ -446,7 +448,7 @@ def video_processor_config(variant: QwenVariant) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 # LoRA adapters, made with PEFT
 
-ADAPTER_VERSION = 1
+ADAPTER_VERSION = 2  # 2: portable_randn
 ADAPTER_DELTA = 0.3  # typical size of one LoRA delta entry for a unit-RMS input (base projections: ~1.5)
 QWEN_ADAPTERS = (
     DemoAdapter("qwen-r8-qv", r=8, alpha=16, modules=("q_proj", "v_proj"), seed=201),
