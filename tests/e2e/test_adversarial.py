@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from e2e_helpers import MODEL, http_status, post_json, start_server
-from vlora.server.launcher import child_processes
+from vlora.server.processes import child_processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # a safety net: nothing here may hang CI
 
@@ -436,7 +436,7 @@ def _r37_cmdline(server) -> list[str]:
 def test_tritons_restricted_apis_refuse_requests_without_the_admin_key(server):
     """Hole 1: without the key (or with a wrong one, or with the admin token itself), the shared-memory,
     logging, trace and model-repository APIs are refused on HTTP and gRPC; the rest stays open."""
-    from vlora.server.launcher import triton_admin_key
+    from vlora.server.lockdown import triton_admin_key
 
     _r37_assert_restricted(server, {})
     _r37_assert_restricted(server, {"vlora-admin-key": "wrong-" + "x" * 58})
@@ -457,7 +457,7 @@ def test_tritons_restricted_apis_answer_the_admin_key(server):
     import tritonclient.grpc as grpcclient
     from multiprocessing import shared_memory
 
-    from vlora.server.launcher import ADMIN_KEY_HEADER, triton_admin_key
+    from vlora.server.lockdown import ADMIN_KEY_HEADER, triton_admin_key
 
     assert ADMIN_KEY_HEADER == "vlora-admin-key"
     key = triton_admin_key(server.admin_token)

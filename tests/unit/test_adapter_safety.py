@@ -10,14 +10,8 @@ import pytest
 from adapter_edit import clone_adapter
 
 from vlora.config import LORA_TARGETS
-from vlora.lora.adapter import (
-    MAX_PATTERN_KEYS,
-    AdapterError,
-    _compile_pattern,
-    _pattern_value,
-    decoder_module_dims,
-    load_adapter,
-)
+from vlora.lora.adapter import AdapterError, decoder_module_dims, load_adapter
+from vlora.lora.peft_config import MAX_PATTERN_KEYS, _compile_pattern, _pattern_value
 from vlora.lora.demo import ensure_demo_adapters
 
 NAME = "model.language_model.layers.3.self_attn.q_proj"

@@ -19,7 +19,7 @@ from vlora.engine.async_engine import AsyncEngine
 from vlora.engine.builder import build_engine
 from vlora.metrics import NullMetrics
 from vlora.lora.adapter import AdapterError
-from vlora.lora.manager import SlotCopies
+from vlora.lora.transfers import SlotCopies
 
 A, B, C = "demo-r8-qv", "demo-r16-attn", "demo-r4-pattern"
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from vlora.config import ConfigError, EngineConfig
-from vlora.server import launcher
+from vlora.server import launcher, lockdown
 from vlora.server.repository import (
     flat_overrides,
     instance_group_for,
@@ -200,8 +200,8 @@ def test_tritons_admin_apis_are_restricted_by_a_key_derived_from_the_token(tmp_p
     path.write_text(f"  {token}\n")
     paths = (Path("bin/tritonserver"), Path("backends"), Path("repo"))
     cmd = launcher.TritonServer(launcher.options_from_args(parse(["--admin-token-file", str(path)]))).command(*paths)
-    key = launcher.triton_admin_key(token)
-    assert key == launcher.hashlib.sha256(f"vlora-triton-admin-key:{token}".encode()).hexdigest()
+    key = lockdown.triton_admin_key(token)
+    assert key == lockdown.hashlib.sha256(f"vlora-triton-admin-key:{token}".encode()).hexdigest()
     apis = "shared-memory,logging,trace,model-repository"
     assert f"--http-restricted-api={apis}:vlora-admin-key={key}" in cmd
     assert f"--grpc-restricted-protocol={apis}:vlora-admin-key={key}" in cmd
@@ -218,12 +218,12 @@ def test_hide_argument_value_overwrites_it_on_the_command_line():
     import subprocess
     import time
 
-    secret = "s3cret-" + launcher.secrets.token_hex(8)
+    secret = "s3cret-" + lockdown.secrets.token_hex(8)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", f"--key=a:{secret}", "tail"])
     try:
         time.sleep(0.2)
         assert secret in Path(f"/proc/{proc.pid}/cmdline").read_text()
-        assert launcher.hide_argument_value(proc.pid, secret) == 1
+        assert lockdown.hide_argument_value(proc.pid, secret) == 1
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_text().split("\0")
         assert secret not in "\0".join(cmdline) and cmdline[3] == "--key=a:" + "\n" * len(secret) and cmdline[4] == "tail"
         assert proc.poll() is None
@@ -239,13 +239,13 @@ def test_tritonserver_child_keeps_its_files_private_despite_boosts_fchmod(tmp_pa
     import platform
     import subprocess
 
-    if platform.machine() not in launcher._SECCOMP_FCHMOD:
+    if platform.machine() not in lockdown._SECCOMP_FCHMOD:
         pytest.skip(f"no seccomp filter for {platform.machine()}")
     probe = ("import os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o644); os.fchmod(fd, 0o644); "
              "print(oct(os.stat(sys.argv[1]).st_mode & 0o777)); os.fchmod(fd, 0o640); print(oct(os.stat(sys.argv[1]).st_mode & 0o777))")
-    plain = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "a")], umask=launcher.SERVER_UMASK,
+    plain = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "a")], umask=lockdown.SERVER_UMASK,
                            capture_output=True, text=True, check=True).stdout.split()
     assert plain == ["0o644", "0o640"]  # what boost does to a region without the filter
-    child = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "b")], umask=launcher.SERVER_UMASK,
-                           preexec_fn=launcher._server_child_setup, capture_output=True, text=True, check=True).stdout.split()
+    child = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "b")], umask=lockdown.SERVER_UMASK,
+                           preexec_fn=lockdown._server_child_setup, capture_output=True, text=True, check=True).stdout.split()
     assert child == ["0o600", "0o640"]

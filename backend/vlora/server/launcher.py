@@ -13,25 +13,15 @@ it) and exits with ENGINE_FAILED_EXIT, for a supervisor to restart. Stopping is 
 after the exit timeout SIGKILL to the server's whole process group (its stubs included); the server's
 shared-memory regions (named with a prefix unique to this launch) are removed at exit.
 
-Security (issue 37): tritonserver is started with Triton's shared-memory, logging, trace and
-model-repository APIs restricted on HTTP and gRPC. They answer only requests whose header
-``vlora-admin-key`` (gRPC: ``triton-grpc-protocol-vlora-admin-key``) holds ``triton_admin_key(token)``
-(a SHA-256 of the admin token, so that the token itself never is on a command line); without an admin
-token they expect a value that no HTTP header or gRPC metadata can carry (it holds a line feed), so they
-are off. Triton reads the value only from its command line, which other local users can read through
-/proc/PID/cmdline: once tritonserver has parsed it (its first log line), the launcher overwrites the
-value there with line feeds (hide_argument_value). The server runs with umask 077 and a seccomp filter
-that keeps boost.interprocess from fchmod-ing its regions back to 0644: its shared-memory regions (which
-hold requests' prompts and images) are 0600; its log and a workspace folder it creates are its user's only.
+Security (issue 37): tritonserver runs locked down, its admin APIs restricted to the admin key, the key
+hidden on its command line, its shared-memory regions 0600 (lockdown.py); start checks all of it.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -42,11 +32,23 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
 from vlora.config import ConfigError, EngineConfig, default_cache_dir, read_admin_token
+from vlora.server.lockdown import (
+    ADMIN_KEY_HEADER,
+    ARGV_HIDE_WAIT_S,
+    GRPC_ADMIN_KEY_HEADER,
+    SERVER_UMASK,
+    _server_child_setup,
+    hide_argument_value,
+    restricted_api_flags,
+    triton_admin_key,
+    unsendable_value,
+)
+from vlora.server.options import ServeOptions, add_arguments, options_from_args  # noqa: F401 (add_arguments: `vlora serve`'s)
+from vlora.server.processes import _alive, child_processes
 from vlora.server.repository import (
     MODEL_NAME,
     flat_overrides,
@@ -66,147 +68,9 @@ POLL_S = 0.25  # how often serve_forever looks at the server, its stubs and its 
 KILL_MARGIN_S = 15.0  # after a SIGTERM, how much longer than --exit-timeout-secs before SIGKILL
 DEAD_STUB_GRACE_S = 5.0  # after a stub died, how long the server may take to stop before SIGKILL
 
-# Triton's APIs that a client could misuse (register the backend's own shared memory and crash the server,
-# switch the error log off, trace requests, unload the model): restricted to holders of the admin key.
-RESTRICTED_APIS = ("shared-memory", "logging", "trace", "model-repository")
-ADMIN_KEY_HEADER = "vlora-admin-key"  # the HTTP header that carries the key
-GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER  # the gRPC metadata key (Triton adds the prefix)
-ADMIN_KEY_CONTEXT = "vlora-triton-admin-key:"  # what the token is hashed with (see triton_admin_key)
-SERVER_UMASK = 0o077  # tritonserver's files and shared-memory regions: its own user's only
-ARGV_HIDE_WAIT_S = 30.0  # how long to wait for tritonserver's first log line before hiding the key anyway
-
-
-def triton_admin_key(token: str) -> str:
-    """The value of the ``vlora-admin-key`` header that opens Triton's restricted APIs, for the admin token
-    ``token`` (the token file's text without surrounding whitespace): the SHA-256 of
-    ``vlora-triton-admin-key:<token>`` in hex. In a shell:
-    ``printf 'vlora-triton-admin-key:%s' "$(cat admin.token)" | sha256sum | cut -d' ' -f1``."""
-    return hashlib.sha256((ADMIN_KEY_CONTEXT + token).encode("utf-8")).hexdigest()
-
-
-def restricted_api_flags(value: str, key: str = ADMIN_KEY_HEADER) -> list[str]:
-    """tritonserver's flags that restrict RESTRICTED_APIS on HTTP and gRPC to requests with ``key: value``."""
-    apis = ",".join(RESTRICTED_APIS)
-    return [f"--http-restricted-api={apis}:{key}={value}", f"--grpc-restricted-protocol={apis}:{key}={value}"]
-
-
-def unsendable_value() -> str:
-    """A restricted-API value that no client can send: random, and holding a line feed, which neither an
-    HTTP header nor gRPC metadata can carry. Restricting with it turns the APIs off."""
-    return "\n" + secrets.token_hex(32)
-
 
 class LaunchError(RuntimeError):
     """The server could not be started; the message says why (and shows the log tail)."""
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """Everything one launch needs. Engine settings end up in ``engine``; the rest is Triton's."""
-
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    host: str = "127.0.0.1"  # loopback only unless the operator opens it (--host 0.0.0.0)
-    max_queue_size: Optional[int] = None  # None: the committed config.pbtxt's value
-    workspace: Optional[Path] = None  # None: a temporary folder, removed after a clean exit
-    model_repository: Optional[Path] = None  # None: model_repository/ of this checkout
-    log_verbose: int = 0
-    startup_timeout_s: float = 900.0
-    exit_timeout_s: int = 30
-    prepare_defaults: bool = True  # generate the tiny model / demo adapters up front
-
-    def __post_init__(self) -> None:
-        ports = [self.http_port, self.grpc_port, self.metrics_port]
-        for p in ports:
-            if not 0 < p < 65536:
-                raise ConfigError(f"port {p} is out of range")
-        if len(set(ports)) != 3:
-            raise ConfigError(f"--http-port, --grpc-port and --metrics-port must differ, got {ports}")
-        if self.max_queue_size is not None and self.max_queue_size < 1:
-            raise ConfigError("--max-queue-size must be >= 1")
-
-    @property
-    def client_host(self) -> str:
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-
-    @property
-    def listen_description(self) -> str:
-        """Where the endpoints really listen, in words, for the banner."""
-        if self.host in ("0.0.0.0", "::", ""):
-            return f"{self.host or '0.0.0.0'} (all interfaces: any machine that can reach this one may send requests)"
-        if self.host == "localhost" or self.host.startswith("127."):
-            return f"{self.host} (this machine only; --host 0.0.0.0 opens it to others)"
-        return self.host
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", metavar="DIR", help="local Hugging Face folder of a supported family: LLaVA-1.5, Qwen2-VL, Qwen2.5-VL (default: the embedded tiny random LLaVA)")
-    parser.add_argument("--adapters", metavar="DIR", help="adapter root: one PEFT folder per adapter (default: the demo adapters)")
-    parser.add_argument("--config", metavar="YAML", help="engine configuration file (see configs/serve/default.yaml)")
-    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
-                        help="engine setting as section.field=value, e.g. --set scheduler.max_waiting=8 (repeatable)")
-    parser.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights and activations dtype")
-    parser.add_argument("--max-batch-size", type=int, help="requests in one engine step (MaxBS)")
-    parser.add_argument("--max-queue-size", type=int, help="Triton ingress queue; overflow is rejected (default: config.pbtxt's)")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address the three endpoints listen on (default: 127.0.0.1, this machine only; 0.0.0.0: all interfaces)")
-    parser.add_argument("--admin-token-file", metavar="FILE",
-                        help="enable adapter load/unload for requests carrying the token this file holds (admin_token); "
-                             "without it they are refused (list stays open)")
-    parser.add_argument("--workspace", metavar="DIR", help="where the server binary, model repository and log go (default: a temporary folder)")
-    parser.add_argument("--model-repository", metavar="DIR", help="model repository to serve (default: model_repository/ of this checkout)")
-    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
-    parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to become ready")
-
-
-def options_from_args(args: argparse.Namespace) -> ServeOptions:
-    config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
-    flat: dict[str, object] = {}
-    if args.model:
-        flat["model.path"] = str(_existing_dir(args.model, "--model"))
-    if args.adapters:
-        flat["lora.adapter_root"] = str(_existing_dir(args.adapters, "--adapters"))
-    if args.device:
-        flat["model.device"] = args.device
-    if args.dtype:
-        flat["model.dtype"] = args.dtype
-    if args.max_batch_size is not None:
-        flat["scheduler.max_batch_size"] = args.max_batch_size
-    if getattr(args, "admin_token_file", None):
-        path = Path(args.admin_token_file).expanduser().resolve()
-        read_admin_token(path)  # refused now, not at model load, when unreadable or too short
-        flat["lora.admin_token_file"] = str(path)
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        flat[key.strip()] = value
-    config = config.with_overrides(flat)
-    return ServeOptions(
-        engine=config,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        host=args.host,
-        max_queue_size=args.max_queue_size,
-        workspace=Path(args.workspace).resolve() if args.workspace else None,
-        model_repository=Path(args.model_repository).resolve() if args.model_repository else None,
-        log_verbose=args.log_verbose,
-        startup_timeout_s=args.startup_timeout,
-    )
-
-
-def _existing_dir(path: str, flag: str) -> Path:
-    p = Path(path).expanduser().resolve()
-    if not p.is_dir():
-        raise ConfigError(f"{flag} {path}: not a folder")
-    return p
 
 
 def run(args: argparse.Namespace) -> int:
@@ -696,26 +560,6 @@ def _http_status(url: str, headers: Optional[dict] = None) -> Optional[int]:
         return None
 
 
-def hide_argument_value(pid: int, value: str) -> int:
-    """Overwrite each copy of ``value`` in the argument strings of process ``pid`` (what /proc/PID/cmdline and
-    ps show) with line feeds, through /proc/PID/mem (our own child: same user). Returns how many copies were
-    overwritten; raises OSError when the kernel refuses (e.g. a ptrace policy that forbids it)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    arg_start, arg_end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5), counted from "state" (3)
-    needle = value.encode("utf-8")
-    count = 0
-    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
-        mem.seek(arg_start)
-        args = mem.read(arg_end - arg_start)
-        at = args.find(needle)
-        while at >= 0 and needle:
-            mem.seek(arg_start + at)
-            mem.write(b"\n" * len(needle))
-            count += 1
-            at = args.find(needle, at + len(needle))
-    return count
-
-
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -731,88 +575,3 @@ def _check_port_free(host: str, port: int) -> None:
             s.bind((host if host not in ("", "::") else "0.0.0.0", port))
         except OSError as e:
             raise LaunchError(f"port {port} on {host} is not free ({e.strerror}); choose another with the port flags") from None
-
-
-def child_processes(parent: int) -> list[tuple[int, str, str]]:
-    """(pid, name, state) of ``parent``'s child processes, read from /proc (state "Z": a zombie; the name is
-    the kernel's, cut to 15 characters)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm, _, rest = stat.rpartition(")")
-        fields = rest.split()
-        if len(fields) > 1 and int(fields[1]) == parent:
-            out.append((int(entry.name), comm.partition("(")[2], fields[0]))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    """False once ``pid`` has exited (a zombie that its parent has not reaped counts as exited)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-# A seccomp filter for tritonserver and its stubs: fchmod(fd, 0644) returns success without doing anything.
-# The Python backend creates its shared-memory regions with boost.interprocess, whose open_or_create calls
-# shm_open(name, O_CREAT, 0644) and then fchmod(fd, 0644) "to ignore the umask": under the filter the
-# region keeps the mode shm_open gave it under our umask 077, 0600. Only that exact call is affected.
-_SECCOMP_FCHMOD = {"x86_64": (0xC000003E, 91), "aarch64": (0xC00000B7, 52)}  # (AUDIT_ARCH_*, __NR_fchmod)
-
-
-def _ignore_fchmod_0644() -> bool:
-    """In the child: install the seccomp filter above (Linux, x86_64 or aarch64). False where it cannot."""
-    import ctypes
-    import platform
-
-    arch = _SECCOMP_FCHMOD.get(platform.machine())
-    if arch is None:
-        return False
-
-    class SockFilter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
-
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
-
-    ld_abs, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
-    allow, errno_0 = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO with errno 0: "succeeded"
-    program = [
-        (ld_abs, 0, 0, 4), (jeq, 0, 5, arch[0]),  # seccomp_data.arch
-        (ld_abs, 0, 0, 0), (jeq, 0, 3, arch[1]),  # seccomp_data.nr == fchmod
-        (ld_abs, 0, 0, 24), (jeq, 0, 1, 0o644),  # low 32 bits of args[1] (little endian): the mode
-        (ret, 0, 0, errno_0), (ret, 0, 0, allow),
-    ]
-    filters = (SockFilter * len(program))(*[SockFilter(*f) for f in program])
-    prog = SockFprog(len(program), ctypes.cast(filters, ctypes.POINTER(SockFilter)))
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return False
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS (required for an unprivileged filter)
-        return False
-    return libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-
-
-def _server_child_setup() -> None:
-    """In tritonserver's process, before exec: die with the launcher; regions private (see above)."""
-    _die_with_parent()
-    _ignore_fchmod_0644()  # where it cannot be installed, _check_regions_private makes them 0600 after start
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the launcher dies, so no server outlives it (Linux only)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass

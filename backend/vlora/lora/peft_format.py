@@ -1,0 +1,181 @@
+"""PEFT's weights format as the served model reads it: the file names of an adapter folder, the safetensors
+file's key names and what each names, the header's and the tensors' checks, and AdapterError, which every
+check of an adapter raises.
+
+Key names. PEFT saves ``base_model.model.<module path>.lora_{A,B}.weight``. For
+``LlavaForConditionalGeneration`` under transformers 5 the module path of a decoder projection is
+``model.language_model.layers.N.{self_attn,mlp}.X_proj``; adapters trained under transformers 4
+(before the LLaVA refactor) use ``language_model.model.layers.N...``. Both are read. Vision-side
+projections (the vision tower's blocks, the projector or merger) are read where the server describes
+them (:class:`VisionSites`, built by the model family from the loaded model's own module names); they
+are kept as (layer, target) pairs like the decoder's, the target a family-given name such as
+``vision.self_attn.q_proj`` or ``projector.linear_1``. Every other key (embeddings, lm_head, the patch
+embedding, DoRA magnitudes, biases, a module the served model does not have) is refused by name.
+
+The safetensors file. Its header is read first (``_safetensors_header``: every entry has a shape); the data
+only once every key and shape was checked, and only up to what those shapes can hold (``_whole_file``: 8
+bytes an element); each tensor must match its header and hold finite floating-point values (``_tensor``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from vlora.errors import InvalidRequest
+from vlora.files import FileTooLarge, OneRead
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_SAFETENSORS_HEADER_BYTES = 16 << 20  # a PEFT adapter's header is a few hundred bytes per tensor
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+# base_model.model.<module path>.lora_A|B.weight
+_KEY = re.compile(r"^base_model\.model\.(?P<path>[A-Za-z0-9_.]+)\.lora_(?P<ab>[AB])\.weight$")
+# A decoder projection's module path: one of the two LLaVA decoder prefixes + layers.N.<block>.<proj>
+_DECODER_PATH = re.compile(
+    r"^(?P<prefix>model\.language_model|language_model\.model)\.layers\.(?P<layer>\d{1,6})\."
+    r"(?P<block>self_attn|mlp)\.(?P<module>[A-Za-z0-9_]+)$"
+)
+
+
+class AdapterError(InvalidRequest):
+    """An adapter that cannot be served; the message names the adapter and the problem."""
+
+
+@dataclass(frozen=True)
+class VisionSites:
+    """The vision-side projections of the served model that an adapter may target.
+
+    ``paths`` maps each projection's module path, as the loaded model names it
+    (``model.vision_tower.encoder.layers.3.self_attn.q_proj``), to its (layer, target) pair; the target
+    names the projection in every layer (``vision.self_attn.q_proj``; the projector's or merger's have
+    layer 0). ``aliases`` are (older prefix, current prefix) pairs: a PEFT key carries the module path of
+    the transformers version the adapter was trained with, which the first alias that turns it into a
+    path of ``paths`` rewrites.
+    """
+
+    paths: Mapping[str, tuple[int, str]]
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(sorted({t for _, t in self.paths.values()}))
+
+    def resolve(self, path: str) -> Optional[tuple[str, int, str]]:
+        """(current module path, layer, target) of a key's module path, or None if it names no site."""
+        if path in self.paths:
+            return (path, *self.paths[path])
+        for old, new in self.aliases:
+            if path.startswith(old) and new + path[len(old):] in self.paths:
+                current = new + path[len(old):]
+                return (current, *self.paths[current])
+        return None
+
+
+def _target_of(path: str, key: str, where: str, supported: tuple[str, ...], num_layers: int,
+               vision: Optional[VisionSites]) -> tuple[int, str, tuple[str, str]]:
+    """(layer, target, module names) of the module path of ``key``; the names are the path as the adapter
+    spells it and as the served model does, which rank_pattern / alpha_pattern keys are matched against.
+    Raises AdapterError naming the module when the server cannot apply LoRA there."""
+    m = _DECODER_PATH.match(path)
+    if m is not None:
+        layer, block, module = int(m["layer"]), m["block"], m["module"]
+        expected_block = "self_attn" if module in ATTN_MODULES else "mlp" if module in MLP_MODULES else None
+        if expected_block != block or module not in supported:
+            raise AdapterError(f"{where}: unsupported target module {block}.{module} in {key!r}; "
+                               f"supported: {list(supported)}")
+        if layer >= num_layers:
+            raise AdapterError(f"{where}: {key!r} names layer {layer}, but the model has {num_layers} layers")
+        return layer, module, (path, _modern_name(path))
+    site = vision.resolve(path) if vision is not None else None
+    if site is None:
+        raise AdapterError(f"{where}: unsupported target module {path} in {key!r}: the served model has no such "
+                           f"LoRA-targetable projection; supported: {list(supported)}")
+    current, layer, target = site
+    if target not in supported:
+        raise AdapterError(f"{where}: unsupported target module {target} ({path}) in {key!r}: this server applies "
+                           f"no LoRA to the vision tower or projector (lora.vision_lora is off); "
+                           f"supported: {list(supported)}")
+    return layer, target, (path, current)
+
+
+
+def _modern_name(module_name: str) -> str:
+    old = "language_model.model."
+    return "model.language_model." + module_name[len(old):] if module_name.startswith(old) else module_name
+
+
+def _invalid_weights(where: str, why: str) -> AdapterError:
+    return AdapterError(f"{where}: {WEIGHTS_FILE} is not a valid safetensors file ({why})")
+
+
+def _safetensors_header(f: OneRead, where: str) -> tuple[dict[str, Any], bytes]:
+    """The header of the safetensors file ``f`` (read from its start: the 8-byte length, then the JSON) and
+    the bytes read. Every entry but ``__metadata__`` must have a ``shape`` of non-negative integers; the
+    rest (dtypes, offsets) is checked by safetensors itself when the whole file is parsed."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise _invalid_weights(where, f"{len(head)} bytes, shorter than a header")
+    n = int.from_bytes(head, "little")
+    if n > MAX_SAFETENSORS_HEADER_BYTES or 8 + n > f.size:
+        raise _invalid_weights(where, f"a header of {n} bytes in a file of {f.size}")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except ValueError as e:
+        raise _invalid_weights(where, f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise _invalid_weights(where, "its header is not a JSON object")
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (not isinstance(shape, list) or len(shape) > 8
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
+            raise _invalid_weights(where, f"tensor {key[:80]!r} has no valid shape")
+    return header, head + raw
+
+
+def _whole_file(f: OneRead, header: Mapping[str, Any], header_bytes: bytes, where: str) -> bytes:
+    """All of ``f``, whose header (``header_bytes``, read first) was checked: read in one piece from its
+    start, refused unread when its data is larger than the header's tensors can hold (8 bytes an element)
+    or grows past that while it is read, and refused when its header is no longer the one checked."""
+    limit = 8 * sum(math.prod(e["shape"]) for k, e in header.items() if k != "__metadata__")
+    if f.size - len(header_bytes) > limit:
+        raise _invalid_weights(where, f"{f.size - len(header_bytes)} bytes of data, more than its tensors' {limit}")
+    try:
+        data = f.read_all(len(header_bytes) + limit)
+    except FileTooLarge:
+        raise _invalid_weights(where, f"it grew past {limit} bytes of data while it was read") from None
+    if not data.startswith(header_bytes):
+        raise AdapterError(f"{where}: {WEIGHTS_FILE} changed while it was read; load it again")
+    return data
+
+
+def _parse_safetensors(data: bytes, where: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a malformed file
+        raise _invalid_weights(where, str(e)) from None
+
+
+def _tensor(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], key: str, where: str) -> torch.Tensor:
+    t = tensors.get(key)
+    if t is None or list(t.shape) != header[key]["shape"]:  # parsed from the bytes the header was read from
+        raise _invalid_weights(where, f"tensor {key!r} does not match its header")
+    if not t.is_floating_point():
+        raise AdapterError(f"{where}: {key!r} has dtype {t.dtype}; expected a floating-point tensor")
+    t = t.to(torch.float32).contiguous()
+    if not torch.isfinite(t).all():
+        raise AdapterError(f"{where}: {key!r} holds non-finite values")
+    return t
+
