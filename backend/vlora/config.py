@@ -141,6 +141,12 @@ class InputLimits:
     image_workers: int = 0
     image_queue_size: int = 32
     inline_image_pixels: int = 512 * 512
+    # The image memory of the requests in flight, from admission until their final answer: each image's
+    # encoded bytes (base64 as sent, and once decoded from it) plus 4 bytes per pixel of its header's size
+    # (the decoded image). A request that would take the total past this waits for no one: it is refused
+    # as overloaded (UNAVAILABLE), unless nothing else is in flight. 0: auto, 1/8 of the host's memory
+    # (MemTotal) capped at 4 GiB (vlora.engine.preprocess.ImageBudget).
+    max_inflight_image_bytes: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_images >= 1, "limits.max_images must be >= 1")
@@ -152,10 +158,29 @@ class InputLimits:
         _require(0 <= self.image_workers <= 64, "limits.image_workers must be in [0, 64] (0: auto)")
         _require(self.image_queue_size >= 1, "limits.image_queue_size must be >= 1")
         _require(self.inline_image_pixels >= 0, "limits.inline_image_pixels must be >= 0")
+        _require(self.max_inflight_image_bytes == 0 or self.max_inflight_image_bytes >= 1 << 20,
+                 "limits.max_inflight_image_bytes must be 0 (auto) or at least 1 MiB (1048576)")
 
     @property
     def resolved_image_workers(self) -> int:
         return self.image_workers or max(1, min(4, (os.cpu_count() or 2) // 2))
+
+    @property
+    def resolved_inflight_image_bytes(self) -> int:
+        """limits.max_inflight_image_bytes, or for 0 an eighth of MemTotal capped at 4 GiB (1 GiB when
+        /proc/meminfo cannot be read)."""
+        if self.max_inflight_image_bytes:
+            return self.max_inflight_image_bytes
+        total = 8 << 30
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemTotal:"):
+                        total = int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            pass
+        return max(64 << 20, min(4 << 30, total // 8))
 
 
 POLICIES = ("vlora", "merge-only", "unmerge-only", "dlora")
@@ -277,12 +302,17 @@ class RunnerConfig:
     many rows, so a graph's padded bucket and the eager step agree. Keep it a captured batch size (16) so
     that a decode step and its bucket fall on the same side; 0: cuBLAS. On an H200 the default 16 takes the
     7B decode step from 4.54 to 4.25 ms at batch 1 and 5.21 to 4.87 ms at batch 8 (benchmarks/RESULTS.md).
+    ``gemv_table``: a launch table file for those kernels (what ``benchmarks/gemv_probe.py --table-out``
+    writes), its entries over the committed ones; null: the package's ``engine/gemv_tables/<gpu>.json`` for
+    this GPU where one is shipped (``$VLORA_GEMV_TABLE``, for the benchmarks, before it), else the committed
+    table alone (:class:`vlora.engine.gemv.GemvTable`). Read once at load.
     """
 
     cuda_graphs: str = "auto"
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     prefill_graph_tokens: int = 1024
     gemv_max_rows: int = 16
+    gemv_table: Optional[str] = None
     attention: str = "auto"
     overlap: str = "auto"
 
@@ -297,6 +327,8 @@ class RunnerConfig:
                  "engine.prefill_graph_tokens must be an integer in [0, 16384]")
         _require(isinstance(self.gemv_max_rows, int) and not isinstance(self.gemv_max_rows, bool)
                  and 0 <= self.gemv_max_rows <= 16, "engine.gemv_max_rows must be an integer in [0, 16]")
+        _require(self.gemv_table is None or (isinstance(self.gemv_table, str) and self.gemv_table),
+                 "engine.gemv_table must be a file path or null")
         if isinstance(self.overlap, bool):
             object.__setattr__(self, "overlap", "on" if self.overlap else "off")
         _require(self.overlap in ("auto", "on", "off"), "engine.overlap must be auto, on or off")
@@ -351,11 +383,31 @@ def _build(kind: type, section: str, values: Mapping[str, Any]):
     _require(not unknown, f"{section}: unknown key(s) {unknown}; known: {sorted(names)}")
     kw = dict(values)
     for k, v in kw.items():
+        _check_number(f"{section}.{k}", names[k].type, v)
         if isinstance(v, list):
             kw[k] = tuple(v)
         elif isinstance(v, Mapping):
             kw[k] = dict(v)
-    return kind(**kw)
+    try:
+        return kind(**kw)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a value of the wrong kind met a check: one line naming the section
+        raise ConfigError(f"{section}: a setting has a value of the wrong type ({e})") from None
+
+
+def _check_number(key: str, annotation: Any, value: Any) -> None:
+    """A number setting (annotated int or float, optionally Optional) must get a number: ConfigError naming
+    ``key`` otherwise (``--set scheduler.max_waiting=abc`` is one line, not a traceback)."""
+    kind = str(annotation).replace(" ", "")
+    optional = kind.startswith("Optional[") and kind.endswith("]")
+    kind = kind[len("Optional["):-1] if optional else kind
+    if value is None and optional:
+        return
+    if kind == "int":
+        _require(isinstance(value, int) and not isinstance(value, bool), f"{key} must be an integer, got {value!r}")
+    elif kind == "float":
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{key} must be a number, got {value!r}")
 
 
 MIN_ADMIN_TOKEN_CHARS = 16

@@ -32,7 +32,7 @@ from vlora.engine.builder import build_engine
 from vlora.engine.core import LLMEngine
 from vlora.engine.inputs import CheckedRequest
 from vlora.metrics import EngineMetrics
-from vlora.engine.preprocess import PreprocessPool
+from vlora.engine.preprocess import ImageBudget, ImageCharge, PreprocessPool, image_bytes
 from vlora.errors import RequestCancelled
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class AsyncEngine:
         self.loras = self.engine.loras
         limits = config.limits
         self.image_workers = PreprocessPool(limits.resolved_image_workers, limits.image_queue_size)
+        self.image_budget = ImageBudget(limits.resolved_inflight_image_bytes)
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._cancels: set[str] = set()
@@ -176,20 +177,34 @@ class AsyncEngine:
         ``is_cancelled()`` is asked before a deferred request is preprocessed."""
         try:
             checked = self.inputs.check(req)  # fields, adapter, image headers: no pixel decoded yet
-            if checked.pixels > self.config.limits.inline_image_pixels:
-                self.defer(lambda: self._enter(checked, callback, refuse, is_cancelled, fault),
-                           lambda reason: refuse(EngineOverloaded(reason or "server is shutting down")))
-                return
+            # Its images' bytes count against limits.max_inflight_image_bytes from here until its final event
+            # or its refusal (whichever path: every refusal below goes through refuse_released).
+            charge = self.image_budget.take(image_bytes(req.images, checked.images))
         except Exception as e:  # every refusal goes to the caller's refuse()
             refuse(e)
             return
-        self._enter(checked, callback, refuse, None, fault)
+
+        def refuse_released(error: Exception) -> None:
+            charge.release()
+            refuse(error)
+
+        try:
+            if checked.pixels > self.config.limits.inline_image_pixels:
+                self.defer(lambda: self._enter(checked, callback, refuse_released, is_cancelled, fault, charge),
+                           lambda reason: refuse_released(EngineOverloaded(reason or "server is shutting down")))
+                return
+        except Exception as e:
+            refuse_released(e)
+            return
+        self._enter(checked, callback, refuse_released, None, fault, charge)
 
     def _enter(self, checked: CheckedRequest, callback: OutputCallback, refuse: Callable[[Exception], None],
-               is_cancelled: Optional[Callable[[], bool]], fault: Optional[str]) -> None:
+               is_cancelled: Optional[Callable[[], bool]], fault: Optional[str], charge: Optional[ImageCharge] = None) -> None:
         try:
             if is_cancelled is not None and is_cancelled():
                 raise RequestCancelled("request cancelled")
+            if charge is not None and charge.bytes:
+                callback = _releasing(callback, charge)
             self.submit(self.inputs.preprocess(checked), callback, fault=fault)
         except Exception as e:
             refuse(e)
@@ -457,3 +472,13 @@ class AsyncEngine:
                 pass
 
 
+def _releasing(callback: OutputCallback, charge: ImageCharge) -> OutputCallback:
+    """``callback`` that gives the request's image bytes back with its final event (finished, failed,
+    cancelled, or failed by the watchdog: every final event goes through it)."""
+    def deliver(out: GenerationOutput) -> None:
+        try:
+            callback(out)
+        finally:
+            if out.finished:
+                charge.release()
+    return deliver

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
 from vlora.engine.api import EngineOverloaded
 
@@ -93,3 +93,101 @@ class PreprocessPool:
             finally:
                 with self._cond:
                     self._busy -= 1
+
+
+def image_bytes(encoded: Sequence, probed: Sequence) -> int:
+    """What a request's images count against limits.max_inflight_image_bytes: each image's encoded bytes as
+    sent (base64) and once decoded from it, plus 4 bytes per pixel of its header's size (the decoded image)."""
+    sent = sum(len(item) for item in encoded)
+    return sent + sum(len(p.data) + 4 * p.pixels for p in probed)
+
+
+class ImageBudget:
+    """The bytes of images in flight (limits.max_inflight_image_bytes): ``take`` charges a request's images
+    when it is admitted, or refuses it with EngineOverloaded when the total would pass the budget (a request
+    is always taken when nothing else is charged, so a request within the other limits can run); the
+    :class:`ImageCharge` it returns gives them back once (``release``).
+
+    After a burst, once nothing is charged, glibc is asked to return freed memory to the system
+    (``malloc_trim``; at most once a second, on a timer thread): the decoded images of a flood are freed into
+    the allocator's arenas, which otherwise keep the process's resident memory at its peak."""
+
+    TRIM_AFTER_BYTES = 32 << 20  # released since the last trim
+    TRIM_DELAY_S = 0.2
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._used = 0
+        self._released = 0  # since the last trim
+        self._trim_pending = False
+        self._last_trim = 0.0
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return self._used
+
+    def take(self, n: int) -> "ImageCharge":
+        if n <= 0:
+            return ImageCharge(self, 0)
+        with self._lock:
+            if self._used and self._used + n > self.limit:
+                raise EngineOverloaded(f"server overloaded: {self._used / 2**20:.0f} MiB of images are in flight and "
+                                       f"this request's take {n / 2**20:.1f} MiB more "
+                                       f"(limits.max_inflight_image_bytes={self.limit})")
+            self._used += n
+        return ImageCharge(self, n)
+
+    def _give_back(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+            self._released += n
+            trim = (not self._used and self._released >= self.TRIM_AFTER_BYTES and not self._trim_pending)
+            if trim:
+                self._trim_pending = True
+        if trim:
+            delay = max(self.TRIM_DELAY_S, self._last_trim + 1.0 - time.monotonic())
+            timer = threading.Timer(delay, self._trim)
+            timer.daemon = True
+            timer.start()
+
+    def _trim(self) -> None:
+        with self._lock:
+            self._trim_pending = False
+            if self._used:  # another burst began: trim after it
+                return
+            self._released = 0
+            self._last_trim = time.monotonic()
+        malloc_trim()
+
+
+class ImageCharge:
+    """One request's images on an ImageBudget; ``release`` is idempotent and thread-safe."""
+
+    def __init__(self, budget: ImageBudget, n: int) -> None:
+        self._budget = budget
+        self.bytes = n
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            n, self.bytes = self.bytes, 0
+        if n:
+            self._budget._give_back(n)
+
+
+def malloc_trim() -> bool:
+    """glibc's malloc_trim(0): give freed heap memory back to the system. False where there is no glibc."""
+    global _LIBC
+    try:
+        if _LIBC is None:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+        return bool(_LIBC.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+_LIBC = None

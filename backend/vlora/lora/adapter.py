@@ -43,6 +43,7 @@ from vlora.lora.peft_format import (  # noqa: F401 (ATTN_MODULES, MLP_MODULES: r
     VisionSites,
     _parse_safetensors,
     _safetensors_header,
+    _record_weight,
     _target_of,
     _tensor,
     _whole_file,
@@ -202,7 +203,7 @@ def load_adapter(
                                    f"of the projections {list(supported)} are served "
                                    f"(not embeddings, lm_head, biases or DoRA)")
             layer, module, names = _target_of(m["path"], key, where, supported, num_layers, vision)
-            found.setdefault((layer, module), {})[m["ab"]] = (key, names)
+            _record_weight(found, layer, module, m["ab"], key, names, where)
 
         plan: list[tuple[int, str, str, str, str, float]] = []
         for (layer, module), ab in sorted(found.items()):

@@ -107,6 +107,18 @@ def _target_of(path: str, key: str, where: str, supported: tuple[str, ...], num_
 
 
 
+def _record_weight(found: dict, layer: int, module: str, ab: str, key: str, names: tuple[str, str], where: str) -> None:
+    """Note ``key`` as the lora_{ab} weight of (layer, module) in ``found``; AdapterError when another key
+    already names the same weight (the old and the new key naming of one module, e.g.
+    ``language_model.model.layers.0...`` beside ``model.language_model.layers.0...``): one copy would win
+    silently."""
+    slot = found.setdefault((layer, module), {})
+    if ab in slot:
+        raise AdapterError(f"{where}: {slot[ab][0]!r} and {key!r} are the same lora_{ab} weight (of {module} in layer "
+                           f"{layer}) under two key namings; keep one")
+    slot[ab] = (key, names)
+
+
 def _modern_name(module_name: str) -> str:
     old = "language_model.model."
     return "model.language_model." + module_name[len(old):] if module_name.startswith(old) else module_name

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import threading
+import time
 import traceback
 from typing import Any, Optional
 
@@ -18,6 +20,10 @@ from vlora.errors import EngineOverloaded, InvalidRequest
 from vlora.server.wire import ADMIN_KEY, ADMIN_TOKEN_KEY, Wire
 
 ADMIN_ACTIONS = ("list", "load", "unload")
+# ``list`` answers from a snapshot of at most this age: a flood of list requests costs the engine thread at
+# most one round trip per LIST_MAX_AGE_S (they wait for one in progress and share it), not one each. A load
+# or unload answered here makes the next list ask the engine again.
+LIST_MAX_AGE_S = 0.25
 
 
 def admin_request(wire: Wire, request) -> Optional[tuple[str, Optional[str], Any]]:
@@ -52,6 +58,20 @@ class AdminActions:
         self._wire = wire
         self._engine = engine
         self._admin_token = admin_token
+        self._list_lock = threading.Lock()  # one engine round trip for list at a time
+        self._list_snapshot: Optional[tuple[float, int, Any]] = None  # (taken at, generation, adapters)
+        self._generation = 0  # bumped by every load and unload
+
+    def adapters(self) -> Any:
+        """The engine's adapter list, from a snapshot younger than LIST_MAX_AGE_S and taken after the last
+        load or unload, else asked from the engine (once for all the list requests waiting meanwhile)."""
+        with self._list_lock:
+            snap, generation = self._list_snapshot, self._generation
+            if snap is not None and snap[1] == generation and time.monotonic() - snap[0] < LIST_MAX_AGE_S:
+                return snap[2]
+            adapters = self._engine.adapters()
+            self._list_snapshot = (time.monotonic(), generation, adapters)
+            return adapters
 
     def check_token(self, action: str, token: Any) -> None:
         """load/unload need the configured token; raises InvalidRequest saying why (never echoing a token)."""
@@ -85,11 +105,16 @@ class AdminActions:
             return
         try:
             if action == "list":
-                payload = {"adapters": self._engine.adapters()}
-            elif action == "load":
-                payload = {"loaded": self._engine.load_adapter(name)}
+                payload = {"adapters": self.adapters()}
             else:
-                payload = {"unloaded": self._engine.unload_adapter(name)}
+                try:
+                    if action == "load":
+                        payload = {"loaded": self._engine.load_adapter(name)}
+                    else:
+                        payload = {"unloaded": self._engine.unload_adapter(name)}
+                finally:
+                    with self._list_lock:
+                        self._generation += 1  # the next list asks the engine
         except InvalidRequest as e:  # unknown, malformed or busy adapter: the reason goes to the client
             wire.send_error(sender, str(e))
             return

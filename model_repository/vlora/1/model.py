@@ -97,6 +97,7 @@ class TritonPythonModel:
         # _wake is set when the response thread should look: after each engine step's events, and by _post.
         self._outbox: deque = deque()
         self._wake = threading.Event()
+        self._execute_tls = threading.local()  # .later: answers deferred until execute() returns
         self._engine = AsyncEngine(config, metrics=self._metrics, on_dead=self._engine_failed,
                                    after_outputs=self._wake.set)
         pb_utils.Logger.log_info(
@@ -130,16 +131,37 @@ class TritonPythonModel:
         return config
 
     def execute(self, requests):
-        for request in requests:
-            try:
-                self._admit(request)
-            except Exception as e:  # _admit answers its refusals; this is the last resort
-                pb_utils.Logger.log_error(f"vlora: admitting a request failed: {type(e).__name__}: {e}")
+        # Answers decided here (refusals, adapter actions) go out only after execute() returns: a client
+        # answered while execute() still runs may send its next request before Triton's scheduler sees this
+        # model instance free again, and Triton 2.51's dynamic batcher then leaves that request waiting for
+        # its default 500 ms wake-up (cheap refusals on an idle server took exactly 0.5 s, issue 37).
+        later: list = []
+        self._execute_tls.later = later
+        try:
+            for request in requests:
                 try:
-                    self._wire.send_error(request.get_response_sender(), f"internal error: {type(e).__name__}", internal=True)
-                except Exception:
-                    pass
+                    self._admit(request)
+                except Exception as e:  # _admit answers its refusals; this is the last resort
+                    pb_utils.Logger.log_error(f"vlora: admitting a request failed: {type(e).__name__}: {e}")
+                    try:
+                        sender = request.get_response_sender()
+                        later.append(lambda s=sender, n=type(e).__name__: self._wire.send_error(
+                            s, f"internal error: {n}", internal=True))
+                    except Exception:
+                        pass
+        finally:
+            self._execute_tls.later = None
+            if later:
+                self._post(("later", later))  # the response thread runs them, after this call has returned
         return None
+
+    def _later(self, action) -> None:
+        """Run ``action`` (which answers a request) after execute() returns when called inside it, else now."""
+        later = getattr(self._execute_tls, "later", None)
+        if later is not None:
+            later.append(action)
+        else:
+            action()
 
     def _admit(self, request) -> None:
         sender = request.get_response_sender()
@@ -147,15 +169,11 @@ class TritonPythonModel:
         try:
             admin = admin_request(self._wire, request)
             if admin is not None:
-                self._submit_admin(sender, admin)
+                self._later(lambda: self._submit_admin(sender, admin))
                 return
             parsed = self._wire.parse(request, request_id, fault_injection=self._fault_injection)
-        except InvalidRequest as e:
-            self._wire.send_error(sender, str(e))
-            return
-        except Exception as e:
-            pb_utils.Logger.log_error(f"vlora: request refused by an internal error: {traceback.format_exc()}")
-            self._wire.send_error(sender, f"internal error: {type(e).__name__}: {e}", internal=True)
+        except Exception as e:  # InvalidRequest: 400; anything else an internal error
+            self._later(lambda error=e: self._refuse(sender, error))  # bound now: `e` is unset after except
             return
         gen = parsed.gen
         state = _InFlight(request_id=request_id, sender=sender, stream=gen.stream,
@@ -164,9 +182,9 @@ class TritonPythonModel:
         # before its first output arrives (no wake-up needed: that output comes with one).
         self._outbox.append(("open", state))
 
-        def refuse(error: Exception) -> None:  # it never reached the engine: answered here, once
+        def refuse(error: Exception) -> None:  # it never reached the engine: answered here (or after execute()), once
             self._post(("close", request_id))
-            self._refuse(sender, error)
+            self._later(lambda: self._refuse(sender, error))
 
         # Checks, defers heavy images to the image workers, preprocesses and submits; blocks while the engine
         # is full, which pushes back into Triton's queue (or the image workers' bounded queue).
@@ -265,7 +283,13 @@ class TritonPythonModel:
                 elif item.finished:
                     del inflight[item.request_id]
         elif isinstance(item, tuple):
-            if item[0] == "flushed":  # everything queued before it has been sent
+            if item[0] == "later":  # answers decided inside execute(), which has returned
+                for action in item[1]:
+                    try:
+                        action()
+                    except Exception as e:
+                        pb_utils.Logger.log_error(f"vlora: answering a refused request failed: {type(e).__name__}: {e}")
+            elif item[0] == "flushed":  # everything queued before it has been sent
                 item[1].set()
             elif item[0] == "open":
                 inflight[item[1].request_id] = item[1]
