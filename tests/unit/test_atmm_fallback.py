@@ -114,6 +114,6 @@ def test_plan_takes_each_direction_from_the_table():
     """The shrink (with its split) and the expand of a call come from the table's entry of each direction."""
     kernels = AtmmKernels(ext=_TableExt(), load_table=False)
     _, _, _, _, ranks, _, mapping = _case()
-    shrink_idx, split_k, expand_idx, _, _ = kernels._plan("bf16", 12, 32, 24, 8, ranks, mapping, None, None)
+    shrink_idx, split_k, expand_idx, _, _ = kernels.plan_call("bf16", 12, 32, 24, 8, ranks, mapping.num_segments, mapping.seg_slot_host)
     names = kernels.config_names
     assert (names[shrink_idx], split_k, names[expand_idx]) == ("shrink_cfg", 4, "expand_cfg")

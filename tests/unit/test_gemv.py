@@ -62,16 +62,31 @@ def test_default_rule_and_committed_table():
 
 
 def test_table_file_overrides_the_committed_table(tmp_path, monkeypatch):
+    """A runner's table: the committed one, with a file's entries over it; the file is engine.gemv_table's path,
+    else $VLORA_GEMV_TABLE (the benchmarks'), else the package's for this GPU. Read at load, held by the table."""
     mine = gemv.GemvConfig(block_n=64, block_k=128, num_warps=8, num_stages=5, split_k=2, swap=True)
     path = tmp_path / "gemv-table.json"
     path.write_text(json.dumps(gemv.table_json({"linear:4096x4096": mine, "silu:512x128": mine}, device="x")))
+    monkeypatch.delenv(gemv.TABLE_ENV, raising=False)
+    assert gemv.GemvTable.load().config_for("linear", 4096, 4096) == gemv.TABLE["linear:4096x4096"]
+    table = gemv.GemvTable.load(str(path))
+    assert table.config_for("linear", 4096, 4096) == mine
+    assert table.config_for("silu", 512, 128) == mine
+    assert table.config_for("linear", 12288, 4096) == gemv.TABLE["linear:12288x4096"]  # kept
+    assert table.launch("linear", 4096, 4096)[0] == mine and table.launch("silu", 256, 128)[0] == mine
+    assert gemv.load_table(str(path))["linear:4096x4096"] == mine
+    # by GPU name from a tables folder, as the ATMM tiling tables
+    shipped = tmp_path / "tables"
+    shipped.mkdir()
+    (shipped / "nvidia-h100-80gb-hbm3.json").write_text(path.read_text())
+    assert gemv.GemvTable.load(device_name="NVIDIA H100 80GB HBM3", table_dir=shipped).config_for("silu", 512, 128) == mine
+    assert gemv.GemvTable.load(device_name="NVIDIA H200", table_dir=shipped).configs == gemv.TABLE
+    # the benchmarks' override, read when a table is loaded (never per call)
     monkeypatch.setenv(gemv.TABLE_ENV, str(path))
     gemv.reload_table()
     try:
         assert gemv.config_for("linear", 4096, 4096) == mine
-        assert gemv.config_for("silu", 512, 128) == mine
-        assert gemv.config_for("linear", 12288, 4096) == gemv.TABLE["linear:12288x4096"]  # kept
-        assert gemv.load_table(str(path))["linear:4096x4096"] == mine
+        assert gemv.GemvTable.load().config_for("linear", 4096, 4096) == mine
     finally:
         monkeypatch.delenv(gemv.TABLE_ENV)
         gemv.reload_table()
@@ -79,6 +94,24 @@ def test_table_file_overrides_the_committed_table(tmp_path, monkeypatch):
     path.write_text(json.dumps({"configs": {"relu:4x4": {}}}))
     with pytest.raises(ValueError, match="kind"):
         gemv.load_table(str(path))
+
+
+def test_engine_gemv_table_setting_reaches_the_runner(tmp_path):
+    """engine.gemv_table is validated, and set_gemv_max_rows(table=...) loads it into every weight group."""
+    from vlora.config import ConfigError, EngineConfig
+    from vlora.engine.model_runner import ModelRunner
+
+    with pytest.raises(ConfigError, match="gemv_table"):
+        EngineConfig().with_overrides({"engine.gemv_table": "5"})
+    mine = gemv.GemvConfig(block_n=16, block_k=64)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(gemv.table_json({"linear:4x4": mine})))
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("cpu")
+    runner.groups = {"o": type("G", (), {})()}
+    runner.set_gemv_max_rows(4, table=str(path))
+    assert runner.groups["o"].gemv_table is runner.gemv_table and runner.groups["o"].gemv_rows == 4
+    assert runner.gemv_table.config_for("linear", 4, 4) == mine
 
 
 # -- fallbacks -----------------------------------------------------------------------------------------

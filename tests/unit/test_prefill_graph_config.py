@@ -26,36 +26,38 @@ def test_on_by_default_and_checked():
             EngineConfig().with_overrides({"engine.prefill_graph_tokens": bad})
 
 
-def test_fill_prefill_host_lays_out_a_mixed_step_with_padding():
+def test_the_plan_lays_out_a_prefill_graph_step_with_padding():
     """Two prompts (one continuing a cached prefix) and a decode row reading its token from the previous
-    step, in the 64-token graph of buffers sized for 128 tokens and 4 sequences."""
-    import numpy as np
+    step, in the 64-token graph of 4 sequences: the step plan's one writer, as a prefill graph reads it."""
     import torch
 
-    from vlora.engine.graphs import fill_prefill_host
     from vlora.engine.kv_cache import PagedKVCache, SequenceBlocks
     from vlora.engine.model_runner import SeqInput
+    from vlora.engine.plan import PREFILL_GRAPH, PlanBuilder, PlanShape
 
     kv = PagedKVCache(1, 16, 4, 1, 2, torch.float32, torch.device("cpu"))  # block size 4
-    T, S, max_blocks = 128, 4, 8
-    ln = np.full(4 * T + S, 99, dtype=np.int64)
-    im = np.full(2 * S + 1 + S * max_blocks, 99, dtype=np.int32)
+    S, max_blocks = 4, 8
+    builder = PlanBuilder(torch.device("cpu"), kv)
+    lay, = builder.graph_layouts([(64, S, max_blocks)])
     fresh = SeqInput(token_ids=list(range(10, 20)), start_pos=0, blocks=SequenceBlocks([5, 2, 9]))
     cont = SeqInput(token_ids=[7, 8, 9], start_pos=6, blocks=SequenceBlocks([1, 3, 4]), rope_delta=2)
     dec = SeqInput(token_ids=[0], start_pos=4, blocks=SequenceBlocks([6, 11]), pending_row=3)
-    assert fill_prefill_host(ln, im, [fresh, cont, dec], 64, T, S, max_blocks, kv) is True
+    plan = builder.build([fresh, cont, dec], PlanShape(PREFILL_GRAPH, lay))
     n = 14
-    assert ln[:n].tolist() == list(range(10, 20)) + [7, 8, 9, 0]
-    assert ln[T:T + n].tolist() == list(range(10)) + [8, 9, 10, 4]  # the continued prompt's rope delta
-    assert ln[T + n:T + 64].tolist() == [0] * 50
-    assert ln[2 * T:2 * T + n].tolist() == kv.slots(fresh.blocks, 0, 10) + kv.slots(cont.blocks, 6, 9) + [11 * 4 + 0]
-    assert ln[2 * T + n:2 * T + 64].tolist() == [-1] * 50  # padding writes no KV
-    assert ln[3 * T:3 * T + n].tolist() == [-1] * 13 + [3]
-    assert ln[4 * T:4 * T + S].tolist() == [9, 12, 13, 0]  # last-token rows; padding sequence: 0
-    assert im[:S + 1].tolist() == [0, 10, 13, 14, 14]  # the padding sequence is empty
-    assert im[S + 1:2 * S + 1].tolist() == [10, 9, 5, 0]
-    tables = im[2 * S + 1:].reshape(S, max_blocks)
+    assert plan.pending and plan.lora is None and plan.delora is None and plan.num_tokens == n
+    assert plan.ids.tolist() == list(range(10, 20)) + [7, 8, 9, 0]
+    assert plan.positions.tolist() == list(range(10)) + [8, 9, 10, 4] + [0] * 50  # the continued prompt's rope delta
+    assert plan.slot_mapping.tolist() == (kv.slots(fresh.blocks, 0, 10) + kv.slots(cont.blocks, 6, 9) + [11 * 4 + 0]
+                                          + [-1] * 50)  # padding writes no KV
+    assert plan.src.tolist() == [-1] * 13 + [3]
+    assert plan.last_index.tolist() == [9, 12, 13, 0]  # last-token rows; padding sequence: 0
+    assert plan.attn.cu_seqlens_q.tolist() == [0, 10, 13, 14, 14]  # the padding sequence is empty
+    assert plan.attn.seq_lens.tolist() == [10, 9, 5, 0]
+    assert plan.attn.max_q_len == 64 and tuple(plan.attn.block_tables.shape) == (S, max_blocks)
+    tables = plan.attn.block_tables
     assert tables[0, :3].tolist() == [5, 2, 9] and tables[1, :3].tolist() == [1, 3, 4] and tables[2, :2].tolist() == [6, 11]
+    # the graph's views are the plan's: the same addresses at every replay
+    assert plan.positions.data_ptr() == lay.d_pos.data_ptr() and plan.attn.block_tables.data_ptr() == lay.d_tables.data_ptr()
     with pytest.raises(ValueError, match="64-token graph"):
-        fill_prefill_host(ln, im, [SeqInput(token_ids=[1] * 65, start_pos=0, blocks=SequenceBlocks(list(range(17))))],
-                          64, T, S, max_blocks, kv)
+        builder.build([SeqInput(token_ids=[1] * 65, start_pos=0, blocks=SequenceBlocks(list(range(17))))],
+                      PlanShape(PREFILL_GRAPH, lay))

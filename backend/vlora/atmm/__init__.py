@@ -24,6 +24,7 @@ def atmm(
     ranks: tuple[int, ...],
     scales: tuple[float, ...],
     mapping: LoraBatchMapping,
+    kernels: AtmmKernels | None = None,
 ) -> torch.Tensor:
     """Add every segment's LoRA product to ``y`` in place, and return ``y``.
 
@@ -38,13 +39,15 @@ def atmm(
         ranks   n_slots ints            rank of each slot for this layer (0: slot does not target it)
         scales  n_slots floats          lora_alpha / r (or the rsLoRA scale) of each slot
         mapping LoraBatchMapping        segments of this step, shared by every layer
+        kernels AtmmKernels             the extension and its table (None: :func:`default_kernels`)
     The CUDA path (fp16/bf16, widths and r_max multiples of 8) relies on the zero padding past each
-    rank: it rounds ranks up to a multiple of 8.
+    rank: it rounds ranks up to a multiple of 8. The engine's layers do not come through here: their
+    backend (:class:`vlora.lora.backends.AtmmBackend`) plans once per step and launches.
     """
     if not mapping.has_lora:
         return y
     if y.is_cuda:
-        kernels = default_kernels()
+        kernels = kernels if kernels is not None else default_kernels()
         if not kernels.unsupported(y, x, lora_a, lora_b, ranks, scales, mapping):
             return kernels.run(y, x, lora_a, lora_b, ranks, scales, mapping)
     return atmm_reference(y, x, lora_a, lora_b, ranks, scales, mapping)

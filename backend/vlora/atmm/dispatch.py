@@ -40,9 +40,11 @@ OPTIONAL_FAMILIES = {"tr_": "triton", "h9": "cutlass3"}
 class AtmmKernels:
     """The extension, its tiling table, and the checks that decide whether a call can use them.
 
-    One instance per process serves every LoRA layer (see :func:`default_kernels`); the engine may
-    build its own and install it with :func:`set_default_kernels`. The table can be swapped while
-    serving (the tuner sidecar does this); lookups take a lock.
+    The engine's LoRA backend holds one instance, built once (:class:`vlora.lora.backends.AtmmBackend`,
+    the process's :func:`default_kernels` unless given one), and plans each step's launches through
+    :meth:`plan_call` once per step and layer shape. The table can be swapped while serving (the tuner
+    sidecar does this): the swap replaces the table object in one assignment and bumps
+    :attr:`table_version`, so a lookup needs no lock and a holder of cached plans knows to drop them.
     """
 
     def __init__(self, ext: ModuleType | None = None, table_dir: Path | None = None, load_table: bool = True) -> None:
@@ -51,16 +53,15 @@ class AtmmKernels:
         else:
             self.unavailable_reason = ""
         self.ext = ext
-        self._lock = threading.Lock()
+        self.table_version = 0
         self._table: Any = ext.TilingTable() if ext is not None else None
         self.table_source = "built-in default rule"
         self._table_dir = table_dir
         self._names: tuple[str, ...] = tuple(c["name"] for c in ext.configs()) if ext is not None else ()
         self._kinds: dict[str, str] = {c["name"]: c.get("kind", "") for c in ext.configs()} if ext is not None else {}
-        # Hot-path caches (every LoRA layer of every step calls run()): the launch plan of a call
-        # signature, the static checks of a pair of slot buffers, and one growing workspace per device.
+        # What the tools' and tests' calls (run(), through atmm()) reuse: the launch plan of a call
+        # signature and one growing workspace per device. The engine's backend keeps its own.
         self._plans: dict[tuple, tuple] = {}
-        self._checked_buffers: dict[tuple, str] = {}
         self._workspace: dict[Any, torch.Tensor] = {}
         # Plans of the graph-safe per-row calls (run_rows), each with its own workspace, never freed:
         # a captured CUDA graph keeps the workspace's address.
@@ -107,16 +108,13 @@ class AtmmKernels:
             log.warning("atmm: tiling table %s: %d entries name kernels this build lacks (%s: %s); the nearest other "
                         "entries serve those shapes", source, len(skipped), ", ".join(sorted(set(missing.values()))),
                         ", ".join(sorted({e.config for e in skipped})))
-        with self._lock:
-            self._table = table
-            self.table_source = source
-            self._plans = {}
+        self._table, self.table_source, self._plans = table, source, {}  # one reference swap: readers need no lock
+        self.table_version += 1
         log.info("atmm: tiling table %s loaded (%d entries)", source, len(entries))
         return len(entries)
 
     def lookup(self, direction: str, dtype: str, tokens: int, width: int, rank: int, segments: int) -> dict:
-        with self._lock:
-            hit = self._table.lookup(direction, dtype, tokens, width, rank, segments)
+        hit = self._table.lookup(direction, dtype, tokens, width, rank, segments)
         if not hit["exact"]:
             log.debug("atmm: no tiling entry for %s %s T=%d width=%d rank=%d segments=%d; %s %s (split_k=%d)",
                       direction, dtype, tokens, width, rank, segments,
@@ -130,14 +128,7 @@ class AtmmKernels:
             return self.unavailable_reason
         if not (y.is_cuda and x.is_cuda and mapping.seg_indptr.is_cuda):
             return "inputs not all on CUDA"
-        key = (lora_a.data_ptr(), lora_b.data_ptr(), lora_a.shape, lora_b.shape, lora_a.stride(), lora_b.stride(),
-               lora_a.dtype, lora_b.dtype, lora_a.device, lora_b.device)
-        why = self._checked_buffers.get(key)
-        if why is None:  # the slot buffers are allocated once: check them once
-            why = self._check_buffers(lora_a, lora_b)
-            if len(self._checked_buffers) > 65536:
-                self._checked_buffers.clear()
-            self._checked_buffers[key] = why
+        why = self.check_buffers(lora_a, lora_b)
         if why:
             return why
         n_slots, r_max, d_in = lora_a.shape
@@ -162,7 +153,11 @@ class AtmmKernels:
             return f"mapping covers {mapping.num_tokens} tokens, x has {x.shape[0]}"
         return ""
 
-    def _check_buffers(self, lora_a: torch.Tensor, lora_b: torch.Tensor) -> str:
+    def check_buffers(self, lora_a: torch.Tensor, lora_b: torch.Tensor) -> str:
+        """Why the extension cannot take these slot buffers ("" when it can): checked once per pair by their
+        owner (the buffers are allocated once), not per call."""
+        if self.ext is None:
+            return self.unavailable_reason
         if not (lora_a.is_cuda and lora_b.is_cuda):
             return "inputs not all on CUDA"
         if lora_a.dtype not in _DTYPES or lora_a.dtype != lora_b.dtype:
@@ -202,7 +197,7 @@ class AtmmKernels:
             return atmm_reference(y, x, lora_a, lora_b, ranks, scales, mapping)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(dtype, T, d_in, d_out, r_max, ranks, mapping, shrink, expand)
+            plan = self.plan_call(dtype, T, d_in, d_out, r_max, ranks, S, mapping.seg_slot_host, shrink, expand)
             if len(self._plans) > 8192:
                 self._plans.clear()
             self._plans[key] = plan
@@ -224,7 +219,7 @@ class AtmmKernels:
             self.ext.forward(
                 y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
                 mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), workspace.data_ptr(), workspace.numel(),
-                T, d_in, d_out, r_max, x.stride(0), y.stride(0), S, ranks_list, _float_list(scales), dtype,
+                T, d_in, d_out, r_max, x.stride(0), y.stride(0), S, ranks_list, [float(s) for s in scales], dtype,
                 shrink_idx, split_k, expand_idx, stream, phases, pdl)
         except RuntimeError as e:
             if shrink is not None or expand is not None or phases != PHASE_ALL:
@@ -245,14 +240,14 @@ class AtmmKernels:
 
 
     def run_rows(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 mapping: LoraBatchMapping, sign: float) -> bool:
+                 mapping: LoraBatchMapping, sign: float, stream: int | None = None) -> bool:
         """The graph-safe call of a captured decode step: one segment per row (``mapping.seg_indptr`` is
         0..T, ``mapping.seg_slot`` the rows' slots, -1: none), every slot at rank ``r_max`` and scale
         ``sign`` (the slot buffers hold scale * B, zero past each rank), so the launch arguments do not
         depend on which adapters the slots hold. The tiling is the table's for (T, width, r_max, T
-        segments), chosen once. False (nothing launched) when the extension cannot serve these inputs."""
-        if self.unsupported(y, x, lora_a, lora_b, (0,) * lora_a.shape[0], (0.0,) * lora_a.shape[0], mapping):
-            return False
+        segments), chosen once. False (nothing launched) when the extension refuses the launch. The caller
+        has checked the inputs (:meth:`check_buffers` and the activations' layout, as the backend does);
+        ``stream``: the step's CUDA stream (None: the current one)."""
         dtype = _DTYPES[y.dtype]
         n_slots, r_max, d_in = lora_a.shape
         d_out = y.shape[1]
@@ -272,7 +267,8 @@ class AtmmKernels:
         if plan is False:
             return False
         shrink_idx, split_k, expand_idx, ranks_list, scales_list, workspace = plan
-        stream = torch.cuda.current_stream(y.device).cuda_stream
+        if stream is None:
+            stream = torch.cuda.current_stream(y.device).cuda_stream
         try:
             self.ext.forward(
                 y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
@@ -286,11 +282,12 @@ class AtmmKernels:
             return False
         return True
 
-    def _plan(self, dtype: str, T: int, d_in: int, d_out: int, r_max: int, ranks: tuple[int, ...],
-              mapping: LoraBatchMapping, shrink: tuple[str, int] | None, expand: str | None) -> tuple:
-        """(shrink config index, split_k, expand config index, ranks list, workspace bytes) of a call."""
-        S = mapping.num_segments
-        used_slots = {s for s in mapping.seg_slot_host if 0 <= s < len(ranks)}
+    def plan_call(self, dtype: str, T: int, d_in: int, d_out: int, r_max: int, ranks: tuple[int, ...], S: int,
+                  seg_slot_host: tuple[int, ...], shrink: tuple[str, int] | None = None,
+                  expand: str | None = None) -> tuple:
+        """(shrink config index, split_k, expand config index, ranks list, workspace bytes) of a call over
+        ``S`` segments of slots ``seg_slot_host``: the tiling table's choice (or ``shrink``/``expand``)."""
+        used_slots = {s for s in seg_slot_host if 0 <= s < len(ranks)}
         rank = max(((ranks[s] + 7) // 8 * 8 for s in used_slots), default=8) or 8
         # Slots no segment of this call uses go to the extension as rank 0: it then checks the chosen
         # kernels against the ranks the call really has (a resident rank-128 adapter that this batch
@@ -306,20 +303,9 @@ class AtmmKernels:
         return self._names.index(shrink[0]), split_k, self._names.index(expand), ranks_list, need
 
 
-_FLOATS: dict[tuple, list] = {}
-
-
-def _float_list(scales: tuple[float, ...]) -> list[float]:
-    out = _FLOATS.get(scales)
-    if out is None:
-        if len(_FLOATS) > 4096:
-            _FLOATS.clear()
-        out = _FLOATS[scales] = [float(s) for s in scales]
-    return out
-
-
 class _Default:
-    """Holder of the process's default :class:`AtmmKernels`, created on first use."""
+    """Holder of the process's default :class:`AtmmKernels`, created on first use: what the tools, the tuner
+    sidecar and the engine's backend (once, when it is built) share, so a tuned table reaches the engine."""
 
     lock = threading.Lock()
     kernels: AtmmKernels | None = None

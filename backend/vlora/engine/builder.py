@@ -97,7 +97,7 @@ def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device
     except RuntimeError as e:  # a backend that does not run on this device: refused at load, naming the setting
         raise ConfigError(f"engine.attention={config.engine.attention}: {e}; "
                           "use auto (or triton / torch) on this device") from None
-    runner.set_gemv_max_rows(config.engine.gemv_max_rows)
+    runner.set_gemv_max_rows(config.engine.gemv_max_rows, table=config.engine.gemv_table)
     runner.set_encoder_cache(config.cache.encoder_cache_mb)
     loras = LoraManager(adapter_root, runner.lora_wrappers, runner.num_layers, runner.module_dims(), config.lora, metrics,
                         vision=runner.vision_lora_sites())

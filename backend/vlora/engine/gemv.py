@@ -26,8 +26,11 @@ cuBLAS's epilogue. Against cuBLAS the results differ only in the fp32 summation 
 the bf16 output here and there); so do the fused gate/up and the plain one (LoRA steps) where the table
 gives their two kinds different launches.
 
-Launch parameters come from :data:`TABLE` (committed, keyed by kind and (N, K)) with :func:`default_config`
-elsewhere; ``VLORA_GEMV_TABLE=path.json`` (what ``benchmarks/gemv_probe.py`` writes) overrides entries.
+Launch parameters come from a :class:`GemvTable`, loaded once when the runner is built (:meth:`GemvTable.load`)
+and passed to every call: :data:`TABLE` (committed, keyed by kind and (N, K)) with, over it, the entries of the
+file ``engine.gemv_table`` names, else of ``$VLORA_GEMV_TABLE`` (what ``benchmarks/gemv_probe.py`` writes, for
+the benchmarks; read at load, never per call), else of the package's ``gemv_tables/<gpu>.json`` for this GPU
+(as the ATMM tiling tables are found); :func:`default_config` for shapes none of them has.
 No autotuning: it would time at the first call, inside a graph capture. Static shapes only, no host
 sync, nothing allocated but the output (and split-K's partial sums) from shapes: the calls capture in
 CUDA graphs.
@@ -40,10 +43,11 @@ the kernels' indexing, masking and row independence, fp16 to a rounding and bf16
 """
 from __future__ import annotations
 
-import functools
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -57,6 +61,8 @@ try:  # optional dependency: CPU CI has no triton
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
+
+log = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -133,37 +139,90 @@ def default_config(kind: str, N: int, K: int) -> GemvConfig:
     return GemvConfig(block_n=32, block_k=bk, num_warps=4, num_stages=4 if bk >= 128 else 2)
 
 
+def read_table(path) -> dict[str, GemvConfig]:
+    """A table file's entries: ``{"configs": {"linear:4096x4096": {"block_n": 16, ...}, ...}}`` (extra keys are
+    ignored); a key of an unknown kind is refused."""
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    out = {}
+    for key, cfg in data.get("configs", data).items():
+        kind, _, shape = key.partition(":")
+        n, _, k = shape.partition("x")
+        out[table_key(kind, int(n), int(k))] = GemvConfig.from_dict(cfg)
+    return out
+
+
+def default_table_dir() -> Path:
+    """The per-GPU tables shipped with this package (``<gpu>.json``, named as the ATMM tiling tables are)."""
+    return Path(__file__).resolve().parent / "gemv_tables"
+
+
 def load_table(path: Optional[str] = None) -> dict[str, GemvConfig]:
-    """The committed :data:`TABLE` with the entries of ``path`` (default ``$VLORA_GEMV_TABLE``) over it. The file
-    is ``{"configs": {"linear:4096x4096": {"block_n": 16, ...}, ...}}`` (extra keys are ignored)."""
+    """The committed :data:`TABLE` with the entries of ``path`` over it."""
     table = dict(TABLE)
-    path = path if path is not None else os.environ.get(TABLE_ENV)
     if path:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-        for key, cfg in data.get("configs", data).items():
-            kind, _, shape = key.partition(":")
-            n, _, k = shape.partition("x")
-            table[table_key(kind, int(n), int(k))] = GemvConfig.from_dict(cfg)
+        table.update(read_table(path))
     return table
 
 
-_table_cache: Optional[dict[str, GemvConfig]] = None
+class GemvTable:
+    """The launches of one engine: (kind, N, K) -> :class:`GemvConfig`, and each call's launch plan made once.
+    Built at load (:meth:`load`) and handed to every call (``table=``): no global is read on the hot path."""
+
+    def __init__(self, configs: Optional[dict[str, GemvConfig]] = None, source: str = "committed") -> None:
+        self.configs = dict(TABLE) if configs is None else dict(configs)
+        self.source = source
+        self._launches: dict[tuple[str, int, int], tuple] = {}
+
+    @classmethod
+    def load(cls, path: Optional[str] = None, device_name: Optional[str] = None,
+             table_dir: Optional[Path] = None) -> "GemvTable":
+        """:data:`TABLE` with a file's entries over it: ``path`` (``engine.gemv_table``), else
+        ``$VLORA_GEMV_TABLE`` (benchmarks), else ``<table_dir>/<gpu>.json`` for ``device_name`` where it exists."""
+        from vlora.atmm.tiling import gpu_slug
+
+        path = path or os.environ.get(TABLE_ENV) or None
+        if path is None and device_name:
+            found = (table_dir or default_table_dir()) / f"{gpu_slug(device_name)}.json"
+            path = str(found) if found.exists() else None
+        table = cls(load_table(path), source=str(path) if path else "committed")
+        if path:
+            log.info("gemv: launch table %s loaded over the committed one", path)
+        return table
+
+    def config_for(self, kind: str, N: int, K: int) -> GemvConfig:
+        """The launch of a (kind, N, K) call: the table's entry or the default rule."""
+        return self.configs.get(table_key(kind, N, K)) or default_config(kind, N, K)
+
+    def launch(self, kind: str, N: int, K: int) -> tuple:
+        """:func:`_plan` of a (kind, N, K) call; N is the output columns (silu: the intermediate size)."""
+        key = (kind, N, K)
+        plan = self._launches.get(key)
+        if plan is None:
+            plan = self._launches[key] = _plan(self.config_for(kind, 2 * N if kind == "silu" else N, K), N, K)
+        return plan
+
+
+class _Default:
+    """The table of calls that pass none (tests, benchmarks, tools), built on first use."""
+
+    table: Optional[GemvTable] = None
+
+
+def default_table() -> GemvTable:
+    if _Default.table is None:
+        _Default.table = GemvTable.load()
+    return _Default.table
 
 
 def config_for(kind: str, N: int, K: int) -> GemvConfig:
-    """The launch of a (kind, N, K) call: the table's entry (loaded once) or the default rule."""
-    global _table_cache
-    if _table_cache is None:
-        _table_cache = load_table()
-    return _table_cache.get(table_key(kind, N, K)) or default_config(kind, N, K)
+    """The launch of a (kind, N, K) call under :func:`default_table` (tools and benchmarks)."""
+    return default_table().config_for(kind, N, K)
 
 
 def reload_table() -> None:
-    """Forget the loaded table and the cached launches (after changing ``VLORA_GEMV_TABLE``)."""
-    global _table_cache
-    _table_cache = None
-    _launch.cache_clear()
+    """Forget :func:`default_table` (after changing ``VLORA_GEMV_TABLE``)."""
+    _Default.table = None
 
 
 def table_json(configs: dict[str, GemvConfig], **meta) -> dict:
@@ -345,14 +404,8 @@ def _plan(cfg: GemvConfig, N: int, K: int) -> tuple:
     return cfg, grid, k_split, K % cfg.block_k == 0, N % cfg.block_n == 0, min(1024, _pow2_at_least(N))
 
 
-@functools.lru_cache(maxsize=256)
-def _launch(kind: str, N: int, K: int) -> tuple:
-    """:func:`_plan` of a (kind, N, K) call from the table; N is the output columns (silu: the intermediate size)."""
-    return _plan(config_for(kind, 2 * N if kind == "silu" else N, K), N, K)
-
-
 def _run(kind: str, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], N: int,
-         out: Optional[torch.Tensor], config: Optional[GemvConfig]) -> torch.Tensor:
+         out: Optional[torch.Tensor], config: Optional[GemvConfig], table: Optional[GemvTable]) -> torch.Tensor:
     """One launch."""
     M, K = x.shape
     if w.shape[1] != K:
@@ -370,7 +423,10 @@ def _run(kind: str, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     if M == 0 or N == 0:
         return out
     # the table's launch, or an explicit one (the probe, tests)
-    cfg, grid, k_split, even_k, even_n, rblock = _launch(kind, N, K) if config is None else _plan(config, N, K)
+    if config is not None:
+        cfg, grid, k_split, even_k, even_n, rblock = _plan(config, N, K)
+    else:
+        cfg, grid, k_split, even_k, even_n, rblock = (table or default_table()).launch(kind, N, K)
     split = grid[1]
     silu = kind == "silu"
     b = bias if bias is not None else w
@@ -402,19 +458,19 @@ def _into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 out: Optional[torch.Tensor] = None, impl: str = "auto",
-                config: Optional[GemvConfig] = None) -> torch.Tensor:
+                config: Optional[GemvConfig] = None, table: Optional[GemvTable] = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` for x [M <= 16, K] (rows may be strided, last dim contiguous), w [N, K],
     bias [N] or None -> [M, N] in x's dtype. ``impl``: "auto" (the kernel where :func:`available` and
     M <= 16, else F.linear), "triton" (the kernel or an error: fp32 is refused), "torch". ``config``: an
-    explicit launch instead of the table's."""
+    explicit launch instead of the table's; ``table``: the engine's launches (None: :func:`default_table`)."""
     if not _use_kernel(impl, x, w, "linear_rows"):
         return _into(out, linear_rows_reference(x, w, bias))
-    return _run("linear", x, w, bias, w.shape[0], out, config)
+    return _run("linear", x, w, bias, w.shape[0], out, config, table)
 
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  out: Optional[torch.Tensor] = None, impl: str = "auto",
-                 config: Optional[GemvConfig] = None) -> torch.Tensor:
+                 config: Optional[GemvConfig] = None, table: Optional[GemvTable] = None) -> torch.Tensor:
     """``silu_mul(F.linear(x, w, bias))`` for a fused gate/up stack w [2I, K] (gate rows first, then up) and
     x [M <= 16, K] -> [M, I]: one kernel, the activation in its epilogue. ``impl`` and ``config`` as in
     :func:`linear_rows` (the table's key is ``silu:{2I}x{K}``)."""
@@ -422,4 +478,4 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
         raise ValueError(f"gate_up_silu: w must stack gate and up rows (an even count), got {tuple(w.shape)}")
     if not _use_kernel(impl, x, w, "gate_up_silu"):
         return _into(out, gate_up_silu_reference(x, w, bias))
-    return _run("silu", x, w, bias, w.shape[0] // 2, out, config)
+    return _run("silu", x, w, bias, w.shape[0] // 2, out, config, table)

@@ -3,10 +3,11 @@ prefill steps without LoRA work, one per token-count bucket (:class:`PrefillGrap
 
 A decode step's shapes depend only on its batch size, so each bucket (``engine.graph_batch_sizes``) is
 captured once and replayed with the batch padded up to it. Everything a replay reads sits at a fixed
-device address: one int32 buffer holds the step's token ids, positions, KV slots, context lengths, the
-rows' adapter slots and block tables, filled from pinned host memory with one copy per step; the
-weights, the LoRA slot buffers and the KV pools are allocated once. Padding rows read nothing (context
-length 0), write their keys and values to the cache's scratch block, and use no adapter.
+device address: the step plan (:mod:`vlora.engine.plan`: token ids, positions, KV slots, context lengths,
+the rows' adapter slots and block tables), which its one writer fills per step as the bucket's layout
+says, with one copy from pinned host memory, the same buffer the eager steps read; the weights, the LoRA
+slot buffers and the KV pools are allocated once. Padding rows read nothing (context length 0), write
+their keys and values to the cache's scratch block, and use no adapter.
 
 Three variants per bucket, chosen per step by :meth:`DecodeGraphs.variant` from the rows' slots: ``base``
 (no LoRA kernels at all: merged mode, a mixture step whose rows are all the merged adapter's, and base
@@ -26,8 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from vlora.atmm.mapping import LoraBatchMapping
-from vlora.engine.attention import AttentionMetadata
+from vlora.engine.plan import DECODE_GRAPH, PREFILL_GRAPH, PlanShape, row_mapping
 
 if TYPE_CHECKING:
     from vlora.engine.model_runner import ModelRunner, SeqInput, ForwardOutput
@@ -35,10 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VARIANTS = ("base", "lora", "mixture")
-# Fields of the per-step buffer before the block tables, each max_batch int32 long. _SRC: the row of the
-# previous step's sampled ids that holds this row's token (-1: _IDS holds it), for the step overlap.
-_IDS, _POS, _SLOT, _LEN, _LORA, _DELORA, _SRC = range(7)
-_FIELDS = 7
 
 
 def smallest_at_least(sizes: tuple[int, ...], n: int) -> Optional[int]:
@@ -49,13 +45,6 @@ def smallest_at_least(sizes: tuple[int, ...], n: int) -> Optional[int]:
     return None
 
 
-def _static_mapping(indptr: torch.Tensor, slots: torch.Tensor, n: int) -> LoraBatchMapping:
-    """A per-row mapping over fixed buffers (one segment per row). Its host tuples are placeholders: the
-    ``rows`` path of the LoRA backends reads the device buffers only."""
-    return LoraBatchMapping(seg_indptr=indptr[:n + 1], seg_slot=slots[:n], seg_indptr_host=tuple(range(n + 1)),
-                            seg_slot_host=(0,) * n, num_tokens=n, has_lora=True)
-
-
 class DecodeGraphs:
     def __init__(self, runner: "ModelRunner", sizes: tuple[int, ...], max_model_len: int) -> None:
         self.runner = runner
@@ -63,28 +52,16 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         kv = runner.kv
         self.max_blocks = -(-max_model_len // kv.block_size)
-        n = self.max_batch
         dev = runner.device
-        self.host = torch.zeros(_FIELDS * n + n * self.max_blocks, dtype=torch.int32).pin_memory()
-        self.host_np = self.host.numpy()
-        self.buf = torch.zeros_like(self.host, device=dev)
-        self.indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.prev = torch.zeros(n, dtype=torch.int64, device=dev)  # the previous step's sampled ids (_SRC reads them)
-        with torch.cuda.device(dev):
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        # Each bucket's view of the step plan (tokens = sequences = the bucket, the longest context's blocks)
+        self.layouts = dict(zip(self.sizes, runner.plans.graph_layouts([(b, b, self.max_blocks) for b in self.sizes])))
+        self.shapes = {b: PlanShape(DECODE_GRAPH, lay) for b, lay in self.layouts.items()}
+        self.prev = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)  # the previous step's sampled ids (src reads them)
         self.pool = None
         self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.memory_bytes = 0
         self.capture_s = 0.0
         self.replays: Counter = Counter()  # (bucket, variant) -> replays
-
-    def field(self, i: int, n: int) -> torch.Tensor:
-        return self.buf[i * self.max_batch:i * self.max_batch + n]
-
-    def tables(self, n: int) -> torch.Tensor:
-        off = _FIELDS * self.max_batch
-        return self.buf[off:off + self.max_batch * self.max_blocks].view(self.max_batch, self.max_blocks)[:n]
 
     # -- which steps replay ----------------------------------------------------------------------
     def bucket(self, n: int) -> Optional[int]:
@@ -132,23 +109,9 @@ class DecodeGraphs:
             log.info("CUDA graphs: captured %d more (variants %s)", len(todo), sorted({v for _, v in todo}))
         return len(todo)
 
-    def _dummy_fill(self, b: int) -> None:
-        """A valid step for capture: every row one token at the scratch slot, no adapter."""
-        kv = self.runner.kv
-        n, h = self.max_batch, self.host_np
-        self._copied.synchronize()
-        h[:] = 0
-        h[_SLOT * n:_SLOT * n + n] = kv.scratch_slot
-        h[_LEN * n:_LEN * n + n] = 1
-        h[_LORA * n:_LORA * n + 3 * n] = -1  # _LORA, _DELORA, _SRC
-        tables = h[_FIELDS * n:].reshape(n, self.max_blocks)
-        tables[:, 0] = kv.scratch_block
-        self.buf.copy_(self.host, non_blocking=True)
-        self._copied.record()
-
     def _capture(self, b: int, variant: str) -> None:
         r = self.runner
-        self._dummy_fill(b)
+        r.plans.dummy(DECODE_GRAPH, self.layouts[b], b)
         side = torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream(r.device))
         with torch.cuda.stream(side):
@@ -166,25 +129,23 @@ class DecodeGraphs:
     def _body(self, b: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner
         kv = r.kv
-        src = self.field(_SRC, b).long()
-        ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)).clamp(min=0), self.field(_IDS, b).long())
-        positions = self.field(_POS, b).long()
-        slot_mapping = self.field(_SLOT, b).long()
-        meta = AttentionMetadata(block_tables=self.tables(b), seq_lens=self.field(_LEN, b))
+        lay = self.layouts[b]
+        src = lay.d_src
+        ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)).clamp(min=0), lay.d_ids)
+        meta = lay.attention(b, 1, True, False)
         scale = r._attn_scale
 
         def attend(q: torch.Tensor, li: int) -> torch.Tensor:
             return r.attention.decode(q, kv.k[li], kv.v[li], meta, scale, kv.block_size)
 
         ctx = r.lora_ctx
-        ctx.rows = True
-        ctx.mapping = _static_mapping(self.indptr, self.field(_LORA, b), b) if variant != "base" else None
-        ctx.delora = _static_mapping(self.indptr, self.field(_DELORA, b), b) if variant == "mixture" else None
+        indptr = r.plans.row_indptr
+        ctx.bind(row_mapping(lay, indptr, b) if variant != "base" else None,
+                 row_mapping(lay, indptr, b, delora=True) if variant == "mixture" else None, rows=True)
         try:
-            return r._decoder(r.lm.embed_tokens(ids), positions, slot_mapping, attend, None)
+            return r._decoder(r.lm.embed_tokens(ids), lay.d_pos, lay.d_slot, attend, None)
         finally:
-            ctx.rows = False
-            ctx.mapping = ctx.delora = None
+            ctx.clear()
 
     # -- replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -192,39 +153,15 @@ class DecodeGraphs:
         from vlora.engine.model_runner import ForwardOutput
 
         r = self.runner
-        kv = r.kv
         n = len(seqs)
         b = self.bucket(n)
         variant = self.variant(seqs)
         if (b, variant) not in self.graphs:
             self._capture(b, variant)
         g, logits, hidden = self.graphs[(b, variant)]
-        m, h, bs = self.max_batch, self.host_np, kv.block_size
-        self._copied.synchronize()  # the previous step's copy has read the host buffer
-        tables = h[_FIELDS * m:].reshape(m, self.max_blocks)
-        for i, s in enumerate(seqs):
-            p = s.start_pos
-            t = s.blocks.table()
-            h[_IDS * m + i] = s.token_ids[0]
-            h[_SRC * m + i] = s.pending_row
-            h[_POS * m + i] = p + s.rope_delta
-            h[_SLOT * m + i] = t[p // bs] * bs + p % bs
-            h[_LEN * m + i] = p + 1
-            h[_LORA * m + i] = s.slot
-            h[_DELORA * m + i] = s.delora_slot
-            tables[i, :len(t)] = t
-        if b > n:  # padding rows: no context, scratch slot, no adapter
-            h[_IDS * m + n:_IDS * m + b] = 0
-            h[_POS * m + n:_POS * m + b] = 0
-            h[_SLOT * m + n:_SLOT * m + b] = kv.scratch_slot
-            h[_LEN * m + n:_LEN * m + b] = 0
-            h[_LORA * m + n:_LORA * m + b] = -1
-            h[_DELORA * m + n:_DELORA * m + b] = -1
-            h[_SRC * m + n:_SRC * m + b] = -1
-        self.buf.copy_(self.host, non_blocking=True)
-        if prev_tokens is not None and any(s.pending_row >= 0 for s in seqs):
+        plan = r.plans.build(seqs, self.shapes[b])
+        if plan.pending and prev_tokens is not None:
             self.prev[:prev_tokens.shape[0]].copy_(prev_tokens)
-        self._copied.record()
         g.replay()
         self.replays[(b, variant)] += 1
         return ForwardOutput(logits=logits[:n], hidden=hidden[:n])
@@ -249,47 +186,6 @@ def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
         out.append(n)
         n += 64 if n < 2048 else 128
     return tuple(out)
-
-
-def fill_prefill_host(ln, im, seqs: list["SeqInput"], b: int, T: int, S: int, max_blocks: int, kv) -> bool:
-    """Write one prefill step into :class:`PrefillGraphs`' host buffers for the ``b``-token graph; returns
-    whether a sequence reads its token from the previous step (``pending_row``).
-
-    ``ln`` int64 [4 T + S]: token ids, positions, KV slots (-1: padding, nothing written), the previous
-    step's row per token (-1: none), then each sequence's last-token row (padding sequences: 0).
-    ``im`` int32 [2 S + 1 + S max_blocks]: query offsets (padding sequences: empty at the end), context
-    lengths (padding: 0), block tables. Entries past what a sequence reads are left as they were."""
-    import numpy as np
-
-    bs = kv.block_size
-    lengths = [len(s.token_ids) for s in seqs]
-    n, ns = sum(lengths), len(seqs)
-    if n > b or b > T or ns > S:
-        raise ValueError(f"fill_prefill_host: {n} tokens of {ns} sequences for a {b}-token graph ({T}, {S} max)")
-    cu = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:ns + 1])
-    cu[ns + 1:] = n  # padding sequences: no tokens
-    tables = im[2 * S + 1:].reshape(S, max_blocks)
-    pending = False
-    for i, s in enumerate(seqs):
-        a, e, p = int(cu[i]), int(cu[i + 1]), s.start_pos
-        ln[a:e] = s.token_ids
-        ln[T + a:T + e] = np.arange(p + s.rope_delta, p + s.rope_delta + lengths[i])
-        ln[2 * T + a:2 * T + e] = kv.slots(s.blocks, p, p + lengths[i])
-        ln[3 * T + a:3 * T + e] = -1
-        if s.pending_row >= 0:
-            ln[3 * T + a] = s.pending_row
-            pending = True
-        nb = -(-(p + lengths[i]) // bs)
-        tables[i, :nb] = s.blocks.table()[:nb]
-        im[S + 1 + i] = p + lengths[i]
-    ln[T + n:T + b] = 0
-    ln[2 * T + n:2 * T + b] = -1  # padding tokens write no KV
-    ln[4 * T:4 * T + ns] = cu[1:ns + 1] - 1
-    ln[4 * T + ns:4 * T + S] = 0
-    im[:S + 1] = cu
-    im[S + 1 + ns:2 * S + 1] = 0
-    return pending
 
 
 class PrefillGraphs:
@@ -319,32 +215,15 @@ class PrefillGraphs:
         kv = runner.kv
         self.max_blocks = -(-max_model_len // kv.block_size)
         dev = runner.device
-        T, S = self.max_tokens, max_seqs
-        # int64: ids, positions, KV slots, the previous step's row (step overlap); then the logit rows
-        self.lhost = torch.zeros(4 * T + S, dtype=torch.int64).pin_memory()
-        self.lnp = self.lhost.numpy()
-        self.lbuf = torch.zeros_like(self.lhost, device=dev)
-        # int32: query offsets [S + 1], context lengths [S], block tables [S, max_blocks]
-        self.ihost = torch.zeros(2 * S + 1 + S * self.max_blocks, dtype=torch.int32).pin_memory()
-        self.inp = self.ihost.numpy()
-        self.ibuf = torch.zeros_like(self.ihost, device=dev)
-        self.hidden = torch.zeros(T, runner.lm.embed_tokens.weight.shape[1], dtype=runner.dtype, device=dev)
-        with torch.cuda.device(dev):
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        # Each bucket's view of the step plan: its tokens, every sequence the graphs take, the longest context's blocks
+        self.layouts = dict(zip(self.sizes, runner.plans.graph_layouts([(b, max_seqs, self.max_blocks) for b in self.sizes])))
+        self.shapes = {b: PlanShape(PREFILL_GRAPH, lay) for b, lay in self.layouts.items()}
+        self.hidden = torch.zeros(self.max_tokens, runner.lm.embed_tokens.weight.shape[1], dtype=runner.dtype, device=dev)
         self.pool = pool
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.capture_s = 0.0
         self.memory_bytes = 0
         self.replays: Counter = Counter()  # bucket -> replays
-
-    def _l(self, i: int, n: int) -> torch.Tensor:
-        return self.lbuf[i * self.max_tokens:i * self.max_tokens + n]
-
-    def _meta(self, b: int) -> AttentionMetadata:
-        S = self.max_seqs
-        return AttentionMetadata(block_tables=self.ibuf[2 * S + 1:].view(S, self.max_blocks), seq_lens=self.ibuf[S + 1:2 * S + 1],
-                                 cu_seqlens_q=self.ibuf[:S + 1], max_q_len=b)
 
     def bucket(self, n: int) -> Optional[int]:
         return smallest_at_least(self.sizes, n)
@@ -383,27 +262,9 @@ class PrefillGraphs:
                  "%.0f MiB of device memory more", len(self.sizes), self.sizes[0], self.sizes[-1],
                  self.max_seqs, self.capture_s, self.memory_bytes / 2**20)
 
-    def _dummy_fill(self, b: int) -> None:
-        """A valid step of ``b`` tokens for capture: one sequence of every token of the bucket, whose keys all
-        come from the cache's scratch block; nothing is written to the cache (every slot -1). (The sequence
-        must not be longer than the bucket: attention would read and write query rows past its ``b``.)"""
-        kv = self.runner.kv
-        T, S = self.max_tokens, self.max_seqs
-        self._copied.synchronize()
-        self.lnp[:] = 0
-        self.lnp[2 * T:3 * T] = -1  # slots: nothing written
-        self.lnp[3 * T:4 * T] = -1
-        self.inp[:] = 0
-        self.inp[1:S + 1] = b  # sequence 0 has every token of the bucket
-        self.inp[S + 1] = b
-        self.inp[2 * S + 1:2 * S + 1 + self.max_blocks] = kv.scratch_block
-        self.lbuf.copy_(self.lhost, non_blocking=True)
-        self.ibuf.copy_(self.ihost, non_blocking=True)
-        self._copied.record()
-
     def _capture(self, b: int) -> None:
         r = self.runner
-        self._dummy_fill(b)
+        r.plans.dummy(PREFILL_GRAPH, self.layouts[b], b)
         side = torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream(r.device))
         with torch.cuda.stream(side):
@@ -420,17 +281,15 @@ class PrefillGraphs:
     def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner
         kv = r.kv
-        meta = self._meta(b)
+        lay = self.layouts[b]
+        meta = lay.attention(lay.S, b, False, False)
         scale = r._attn_scale
 
         def attend(q: torch.Tensor, li: int) -> torch.Tensor:
             return r.attention.prefill(q, kv.k[li], kv.v[li], meta, scale, kv.block_size)
 
-        ctx = r.lora_ctx
-        ctx.mapping = ctx.delora = None
-        T = self.max_tokens
-        last = self.lbuf[4 * T:4 * T + self.max_seqs]
-        return r._decoder(self.hidden[:b], self._l(1, b), self._l(2, b), attend, last)
+        r.lora_ctx.clear()  # no LoRA work in these graphs
+        return r._decoder(self.hidden[:b], lay.d_pos, lay.d_slot, attend, lay.d_last)
 
     # -- replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -438,24 +297,18 @@ class PrefillGraphs:
         from vlora.engine.model_runner import ForwardOutput
 
         r = self.runner
-        kv = r.kv
-        T, S = self.max_tokens, self.max_seqs
         lengths = [len(s.token_ids) for s in seqs]
         n, ns = sum(lengths), len(seqs)
         b = self.bucket(n)
         if b not in self.graphs:
             self._capture(b)
         g, logits, hidden = self.graphs[b]
-        self._copied.synchronize()  # the previous step's copies have read the host buffers
-        pending = fill_prefill_host(self.lnp, self.inp, seqs, b, T, S, self.max_blocks, kv)
-        self.lbuf.copy_(self.lhost, non_blocking=True)
-        self.ibuf.copy_(self.ihost, non_blocking=True)
-        self._copied.record()
-        ids = self._l(0, n)
-        if pending:
+        plan = r.plans.build(seqs, self.shapes[b])
+        ids = plan.ids
+        if plan.pending:
             if prev_tokens is None:
                 raise ValueError("a sequence reads its token from the previous step, but prev_tokens is None")
-            src = self._l(3, n)
+            src = plan.src
             ids = torch.where(src >= 0, prev_tokens.index_select(0, src.clamp(min=0)).clamp(min=0), ids)
         self.hidden[:n].copy_(r.lm.embed_tokens(ids))
         if b > n:

@@ -7,9 +7,11 @@ are :class:`~vlora.lora.layers.LoraLinear` wrappers driven by the step's :class:
 The vision tower and projector take LoRA the same way (:class:`VisionLora`): the images of a step are
 encoded in one forward, each image's rows in the segment of its adapter's slot.
 
-Each step is described once by a :class:`StepPlan` (token ids, positions, KV slot mapping, block
-tables, lengths, LoRA segments), built on the host and copied to the device in two transfers; the
-layers only read it. Decode-only steps replay CUDA graphs captured per batch-size bucket
+Each step is described once by a :class:`~vlora.engine.plan.StepPlan` (token ids, positions, KV slot
+mapping, block tables, lengths, LoRA segments, the previous step's rows), written by its one writer
+(:class:`~vlora.engine.plan.PlanBuilder`, made with the KV cache) into pinned host memory and copied in one
+transfer to a preallocated device buffer, for eager and graphed steps alike; the layers only read it, and
+the LoRA backend prepares its launches from it once per step (:meth:`LoraContext.bind`). Decode-only steps replay CUDA graphs captured per batch-size bucket
 (:mod:`vlora.engine.graphs`); steps that hold a prefill run eagerly with the varlen prefill attention.
 Steps of at most ``engine.gemv_max_rows`` rows run their projections and the LM head through the
 memory-bound kernels of :mod:`vlora.engine.gemv` (SiLU * up fused into gate/up where a layer has no LoRA
@@ -28,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlora.atmm.mapping import LoraBatchMapping
 from vlora.engine import gemv
-from vlora.engine.attention import AttentionMetadata, get_attention_backend
+from vlora.engine.attention import get_attention_backend
 from vlora.engine.fused_ops import add_rms_norm, fused_available, rms_norm, rotary_and_cache, silu_mul
 from vlora.engine.kv_cache import PagedKVCache, SequenceBlocks
+from vlora.engine.plan import PlanBuilder, StepPlan
 from vlora.lora.adapter import VisionSites
 from vlora.lora.backends import LoraBackend
 from vlora.lora.layers import GroupSlots, LoraContext, LoraLinear
@@ -65,6 +67,7 @@ class WeightGroup:
     lora: list[tuple[tuple[int, int, LoraLinear], ...]]
     slots: Optional[GroupSlots] = None  # the LoRA slot buffers of its wrapped modules, all layers
     gemv_rows: int = 0
+    gemv_table: Optional[gemv.GemvTable] = None  # the runner's launches (ModelRunner.set_gemv_max_rows)
 
     def __post_init__(self) -> None:
         # Each layer's weight and bias as views made once (the step's hot loop reads them; merges write the
@@ -76,7 +79,7 @@ class WeightGroup:
         """x [T, d_in] -> [T, sum of d_out]: one GEMM, then each module's LoRA into its columns
         (``lora=False``: the step has no LoRA work, so the wrappers are not visited)."""
         if x.shape[0] <= self.gemv_rows and gemv.available(x):
-            y = gemv.linear_rows(x, self.weights[li], self.biases[li], impl="triton")
+            y = gemv.linear_rows(x, self.weights[li], self.biases[li], impl="triton", table=self.gemv_table)
         else:
             y = F.linear(x, self.weights[li], self.biases[li])
         if lora:
@@ -96,7 +99,7 @@ class WeightGroup:
         in its epilogue where :meth:`fusable` (LoRA adds into the projection's columns before the activation),
         else :meth:`forward` and ``silu_mul``."""
         if self.fusable(li, x, lora):
-            return gemv.gate_up_silu(x, self.weights[li], self.biases[li], impl="triton")
+            return gemv.gate_up_silu(x, self.weights[li], self.biases[li], impl="triton", table=self.gemv_table)
         return silu_mul(self.forward(li, x, lora))
 
 
@@ -175,36 +178,20 @@ class VisionLora:
             self.layers[(site.layer, site.target)] = wrapper
 
     @contextmanager
-    def bind(self, rows: dict[str, list[int]], slots: list[int], backend: LoraBackend, device: torch.device):
-        """Drive the wrappers for one encoder forward: item i's rows of each stage use ``slots[i]``."""
-        for stage, ctx in self.contexts.items():
+    def bind(self, rows: dict[str, list[int]], slots: list[int], backend: LoraBackend, plans: PlanBuilder):
+        """Drive the wrappers for one encoder forward: item i's rows of each stage use ``slots[i]`` (the
+        stages' segments written by the step plan's writer, in one copy)."""
+        stages = list(self.contexts)
+        mappings = plans.segment_mappings([(rows[stage], slots) for stage in stages])
+        for stage, mapping in zip(stages, mappings):
+            ctx = self.contexts[stage]
             ctx.backend = backend
-            ctx.mapping = LoraBatchMapping.from_token_slots(rows[stage], slots, device)
+            ctx.bind(mapping)
         try:
             yield
         finally:
             for ctx in self.contexts.values():
-                ctx.mapping = None
-
-
-@dataclass
-class StepPlan:
-    """Everything one eager step needs, on the device, built once by :meth:`ModelRunner.plan`.
-
-    Shape: ids, positions, slot_mapping [T] int64; last_index [S] int64 (each sequence's last new
-    token in the packed batch); ``attn``: cu_seqlens_q [S+1] (None in a decode-only step), seq_lens [S]
-    (context length after this step) and block_tables [S, max blocks] int32 (:mod:`vlora.engine.attention`).
-    """
-
-    ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    last_index: torch.Tensor
-    attn: AttentionMetadata
-    decode_only: bool
-    lora: LoraBatchMapping
-    delora: Optional[LoraBatchMapping]
-    src: Optional[torch.Tensor] = None  # [T] int64: row of prev_tokens holding the token id, -1: ``ids`` holds it
+                ctx.clear()
 
 
 @dataclass
@@ -255,9 +242,11 @@ class ModelRunner:
         self.kv_size = self.n_kv * self.head_dim
         self.intermediate = self.groups["gate_up"].modules[0][2]
         self.kv: Optional[PagedKVCache] = None  # allocate_kv() once the weights and LoRA buffers are placed
+        self._plans: Optional[PlanBuilder] = None  # the step plan's writer, made with the KV cache
         self._attn_scale = float(getattr(self.lm.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.attention = get_attention_backend("auto", self.device)
         self.gemv_max_rows = 0  # set_gemv_max_rows()
+        self.gemv_table = self._load_gemv_table(None)
         self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
         self.prefill_graphs = None  # PrefillGraphs (vlora.engine.graphs) once captured
         self.encoder_cache: Optional[EncoderCache] = None  # set_encoder_cache()
@@ -373,6 +362,7 @@ class ModelRunner:
             else:
                 num_blocks = 4096
         self.kv = PagedKVCache(self.num_layers, num_blocks, block_size, self.n_kv, self.head_dim, self.dtype, self.device)
+        self._plans = PlanBuilder(self.device, self.kv)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, block_size, num_blocks * per_block / 2**30)
         return self.kv
 
@@ -424,7 +414,7 @@ class ModelRunner:
         if self.vision_lora is None:
             raise RuntimeError("vision-side LoRA is off on this runner, but an image asks for an adapter slot")
         rows = family.vision_lora_rows(loaded, pixel_values, image_grid_thw, video)
-        with self.vision_lora.bind(rows, vision_slots, self.lora_ctx.backend, self.device):
+        with self.vision_lora.bind(rows, vision_slots, self.lora_ctx.backend, self.plans):
             return family.encode_images(loaded, pixel_values, image_grid_thw, video=video)
 
     # -- the step ------------------------------------------------------------------------------
@@ -436,70 +426,34 @@ class ModelRunner:
         """Choose the paged attention backend by name (``auto``, ``triton``, ``torch``)."""
         self.attention = get_attention_backend(name, self.device)
 
-    def set_gemv_max_rows(self, rows: int) -> None:
+    def _load_gemv_table(self, path: Optional[str]) -> gemv.GemvTable:
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        return gemv.GemvTable.load(path, name)
+
+    def set_gemv_max_rows(self, rows: int, table: Optional[str] = None) -> None:
         """Steps of at most ``rows`` rows (0..16) run the projections and the LM head through
-        :mod:`vlora.engine.gemv` where it serves (``engine.gemv_max_rows``; 0: cuBLAS). Captured graphs keep
-        the kernels they were captured with: set this before capturing (or capture again)."""
+        :mod:`vlora.engine.gemv` where it serves (``engine.gemv_max_rows``; 0: cuBLAS), with the launches of
+        ``table`` (``engine.gemv_table``: a file over the committed table; None: the package's for this GPU,
+        see :meth:`vlora.engine.gemv.GemvTable.load`). Captured graphs keep the kernels they were captured
+        with: set this before capturing (or capture again)."""
         if not 0 <= rows <= gemv.MAX_ROWS:
             raise ValueError(f"gemv_max_rows must be in [0, {gemv.MAX_ROWS}], got {rows}")
         self.gemv_max_rows = rows
+        if table is not None:
+            self.gemv_table = self._load_gemv_table(table)
         for g in self.groups.values():
-            g.gemv_rows = rows
+            g.gemv_rows, g.gemv_table = rows, self.gemv_table
+
+    @property
+    def plans(self) -> PlanBuilder:
+        """The step plan's one writer (:mod:`vlora.engine.plan`), over this runner's KV cache."""
+        if self._plans is None or self._plans.kv is not self.kv:
+            self._plans = PlanBuilder(self.device, self.kv)
+        return self._plans
 
     def plan(self, seqs: list[SeqInput]) -> StepPlan:
-        """The step's metadata, built once on the host and copied to the device: every layer reads it."""
-        if not seqs:
-            raise ValueError("forward: empty step")
-        dev, kv = self.device, self.kv
-        bs = kv.block_size
-        lengths = [len(s.token_ids) for s in seqs]
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        mrope = any(s.mrope_positions is not None and s.start_pos < s.mrope_positions.shape[1] for s in seqs)
-        axes: list[torch.Tensor] = []
-        for s, n in zip(seqs, lengths):
-            ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos + s.rope_delta, s.start_pos + s.rope_delta + n))
-            slots.extend(kv.slots(s.blocks, s.start_pos, s.start_pos + n))
-            if mrope:  # M-RoPE: the prompt's own three axes; tokens past it, their index + delta on all three
-                m = s.mrope_positions
-                if m is not None and s.start_pos + n <= m.shape[1]:
-                    axes.append(m[:, s.start_pos:s.start_pos + n])
-                else:
-                    axes.append(torch.arange(s.start_pos + s.rope_delta, s.start_pos + s.rope_delta + n).expand(3, n))
-        ends = [s.start_pos + n for s, n in zip(seqs, lengths)]
-        width = max(-(-e // bs) for e in ends)
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, (s, e) in enumerate(zip(seqs, ends)):
-            nb = -(-e // bs)
-            tables[i, :nb] = s.blocks.table()[:nb]
-        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cu[1:])
-        parts = [np.asarray(ids), np.asarray(positions), np.asarray(slots), cu[1:] - 1]
-        pending = [(int(cu[i]), s.pending_row) for i, s in enumerate(seqs) if s.pending_row >= 0]
-        if pending:
-            src = np.full(len(ids), -1, dtype=np.int64)
-            for at, row in pending:
-                src[at] = row
-            parts.append(src)
-        host = torch.tensor(np.concatenate(parts), dtype=torch.long)
-        meta = torch.from_numpy(np.concatenate([cu.astype(np.int32), np.asarray(ends, dtype=np.int32), tables.reshape(-1)]))
-        if dev.type == "cuda":
-            host, meta = host.pin_memory().to(dev, non_blocking=True), meta.pin_memory().to(dev, non_blocking=True)
-        T, S = len(ids), len(seqs)
-        lora = LoraBatchMapping.from_token_slots(lengths, [s.slot for s in seqs], dev)
-        delora = (LoraBatchMapping.from_token_slots(lengths, [s.delora_slot for s in seqs], dev)
-                  if any(s.delora_slot >= 0 for s in seqs) else None)
-        decode_only = max(lengths) == 1
-        fresh = not decode_only and all(s.start_pos == 0 for s in seqs)
-        attn = AttentionMetadata(block_tables=meta[2 * S + 1:].view(S, width), seq_lens=meta[S + 1:2 * S + 1],
-                                 cu_seqlens_q=None if decode_only else meta[:S + 1], max_q_len=max(lengths),
-                                 fresh_rows=host[2 * T:3 * T] if fresh else None, q_lens=tuple(lengths))
-        pos = host[T:2 * T] if not mrope else torch.cat(axes, dim=1).to(dev, non_blocking=True)
-        return StepPlan(ids=host[:T], positions=pos, slot_mapping=host[2 * T:3 * T], last_index=host[3 * T:3 * T + S],
-                        attn=attn, decode_only=decode_only, lora=lora, delora=delora,
-                        src=host[3 * T + S:] if pending else None)
+        """The eager step's metadata, built once on the host and copied to the device: every layer reads it."""
+        return self.plans.build(seqs)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], prev_tokens: Optional[torch.Tensor] = None) -> ForwardOutput:
@@ -526,11 +480,11 @@ class ModelRunner:
 
         def attend(q: torch.Tensor, li: int) -> torch.Tensor:
             return run(q, kv.k[li], kv.v[li], plan.attn, scale, kv.block_size)
-        self.lora_ctx.mapping, self.lora_ctx.delora = plan.lora, plan.delora
+        self.lora_ctx.bind(plan.lora, plan.delora)  # the backend prepares the step's launches here, once
         try:
             logits, h_last = self._decoder(hidden, plan.positions, plan.slot_mapping, attend, plan.last_index)
         finally:
-            self.lora_ctx.mapping = self.lora_ctx.delora = None
+            self.lora_ctx.clear()
         return ForwardOutput(logits=logits, hidden=h_last, num_images_encoded=n_enc)
 
     def _decoder(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, attend,
@@ -562,7 +516,7 @@ class ModelRunner:
         head = self.lm_head
         if (h_last.shape[0] <= self.gemv_max_rows and type(head) is nn.Linear and head.weight.dtype == h_last.dtype
                 and gemv.available(h_last)):
-            return gemv.linear_rows(h_last, head.weight, head.bias, impl="triton").float(), h_last
+            return gemv.linear_rows(h_last, head.weight, head.bias, impl="triton", table=self.gemv_table).float(), h_last
         return head(h_last).float(), h_last
 
     def _insert_images(self, seqs: list[SeqInput], ids: torch.Tensor, hidden: torch.Tensor) -> int:

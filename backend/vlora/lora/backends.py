@@ -1,5 +1,11 @@
 """The LoRA compute backends, chosen by name: one class per kernel family.
 
+A backend is told each step's LoRA metadata once, by :meth:`LoraBackend.prepare` (the runner binds the
+step plan's mappings to the :class:`~vlora.lora.layers.LoraContext`, which calls it): that is where it
+validates the step and plans its launches (vLLM's ``LoRAKernelMeta.prepare_tensors`` is the pattern), so
+that a layer's call (:meth:`LoraBackend.add`, :meth:`LoraBackend.add_rows`) only launches. The metadata's
+device tensors are views of the step plan's buffers (:mod:`vlora.engine.plan`), at fixed addresses.
+
 Every backend serves two kinds of step metadata:
 - ``segments``: an eager step's :class:`~vlora.atmm.mapping.LoraBatchMapping` (segments of a packed
   batch, with host copies of the segment bounds), the signature of :func:`vlora.atmm.atmm`;
@@ -15,13 +21,16 @@ are zero past each adapter's rank.
 """
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from typing import Callable, Optional
 
 import torch
 
 from vlora.atmm import atmm, atmm_reference
-from vlora.atmm.dispatch import default_kernels
+from vlora.atmm.dispatch import _DTYPES, PHASE_ALL, AtmmKernels, default_kernels
 from vlora.atmm.mapping import LoraBatchMapping
+
+log = logging.getLogger(__name__)
 
 
 def lora_rows_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -59,9 +68,25 @@ def lora_padded_einsum(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, l
 
 
 class LoraBackend:
-    """Base class. ``segments`` has :func:`vlora.atmm.atmm`'s signature; ``rows`` is the graph-safe path."""
+    """Base class. ``segments`` has :func:`vlora.atmm.atmm`'s signature; ``rows`` is the graph-safe path.
+    The engine calls :meth:`prepare` once per step and :meth:`add` / :meth:`add_rows` per layer."""
 
     name = ""
+
+    def prepare(self, ctx) -> None:
+        """The step's metadata (a :class:`~vlora.lora.layers.LoraContext`'s ``mapping``, ``delora`` and
+        ``rows``), once per step, before any layer."""
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer, mapping: LoraBatchMapping,
+            sign: float) -> torch.Tensor:
+        """y += sign * the deltas of ``layer``'s slots over ``mapping``'s segments (an eager step)."""
+        scales = layer.unit_scales_t if sign > 0 else layer.neg_scales_t
+        return self.segments(y, x, layer.lora_a, layer.lora_b, layer.ranks_t, scales, mapping)
+
+    def add_rows(self, y: torch.Tensor, x: torch.Tensor, layer, mapping: LoraBatchMapping,
+                 sign: float) -> torch.Tensor:
+        """The graph-safe per-row call of a captured decode step (``mapping`` per row, read on the device only)."""
+        return self.rows(y, x, layer.lora_a, layer.lora_b, mapping, sign)
 
     def segments(self, y, x, lora_a, lora_b, ranks, scales, mapping: LoraBatchMapping) -> torch.Tensor:
         raise NotImplementedError
@@ -70,18 +95,130 @@ class LoraBackend:
         return lora_rows_torch(y, x, lora_a, lora_b, mapping.seg_slot, sign)
 
 
+class SegmentsBackend(LoraBackend):
+    """Any object with ``segments`` and ``rows`` (a benchmark's wrapper of a backend), as a backend: no
+    preparation, every call through those two. :class:`~vlora.lora.layers.LoraContext` wraps such objects
+    when they are set, once."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, getattr(inner, "name", "")
+
+    def segments(self, y, x, lora_a, lora_b, ranks, scales, mapping):
+        return self.inner.segments(y, x, lora_a, lora_b, ranks, scales, mapping)
+
+    def rows(self, y, x, lora_a, lora_b, mapping, sign):
+        return self.inner.rows(y, x, lora_a, lora_b, mapping, sign)
+
+
+_MISS = object()
+
+
 class AtmmBackend(LoraBackend):
-    """ATMM: the CUDA extension where it serves (fp16/bf16 on CUDA), the PyTorch reference elsewhere."""
+    """ATMM: the CUDA extension where it serves (fp16/bf16 on CUDA), the PyTorch reference elsewhere.
+
+    Owns its :class:`~vlora.atmm.dispatch.AtmmKernels` (the process's default, which the tuner sidecar
+    updates, unless given one), taken once when built, and its launch plans: :meth:`prepare` reads the
+    step's segments, its stream and device once; a layer's first call of a step shape plans the launch
+    (the tiling table's choice for its width and ranks) and every later call of that shape, in this step
+    and the next ones of the same segments, reuses it. A slot buffer pair is checked once by its layer
+    (``LoraLinear.atmm_check``). Scales are each layer's per-slot list, filled at adapter load.
+    """
 
     name = "atmm"
 
+    def __init__(self, kernels: Optional[AtmmKernels] = None) -> None:
+        self.kernels = kernels if kernels is not None else default_kernels()
+        self._plans: dict[tuple, object] = {}  # (segment slots, tokens, layer key) -> plan, or None: refused
+        self._version = -1  # the kernels' table_version the plans were made under
+        self._workspace: Optional[torch.Tensor] = None
+        self._warned: set[tuple] = set()
+        self._on = False  # this step's inputs are on CUDA and the extension is there
+        self._stream = 0
+        self._device: Optional[torch.device] = None  # a device to make current per launch (another GPU's step)
+
+    def prepare(self, ctx) -> None:
+        k = self.kernels
+        if k.table_version != self._version or len(self._plans) > 8192:
+            self._plans.clear()  # a new table (the tuner's): plan again
+            self._version = k.table_version
+        m = ctx.mapping if ctx.mapping is not None else ctx.delora
+        self._on = m is not None and k.ext is not None and m.seg_slot.is_cuda
+        if not self._on:
+            return
+        dev = m.seg_slot.device
+        self._stream = torch.cuda.current_stream(dev).cuda_stream
+        self._device = dev if dev.index is not None and dev.index != torch.cuda.current_device() else None
+
+    def _serves(self, y: torch.Tensor, x: torch.Tensor, layer) -> bool:
+        """The extension takes this call: the layer's buffers passed their check, and the activations are
+        its dtype, contiguous rows (y: strided rows of a fused output), 16-byte aligned."""
+        why = layer.atmm_check
+        if why is None:
+            why = layer.atmm_check = self.kernels.check_buffers(layer.lora_a, layer.lora_b)
+        a = layer.lora_a
+        return (not why and x.dtype == a.dtype and y.dtype == a.dtype and x.device == a.device
+                and x.is_contiguous() and y.stride(1) == 1 and y.stride(0) % 8 == 0
+                and x.data_ptr() % 16 == 0 and y.data_ptr() % 16 == 0)
+
+    def add(self, y, x, layer, mapping, sign):
+        if not (mapping.has_lora and self._on and self._serves(y, x, layer)):
+            return super().add(y, x, layer, mapping, sign)
+        T = x.shape[0]
+        key = (mapping.seg_slot_host, T, layer.atmm_key)
+        plan = self._plans.get(key, _MISS)
+        if plan is _MISS:
+            d_in, d_out, r_max, ranks = layer.atmm_key
+            plan = self._plans[key] = self.kernels.plan_call(_DTYPES[y.dtype], T, d_in, d_out, r_max, ranks,
+                                                             mapping.num_segments, mapping.seg_slot_host)
+        if plan is None:
+            return atmm_reference(y, x, layer.lora_a, layer.lora_b, layer.ranks_t,
+                                  layer.unit_scales_t if sign > 0 else layer.neg_scales_t, mapping)
+        if self._device is not None:
+            with torch.cuda.device(self._device):  # the extension launches on the current device
+                return self._launch(y, x, layer, mapping, sign, plan, key)
+        return self._launch(y, x, layer, mapping, sign, plan, key)
+
+    def _launch(self, y, x, layer, mapping, sign, plan, key) -> torch.Tensor:
+        shrink_idx, split_k, expand_idx, ranks_list, need = plan
+        ws = self._workspace
+        if ws is None or ws.numel() < need:
+            # one buffer, grown as needed: launches on one stream never overlap
+            ws = self._workspace = torch.empty(max(need, 1 << 20), dtype=torch.uint8, device=y.device)
+        d_in, d_out, r_max, _ = layer.atmm_key
+        try:
+            self.kernels.ext.forward(
+                y.data_ptr(), x.data_ptr(), layer.lora_a.data_ptr(), layer.lora_b.data_ptr(),
+                mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), ws.data_ptr(), ws.numel(),
+                x.shape[0], d_in, d_out, r_max, x.stride(0), y.stride(0), mapping.num_segments, ranks_list,
+                layer.unit_scales if sign > 0 else layer.neg_scales, _DTYPES[y.dtype],
+                shrink_idx, split_k, expand_idx, self._stream, PHASE_ALL, True)
+        except RuntimeError as e:
+            # y is written only by the expand, the last launch: a refused call left it untouched, and the
+            # reference serves this signature from now on. A CUDA error that poisoned the context fails
+            # the reference too and reaches the caller.
+            self._plans[key] = None
+            pair = (shrink_idx, split_k, expand_idx)
+            if pair not in self._warned:  # once per kernel pair, not once per token count
+                self._warned.add(pair)
+                log.warning("atmm: the extension refused a call (%s); the PyTorch reference serves it and "
+                            "every later call of the same signature", e)
+            return atmm_reference(y, x, layer.lora_a, layer.lora_b, layer.ranks_t,
+                                  layer.unit_scales_t if sign > 0 else layer.neg_scales_t, mapping)
+        return y
+
+    def add_rows(self, y, x, layer, mapping, sign):
+        if self._on and self._serves(y, x, layer):
+            if self.kernels.run_rows(y, x, layer.lora_a, layer.lora_b, mapping, sign, stream=self._stream):
+                return y
+        return lora_rows_torch(y, x, layer.lora_a, layer.lora_b, mapping.seg_slot, sign)
+
     def segments(self, y, x, lora_a, lora_b, ranks, scales, mapping):
-        return atmm(y, x, lora_a, lora_b, ranks, scales, mapping)
+        return atmm(y, x, lora_a, lora_b, ranks, scales, mapping, kernels=self.kernels)
 
     def rows(self, y, x, lora_a, lora_b, mapping, sign):
-        if y.is_cuda:
-            kernels = default_kernels()
-            if kernels.run_rows(y, x, lora_a, lora_b, mapping, sign):
+        if y.is_cuda and self.kernels.ext is not None and not self.kernels.unsupported(
+                y, x, lora_a, lora_b, (0,) * lora_a.shape[0], (0.0,) * lora_a.shape[0], mapping):
+            if self.kernels.run_rows(y, x, lora_a, lora_b, mapping, sign):
                 return y
         return lora_rows_torch(y, x, lora_a, lora_b, mapping.seg_slot, sign)
 

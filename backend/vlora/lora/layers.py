@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from vlora.atmm.mapping import LoraBatchMapping
-from vlora.lora.backends import LoraBackend, get_lora_backend
+from vlora.lora.backends import LoraBackend, SegmentsBackend, get_lora_backend
 
 
 class LoraContext:
@@ -25,7 +25,8 @@ class LoraContext:
     ``mapping``: which slot's delta each token adds. ``delora``: which merged slot's delta each token
     subtracts (mixture mode), or None. ``rows``: True in a captured decode step, where the mappings
     are per-row slot buffers (one token per row) that the backend must read on the device only.
-    ``backend``: the LoRA compute (:mod:`vlora.lora.backends`), chosen by name.
+    ``backend``: the LoRA compute (:mod:`vlora.lora.backends`), chosen by name. :meth:`bind` sets the
+    step's mappings and has the backend prepare them, once per step.
     """
 
     def __init__(self, backend: Optional[LoraBackend] = None) -> None:
@@ -33,6 +34,26 @@ class LoraContext:
         self.delora: Optional[LoraBatchMapping] = None
         self.rows = False
         self.backend = backend or get_lora_backend("atmm")
+
+    @property
+    def backend(self) -> LoraBackend:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend) -> None:
+        self._backend = backend if isinstance(backend, LoraBackend) else SegmentsBackend(backend)
+
+    def bind(self, mapping: Optional[LoraBatchMapping], delora: Optional[LoraBatchMapping] = None,
+             rows: bool = False) -> None:
+        """The step's LoRA metadata (views of the step plan): every layer of the step reads it, and the
+        backend prepares its launches from it here, once."""
+        self.mapping, self.delora, self.rows = mapping, delora, rows
+        if (mapping is not None and mapping.has_lora) or (delora is not None and delora.has_lora):
+            self.backend.prepare(self)
+
+    def clear(self) -> None:
+        self.mapping = self.delora = None
+        self.rows = False
 
 
 class LoraLinear(nn.Module):
@@ -64,9 +85,18 @@ class LoraLinear(nn.Module):
         self.register_buffer("lora_b", lora_b, persistent=False)
         self.ranks: list[int] = [0] * num_slots
         self.scales: list[float] = [0.0] * num_slots  # each slot's adapter scale (already folded into lora_b)
-        self._ranks_t: tuple[int, ...] = tuple(self.ranks)
-        self._unit_t: tuple[float, ...] = (0.0,) * num_slots
-        self._neg_unit_t: tuple[float, ...] = (0.0,) * num_slots
+        self.atmm_check: Optional[str] = None  # why the ATMM extension cannot take the slot buffers ("": it can), once
+        self._slots_changed()
+
+    def _slots_changed(self) -> None:
+        """What the backends read per call, made when a slot changes (adapter load), never per call: the ranks,
+        the per-slot unit scales (1 for a slot holding this layer's delta, -1 to take it out, 0 for none) as
+        the extension takes them and as tuples, and the launch-plan key (d_in, d_out, r_max, ranks)."""
+        self.ranks_t: tuple[int, ...] = tuple(self.ranks)
+        self.unit_scales: list[float] = [1.0 if r else 0.0 for r in self.ranks]
+        self.neg_scales: list[float] = [-x for x in self.unit_scales]
+        self.unit_scales_t, self.neg_scales_t = tuple(self.unit_scales), tuple(self.neg_scales)
+        self.atmm_key = (self.in_features, self.out_features, self.lora_a.shape[1], self.ranks_t)
 
     @property
     def weight(self) -> torch.Tensor:  # modules that peek at .weight (dtype checks) keep working
@@ -89,9 +119,7 @@ class LoraLinear(nn.Module):
                 dst.copy_(b, non_blocking=True)
                 dst.mul_(float(scale))
             self.ranks[slot], self.scales[slot] = r, float(scale)
-        self._ranks_t = tuple(self.ranks)
-        self._unit_t = tuple(1.0 if r else 0.0 for r in self.ranks)
-        self._neg_unit_t = tuple(-x for x in self._unit_t)
+        self._slots_changed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -109,16 +137,16 @@ class LoraLinear(nn.Module):
             return y
         if ctx.rows:
             if plus:
-                ctx.backend.rows(y, x, self.lora_a, self.lora_b, ctx.mapping, 1.0)
+                ctx.backend.add_rows(y, x, self, ctx.mapping, 1.0)
             if minus:
-                ctx.backend.rows(y, x, self.lora_a, self.lora_b, ctx.delora, -1.0)
+                ctx.backend.add_rows(y, x, self, ctx.delora, -1.0)
             return y
         if plus:
             if x.shape[0] != ctx.mapping.num_tokens:
                 raise RuntimeError(f"LoraLinear: {x.shape[0]} tokens but the step mapping covers {ctx.mapping.num_tokens}")
-            ctx.backend.segments(y, x, self.lora_a, self.lora_b, self._ranks_t, self._unit_t, ctx.mapping)
+            ctx.backend.add(y, x, self, ctx.mapping, 1.0)
         if minus:  # deLoRA: take the merged adapter's delta back out for tokens of other adapters
-            ctx.backend.segments(y, x, self.lora_a, self.lora_b, self._ranks_t, self._neg_unit_t, ctx.delora)
+            ctx.backend.add(y, x, self, ctx.delora, -1.0)
         return y
 
 
