@@ -202,6 +202,7 @@ def main() -> None:
 
     http, grpc, metrics = free_ports(3)
     serve += ["--config", str(cfg_path), "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+              "--openai-port", "0",
               "--workspace", str(work / "triton-ws")]
     log = open(work / "server.log", "w")
     print("starting:", " ".join(serve), flush=True)

@@ -776,7 +776,8 @@ def start_server(out_dir: Path, device: Optional[str], serve_args: list[str]):
     token_file.chmod(0o600)
     http_port, grpc_port, metrics_port = free_ports(3)
     argv = ["--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-            "--metrics-port", str(metrics_port), "--workspace", str(ws / "ws"), "--admin-token-file", str(token_file)]
+            "--metrics-port", str(metrics_port), "--openai-port", "0", "--workspace", str(ws / "ws"),
+            "--admin-token-file", str(token_file)]
     if device:
         argv += ["--device", device]
     for extra in serve_args:

@@ -158,7 +158,8 @@ def start_server(args, workload: Workload, out_dir: Path, out):
 
     http_port, grpc_port, metrics_port = free_ports(3)
     serve_argv = ["--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-                  "--metrics-port", str(metrics_port), "--workspace", str((out_dir / "server").resolve())]
+                  "--metrics-port", str(metrics_port), "--openai-port", "0",  # the harness speaks Triton's APIs
+                  "--workspace", str((out_dir / "server").resolve())]
     for flag, value in (("--model", args.model), ("--adapters", args.adapters), ("--device", args.device)):
         if value:
             serve_argv += [flag, value]

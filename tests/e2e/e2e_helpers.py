@@ -36,6 +36,12 @@ class RunningServer:
     metrics_port: int
     adapters: list[str]
     admin_token: Optional[str] = None  # None: the server refuses adapter load/unload
+    openai_port: int = 0  # the OpenAI API's port (start_server(openai=True)); 0: off
+
+    @property
+    def openai_url(self) -> str:
+        """The OpenAI API's base URL, for ``openai.OpenAI(base_url=...)``."""
+        return f"http://127.0.0.1:{self.openai_port}/v1"
 
     @property
     def http_url(self) -> str:
@@ -87,9 +93,11 @@ def http_status(url: str) -> Optional[int]:
 
 
 def start_server(workspace: Path, cache_dir: Path, extra_args: list[str] = (),
-                 admin_token: Optional[str] = ADMIN_TOKEN) -> RunningServer:
-    """`vlora serve` on free loopback ports; ``admin_token`` (None: none) enables adapter load/unload."""
-    http_port, grpc_port, metrics_port = free_ports(3)
+                 admin_token: Optional[str] = ADMIN_TOKEN, openai: bool = False) -> RunningServer:
+    """`vlora serve` on free loopback ports; ``admin_token`` (None: none) enables adapter load/unload;
+    ``openai`` starts the OpenAI API on a free port too (else it is off: --openai-port 0)."""
+    http_port, grpc_port, metrics_port, openai_port = free_ports(4)
+    openai_port = openai_port if openai else 0
     output = workspace / "launcher.out"
     token_args = []
     if admin_token is not None:
@@ -103,12 +111,14 @@ def start_server(workspace: Path, cache_dir: Path, extra_args: list[str] = (),
         "--workspace", str(workspace / "ws"),
         "--device", "cpu",
         "--set", f"model.cache_dir={cache_dir}",
+        "--openai-port", str(openai_port),
         *token_args,
         *extra_args,
     ]
     with open(output, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    server = RunningServer(proc, workspace / "ws", output, http_port, grpc_port, metrics_port, [], admin_token)
+    server = RunningServer(proc, workspace / "ws", output, http_port, grpc_port, metrics_port, [], admin_token,
+                           openai_port)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not server.is_ready():
         if proc.poll() is not None:

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # a safety net: nothin
 def serve(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     http, grpc, metrics = free_ports(3)
     cmd = [sys.executable, "-m", "vlora.cli", "serve", "--host", "127.0.0.1", "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics), *args]
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", "0", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 

@@ -13,6 +13,11 @@ it) and exits with ENGINE_FAILED_EXIT, for a supervisor to restart. Stopping is 
 after the exit timeout SIGKILL to the server's whole process group (its stubs included); the server's
 shared-memory regions (named with a prefix unique to this launch) are removed at exit.
 
+The OpenAI-compatible API (issue 39, vlora.server.openai_api) runs as a process of its own on
+``--openai-port`` (0: off), started once tritonserver is ready and waited for (its /health) before the banner;
+it dies with the launcher, is stopped with the server, and if it exits while serving, the launcher says so
+and stops the server (exit code OPENAI_FAILED_EXIT).
+
 Security (issue 37): tritonserver runs locked down, its admin APIs restricted to the admin key, the key
 hidden on its command line, its shared-memory regions 0600 (lockdown.py); start checks all of it.
 """
@@ -41,6 +46,7 @@ from vlora.server.lockdown import (
     ARGV_HIDE_WAIT_S,
     GRPC_ADMIN_KEY_HEADER,
     SERVER_UMASK,
+    _die_with_parent,
     _server_child_setup,
     hide_argument_value,
     restricted_api_flags,
@@ -61,6 +67,8 @@ from vlora.server.triton_dist import TritonDistribution, TritonNotFound
 
 
 ENGINE_FAILED_EXIT = 3  # `vlora serve`'s exit code when the model's engine failed while serving
+OPENAI_FAILED_EXIT = 4  # `vlora serve`'s exit code when the OpenAI front end exited while serving
+OPENAI_READY_TIMEOUT_S = 60.0  # how long the OpenAI front end may take to answer /health
 ENGINE_FAILED_MARK = "vlora: ENGINE FAILED"  # the line model.py logs (its ENGINE_FAILED)
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
@@ -154,6 +162,9 @@ class TritonServer:
         self.engine_config = options.engine
         self.model_dir: Optional[str] = options.engine.model.path
         self.adapter_root: Optional[str] = options.engine.lora.adapter_root
+        self._openai: Optional[subprocess.Popen] = None  # the OpenAI front end's process
+        self._openai_log: Optional[Path] = None
+        self.openai_failure: Optional[str] = None  # why the OpenAI front end stopped while serving
 
     @property
     def log_path(self) -> Optional[Path]:
@@ -171,11 +182,16 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.options.client_host}:{self.options.metrics_port}/metrics"
 
+    @property
+    def openai_url(self) -> Optional[str]:
+        """The OpenAI API's base URL (``.../v1``), None when it is off."""
+        return f"http://{self.options.client_host}:{self.options.openai_port}/v1" if self.options.openai_port else None
+
     def start(self) -> None:
         """Prepare everything, start tritonserver, and return once it is ready (or raise LaunchError)."""
         opts = self.options
         dist = TritonDistribution.locate()
-        for port in (opts.http_port, opts.grpc_port, opts.metrics_port):
+        for port in (opts.http_port, opts.grpc_port, opts.metrics_port) + ((opts.openai_port,) if opts.openai_port else ()):
             _check_port_free(opts.host, port)
         source = opts.model_repository or source_repository()
         template_path = source / MODEL_NAME / "config.pbtxt"
@@ -229,6 +245,8 @@ class TritonServer:
         self._wait_ready()
         self._check_restricted()
         self._check_regions_private()
+        if opts.openai_port:
+            self._start_openai()
 
     def command(self, binary: Path, backends: Path, repo: Path) -> list[str]:
         """tritonserver's command line (the restricted APIs' value is chosen here, once per launch)."""
@@ -253,6 +271,62 @@ class TritonServer:
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             *restricted_api_flags(self._restricted_value),
         ]
+
+    def _start_openai(self) -> None:
+        """Start the OpenAI front end (tritonserver is ready) and wait until it answers /health; else stop
+        everything and raise LaunchError with its output."""
+        opts, ws = self.options, self._workspace
+        family, checkpoint = _model_family(self.model_dir)
+        cmd = [sys.executable, "-m", "vlora.server.openai_api", "--host", opts.host, "--port", str(opts.openai_port),
+               "--grpc-url", self.grpc_url, "--model", MODEL_NAME, "--family", family,
+               "--max-body-bytes", str(opts.openai_max_body_bytes), "--graceful-timeout", str(opts.exit_timeout_s)]
+        if checkpoint:
+            cmd += ["--checkpoint", checkpoint]
+        if opts.allow_image_urls:
+            cmd.append("--allow-image-urls")
+        self._openai_log = ws / "openai.log"
+        fd = os.open(self._openai_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        log = os.fdopen(fd, "wb")
+        try:
+            self._openai = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            cwd=str(ws), start_new_session=True, preexec_fn=_die_with_parent,
+                                            umask=SERVER_UMASK)
+        finally:
+            log.close()
+        url = f"http://{opts.client_host}:{opts.openai_port}/health"
+        deadline = time.monotonic() + OPENAI_READY_TIMEOUT_S
+        while _http_status(url) != 200:
+            code = self._openai.poll()
+            if code is not None or time.monotonic() > deadline:
+                why = f"exited with code {code}" if code is not None else f"did not answer {url} in {OPENAI_READY_TIMEOUT_S:.0f}s"
+                self.stop()
+                raise LaunchError(f"the OpenAI API front end {why} (--openai-port 0 turns it off).\n"
+                                  f"--- {self._openai_log} ---\n{self.openai_log_tail()}")
+            time.sleep(0.1)
+
+    def openai_log_tail(self, lines: int = 20) -> str:
+        if self._openai_log is None or not self._openai_log.exists():
+            return ""
+        return "\n".join(self._openai_log.read_text(errors="replace").splitlines()[-lines:])
+
+    def _stop_openai(self, sig: int = signal.SIGTERM) -> None:
+        if self._openai is not None and self._openai.poll() is None:
+            try:
+                self._openai.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    def _reap_openai(self, timeout: float) -> None:
+        """Wait for the front end to end (it finishes its in-flight answers), then kill it."""
+        if self._openai is None:
+            return
+        self._stop_openai()
+        try:
+            self._openai.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._openai.kill()
+            self._openai.wait()
 
     def _hide_admin_key(self) -> None:
         """Overwrite the restricted APIs' value on tritonserver's command line (/proc/PID/cmdline, which other
@@ -382,6 +456,8 @@ class TritonServer:
             f"  HTTP     {self.http_url}/v2/models/{MODEL_NAME}/generate   (streaming: .../generate_stream)",
             f"  gRPC     {self.grpc_url}   (tritonclient streaming RPC, model '{MODEL_NAME}')",
             f"  metrics  {self.metrics_url}",
+            *([f"  OpenAI   {self.openai_url}   (chat/completions, completions, models; model '{MODEL_NAME}' or an adapter's name)"]
+              if self.openai_url else []),
             f"  log      {self._log_path}",
             "  try:",
             f"    curl -s -X POST {self.http_url}/v2/models/{MODEL_NAME}/generate -d '{json.dumps(body)}'",
@@ -422,6 +498,7 @@ class TritonServer:
             if not self._stopping:
                 self._stopping = True
                 _say(self._out, f"received {signal.Signals(signum).name}: draining in-flight requests and stopping ...")
+                self._stop_openai()
                 self._signal(signal.SIGTERM)
             else:
                 _say(self._out, "second signal: killing tritonserver")
@@ -439,6 +516,12 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 pass
             self._watch_engine()
+            if self._openai is not None and not self._stopping and self._openai.poll() is not None:
+                self.openai_failure = f"the OpenAI API front end exited with code {self._openai.returncode}"
+                self._stopping = True
+                _say(self._out, f"vlora serve: {self.openai_failure}:\n{self.openai_log_tail()}\n"
+                                "stopping tritonserver (restart vlora serve; --openai-port 0 turns the front end off) ...")
+                self._signal(signal.SIGTERM)
             if self.engine_failure is not None and not self._stopping:
                 self._stopping = True
                 _say(self._out, f"vlora serve: the engine failed: {self.engine_failure}\n"
@@ -455,6 +538,10 @@ class TritonServer:
             self._cleanup(False)
             _say(self._out, f"tritonserver stopped after the engine failed (log: {self._log_path})")
             return ENGINE_FAILED_EXIT
+        if self.openai_failure is not None:
+            self._cleanup(False)
+            _say(self._out, f"tritonserver stopped after the OpenAI front end failed (its log: {self._openai_log})")
+            return OPENAI_FAILED_EXIT
         if code != 0 and not self._stopping:
             _say(self._out, f"tritonserver exited with code {code}.\n{self.failure_report()}")
         elif code != 0:
@@ -514,6 +601,7 @@ class TritonServer:
         if self._proc is None:
             return 0
         self._stopping = True
+        self._stop_openai()
         self._signal(signal.SIGTERM)
         try:
             code = self._proc.wait(timeout=timeout)
@@ -525,7 +613,9 @@ class TritonServer:
 
     def _cleanup(self, clean: bool) -> None:
         """After tritonserver exited: kill what it left running (stubs that outlived it) and remove its
-        shared-memory regions; remove a temporary workspace after a clean exit."""
+        shared-memory regions; remove a temporary workspace after a clean exit. The OpenAI front end, told to
+        stop with the server, gets a few seconds more to finish its answers."""
+        self._reap_openai(timeout=10.0)
         self._kill_group()
         for region in SHM_DIR.glob(f"{self.shm_prefix}*"):
             try:
@@ -566,6 +656,17 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _model_family(model_dir: Optional[str]) -> tuple[str, Optional[str]]:
+    """(config.json's model_type, the folder's name) of the served checkpoint; ("llava", None) when unknown."""
+    if not model_dir:
+        return "llava", None
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    return (model_type if isinstance(model_type, str) and model_type else "llava"), Path(model_dir).name
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -27,6 +27,11 @@ class ServeOptions:
     startup_timeout_s: float = 900.0
     exit_timeout_s: int = 30
     prepare_defaults: bool = True  # generate the tiny model / demo adapters up front
+    # The OpenAI-compatible front end (vlora.server.openai_api), a process of its own on host:openai_port;
+    # 0 (the default here; `vlora serve`'s flag defaults to 9000): not started.
+    openai_port: int = 0
+    openai_max_body_bytes: int = 64 * 1024 * 1024
+    allow_image_urls: bool = False  # the front end fetches http(s) image_url parts (else only data: URLs)
 
     def __post_init__(self) -> None:
         ports = [self.http_port, self.grpc_port, self.metrics_port]
@@ -35,6 +40,12 @@ class ServeOptions:
                 raise ConfigError(f"port {p} is out of range")
         if len(set(ports)) != 3:
             raise ConfigError(f"--http-port, --grpc-port and --metrics-port must differ, got {ports}")
+        if not 0 <= self.openai_port < 65536:
+            raise ConfigError(f"--openai-port {self.openai_port} is out of range (0 turns the OpenAI API off)")
+        if self.openai_port and self.openai_port in ports:
+            raise ConfigError(f"--openai-port {self.openai_port} is one of the other ports {ports}")
+        if self.openai_max_body_bytes < 1024:
+            raise ConfigError("--openai-max-body-mib must allow at least 1 KiB")
         if self.max_queue_size is not None and self.max_queue_size < 1:
             raise ConfigError("--max-queue-size must be >= 1")
 
@@ -67,6 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address the three endpoints listen on (default: 127.0.0.1, this machine only; 0.0.0.0: all interfaces)")
+    parser.add_argument("--openai-port", type=int, default=9000,
+                        help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on --host; "
+                             "0 turns it off (default: 9000)")
+    parser.add_argument("--openai-max-body-mib", type=float, default=64.0,
+                        help="largest request body the OpenAI API accepts, in MiB (default: 64)")
+    parser.add_argument("--allow-image-urls", action="store_true",
+                        help="let the OpenAI API fetch http(s) image_url parts (within 16 MiB and 10 s each); "
+                             "off: only data: URLs. The server then fetches any URL a client names")
     parser.add_argument("--admin-token-file", metavar="FILE",
                         help="enable adapter load/unload for requests carrying the token this file holds (admin_token); "
                              "without it they are refused (list stays open)")
@@ -110,6 +129,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         model_repository=Path(args.model_repository).resolve() if args.model_repository else None,
         log_verbose=args.log_verbose,
         startup_timeout_s=args.startup_timeout,
+        openai_port=getattr(args, "openai_port", 0),
+        openai_max_body_bytes=int(getattr(args, "openai_max_body_mib", 64.0) * 1024 * 1024),
+        allow_image_urls=getattr(args, "allow_image_urls", False),
     )
 
 
