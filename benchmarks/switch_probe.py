@@ -52,7 +52,7 @@ def synthetic_runner(L: int, d: int, r: int, slots: int, dtype: torch.dtype, dev
     buffer; the slot buffers of each group in one stack)."""
     from torch import nn
 
-    from vlora.engine.model_runner import GroupSlots, WeightGroup
+    from vlora.engine.model_runner import GroupSlots, WeightGroup  # noqa: F401
     from vlora.lora.layers import LoraContext, LoraLinear
 
     ctx = LoraContext()

@@ -139,12 +139,23 @@ def test_bad_requests_are_400_in_openai_shape(client, oa_server):
 
 
 def test_body_over_the_limit_is_413(oa_server):
-    body = json.dumps({"model": MODEL, "prompt": "x" * (MAX_BODY_MIB * 1024 * 1024 + 10)}).encode()
-    req = urllib.request.Request(f"{oa_server.openai_url}/completions", data=body, headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=30)
-    assert e.value.code == 413
-    assert json.loads(e.value.read())["error"]["code"] == "request_too_large"
+    """Refused from the Content-Length, before the body is read: only the headers are sent (a client that
+    goes on uploading may see the connection closed under it, which is the point)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url = urlsplit(oa_server.openai_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        conn.putrequest("POST", f"{url.path}/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(MAX_BODY_MIB * 1024 * 1024 + 10))
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 413
+        assert json.loads(resp.read())["error"]["code"] == "request_too_large"
+    finally:
+        conn.close()
 
 
 def test_concurrent_clients_are_all_answered(client, oa_server):

@@ -20,24 +20,22 @@ work), which give a row the same bits in any such step: the eager step and its g
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlora.engine import gemv
 from vlora.engine.attention import get_attention_backend
-from vlora.engine.fused_ops import add_rms_norm, fused_available, rms_norm, rotary_and_cache, silu_mul
+from vlora.engine.fused_ops import add_rms_norm, fused_available, rms_norm, rotary_and_cache
 from vlora.engine.kv_cache import PagedKVCache, SequenceBlocks
 from vlora.engine.plan import PlanBuilder, StepPlan
 from vlora.lora.adapter import VisionSites
-from vlora.lora.backends import LoraBackend
-from vlora.lora.layers import GroupSlots, LoraContext, LoraLinear
+from vlora.engine.vision import EncoderCache, VisionLora  # noqa: F401  (importable from here too)
+from vlora.engine.weight_groups import WeightGroup
+from vlora.lora.layers import GroupSlots, LoraContext, LoraLinear  # noqa: F401  (GroupSlots: switch_probe)
 
 log = logging.getLogger(__name__)
 
@@ -46,61 +44,6 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 # The projections that run as one GEMM (their weights concatenated along d_out), and the others.
 WEIGHT_GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)),
                  ("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",)))
-
-
-@dataclass
-class WeightGroup:
-    """Projections of every layer that share d_in, in one contiguous stack: the layer's fused GEMM
-    reads ``stack[layer]``, each module's ``nn.Linear.weight`` is a view of its rows, and the swift
-    switcher merges an adapter into the whole stack in one call.
-
-    Shape: stack [L, sum of d_out, d_in]; bias [L, sum of d_out] or None; modules: (name, row offset,
-    d_out) in order; lora[layer]: (row offset, d_out, wrapper) of the modules with a LoRA wrapper.
-    ``gemv_rows``: calls of at most this many rows run :mod:`vlora.engine.gemv`'s kernels where they serve
-    (``engine.gemv_max_rows``; 0: always cuBLAS).
-    """
-
-    name: str
-    stack: torch.Tensor
-    bias: Optional[torch.Tensor]
-    modules: tuple[tuple[str, int, int], ...]
-    lora: list[tuple[tuple[int, int, LoraLinear], ...]]
-    slots: Optional[GroupSlots] = None  # the LoRA slot buffers of its wrapped modules, all layers
-    gemv_rows: int = 0
-    gemv_table: Optional[gemv.GemvTable] = None  # the runner's launches (ModelRunner.set_gemv_max_rows)
-
-    def __post_init__(self) -> None:
-        # Each layer's weight and bias as views made once (the step's hot loop reads them; merges write the
-        # stack in place, which the views see).
-        self.weights = tuple(self.stack.unbind(0))
-        self.biases = tuple(self.bias.unbind(0)) if self.bias is not None else (None,) * self.stack.shape[0]
-
-    def forward(self, li: int, x: torch.Tensor, lora: bool = True) -> torch.Tensor:
-        """x [T, d_in] -> [T, sum of d_out]: one GEMM, then each module's LoRA into its columns
-        (``lora=False``: the step has no LoRA work, so the wrappers are not visited)."""
-        if x.shape[0] <= self.gemv_rows and gemv.available(x):
-            y = gemv.linear_rows(x, self.weights[li], self.biases[li], impl="triton", table=self.gemv_table)
-        else:
-            y = F.linear(x, self.weights[li], self.biases[li])
-        if lora:
-            for off, d, wrapper in self.lora[li]:
-                wrapper.add_lora(x, y[:, off:off + d])
-        return y
-
-    def fusable(self, li: int, x: torch.Tensor, lora: bool = True) -> bool:
-        """Whether layer ``li``'s call on x's rows runs the gemv kernels with nothing else reading x or the
-        projection's output: at most ``gemv_rows`` rows, the kernels serve x, and no LoRA work of this group
-        in the layer (a wrapper reads x and adds into the output's columns). Then the gate/up group fuses its
-        activation (:meth:`forward_silu`)."""
-        return x.shape[0] <= self.gemv_rows and not (lora and self.lora[li]) and gemv.available(x)
-
-    def forward_silu(self, li: int, x: torch.Tensor, lora: bool = True) -> torch.Tensor:
-        """The gate/up group: x [T, d_in] -> ``silu(gate) * up`` [T, d_out / 2]. One kernel with the activation
-        in its epilogue where :meth:`fusable` (LoRA adds into the projection's columns before the activation),
-        else :meth:`forward` and ``silu_mul``."""
-        if self.fusable(li, x, lora):
-            return gemv.gate_up_silu(x, self.weights[li], self.biases[li], impl="triton", table=self.gemv_table)
-        return silu_mul(self.forward(li, x, lora))
 
 
 @dataclass
@@ -123,75 +66,6 @@ class SeqInput:
     # A decode token still on the device: row ``pending_row`` of the previous step's sampled ids (the
     # ``prev_tokens`` that :meth:`ModelRunner.forward` takes), read there instead of token_ids[0].
     pending_row: int = -1
-
-
-class EncoderCache:
-    """Projected vision features by (vision-side weights: the adapter's name@version or "" for the base
-    model's, video or image, content hash), least recently used first out, within a byte budget. Engine
-    thread only. Counters: hits, misses, evictions, bytes."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget = budget_bytes
-        self._items: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-        self.bytes = 0
-        self.hits = self.misses = self.evictions = 0
-
-    def get(self, key: tuple) -> Optional[torch.Tensor]:
-        f = self._items.get(key)
-        if f is None:
-            self.misses += 1
-            return None
-        self._items.move_to_end(key)
-        self.hits += 1
-        return f
-
-    def put(self, key: tuple, features: torch.Tensor) -> None:
-        size = features.numel() * features.element_size()
-        if key in self._items or size > self.budget:
-            return
-        self._items[key] = features
-        self.bytes += size
-        while self.bytes > self.budget:
-            _, old = self._items.popitem(last=False)
-            self.bytes -= old.numel() * old.element_size()
-            self.evictions += 1
-
-    def stats(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions, "bytes": self.bytes}
-
-
-class VisionLora:
-    """LoRA on the vision tower and projector (or merger): the wrappers and one :class:`LoraContext` per
-    stage, each stage with its own per-image segments (its rows per image differ, see
-    :data:`vlora.models.family.VISION_STAGE`). The decoder's LoRA backend computes them, and an adapter's
-    slot index is the same here as in the decoder's wrappers (one slot holds both sides of an adapter)."""
-
-    def __init__(self, model: nn.Module, sites, num_slots: int, max_rank: int) -> None:
-        self.contexts: dict[str, LoraContext] = {}
-        self.layers: dict[tuple[int, str], LoraLinear] = {}  # (block, target) -> wrapper
-        for site in sites:
-            parent_path, _, attr = site.path.rpartition(".")
-            parent = model.get_submodule(parent_path)
-            ctx = self.contexts.setdefault(site.stage, LoraContext())
-            wrapper = LoraLinear(getattr(parent, attr), ctx, num_slots, max_rank)
-            setattr(parent, attr, wrapper)
-            self.layers[(site.layer, site.target)] = wrapper
-
-    @contextmanager
-    def bind(self, rows: dict[str, list[int]], slots: list[int], backend: LoraBackend, plans: PlanBuilder):
-        """Drive the wrappers for one encoder forward: item i's rows of each stage use ``slots[i]`` (the
-        stages' segments written by the step plan's writer, in one copy)."""
-        stages = list(self.contexts)
-        mappings = plans.segment_mappings([(rows[stage], slots) for stage in stages])
-        for stage, mapping in zip(stages, mappings):
-            ctx = self.contexts[stage]
-            ctx.backend = backend
-            ctx.bind(mapping)
-        try:
-            yield
-        finally:
-            for ctx in self.contexts.values():
-                ctx.clear()
 
 
 @dataclass

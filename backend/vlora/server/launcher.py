@@ -3,7 +3,7 @@
 Steps: resolve the engine configuration (defaults, ``--config`` YAML, flags, ``--set``); generate the
 tiny default model and its demo adapters when they are used; copy tritonserver with this Python's
 backend stub and a model repository whose config carries the settings into a workspace; start the
-server, wait until it is ready while reporting progress, print where to send requests, and forward
+server, wait until it is ready while reporting progress, print where to send requests (banner.py), and forward
 SIGINT/SIGTERM so that the server drains in-flight requests before it exits.
 
 Fail-safe: the model's engine, when it fails, logs ``vlora: ENGINE FAILED: <cause>`` and ends its stub
@@ -13,7 +13,7 @@ it) and exits with ENGINE_FAILED_EXIT, for a supervisor to restart. Stopping is 
 after the exit timeout SIGKILL to the server's whole process group (its stubs included); the server's
 shared-memory regions (named with a prefix unique to this launch) are removed at exit.
 
-The OpenAI-compatible API (issue 39, vlora.server.openai_api) runs as a process of its own on
+The OpenAI-compatible API (issue 39, vlora.server.openai) runs as a process of its own (vlora.server.frontend) on
 ``--openai-port`` (0: off), started once tritonserver is ready and waited for (its /health) before the banner;
 it dies with the launcher, is stopped with the server, and if it exits while serving, the launcher says so
 and stops the server (exit code OPENAI_FAILED_EXIT).
@@ -24,7 +24,6 @@ hidden on its command line, its shared-memory regions 0600 (lockdown.py); start 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -34,19 +33,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Optional, TextIO
 
 from vlora.config import ConfigError, EngineConfig, default_cache_dir, read_admin_token
+from vlora.server.banner import list_adapter_names, serving_banner  # noqa: F401 (list_adapter_names: load's)
+from vlora.server.frontend import FrontendStartError, OpenAIFrontendProcess
+from vlora.server.http_probe import http_ok as _http_ok
+from vlora.server.http_probe import http_status as _http_status
 from vlora.server.lockdown import (
     ADMIN_KEY_HEADER,
     ARGV_HIDE_WAIT_S,
-    GRPC_ADMIN_KEY_HEADER,
     SERVER_UMASK,
-    _die_with_parent,
     _server_child_setup,
     hide_argument_value,
     restricted_api_flags,
@@ -68,7 +67,6 @@ from vlora.server.triton_dist import TritonDistribution, TritonNotFound
 
 ENGINE_FAILED_EXIT = 3  # `vlora serve`'s exit code when the model's engine failed while serving
 OPENAI_FAILED_EXIT = 4  # `vlora serve`'s exit code when the OpenAI front end exited while serving
-OPENAI_READY_TIMEOUT_S = 60.0  # how long the OpenAI front end may take to answer /health
 ENGINE_FAILED_MARK = "vlora: ENGINE FAILED"  # the line model.py logs (its ENGINE_FAILED)
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
@@ -136,12 +134,6 @@ def prepare_default_artifacts(config: EngineConfig, out: TextIO) -> tuple[Option
     return str(model_dir), str(root)
 
 
-def list_adapter_names(adapter_root: Optional[str]) -> list[str]:
-    if not adapter_root or not Path(adapter_root).is_dir():
-        return []
-    return sorted(p.name for p in Path(adapter_root).iterdir() if (p / "adapter_config.json").is_file())
-
-
 class TritonServer:
     """One tritonserver process serving the vlora model."""
 
@@ -162,8 +154,7 @@ class TritonServer:
         self.engine_config = options.engine
         self.model_dir: Optional[str] = options.engine.model.path
         self.adapter_root: Optional[str] = options.engine.lora.adapter_root
-        self._openai: Optional[subprocess.Popen] = None  # the OpenAI front end's process
-        self._openai_log: Optional[Path] = None
+        self._openai: Optional[OpenAIFrontendProcess] = None  # the OpenAI front end's process
         self.openai_failure: Optional[str] = None  # why the OpenAI front end stopped while serving
 
     @property
@@ -275,58 +266,20 @@ class TritonServer:
     def _start_openai(self) -> None:
         """Start the OpenAI front end (tritonserver is ready) and wait until it answers /health; else stop
         everything and raise LaunchError with its output."""
-        opts, ws = self.options, self._workspace
-        family, checkpoint = _model_family(self.model_dir)
-        cmd = [sys.executable, "-m", "vlora.server.openai_api", "--host", opts.host, "--port", str(opts.openai_port),
-               "--grpc-url", self.grpc_url, "--model", MODEL_NAME, "--family", family,
-               "--max-body-bytes", str(opts.openai_max_body_bytes), "--graceful-timeout", str(opts.exit_timeout_s)]
-        if checkpoint:
-            cmd += ["--checkpoint", checkpoint]
-        if opts.allow_image_urls:
-            cmd.append("--allow-image-urls")
-        self._openai_log = ws / "openai.log"
-        fd = os.open(self._openai_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)
-        log = os.fdopen(fd, "wb")
+        self._openai = OpenAIFrontendProcess(self.options, self._workspace, self.grpc_url, MODEL_NAME, self.model_dir)
         try:
-            self._openai = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            cwd=str(ws), start_new_session=True, preexec_fn=_die_with_parent,
-                                            umask=SERVER_UMASK)
-        finally:
-            log.close()
-        url = f"http://{opts.client_host}:{opts.openai_port}/health"
-        deadline = time.monotonic() + OPENAI_READY_TIMEOUT_S
-        while _http_status(url) != 200:
-            code = self._openai.poll()
-            if code is not None or time.monotonic() > deadline:
-                why = f"exited with code {code}" if code is not None else f"did not answer {url} in {OPENAI_READY_TIMEOUT_S:.0f}s"
-                self.stop()
-                raise LaunchError(f"the OpenAI API front end {why} (--openai-port 0 turns it off).\n"
-                                  f"--- {self._openai_log} ---\n{self.openai_log_tail()}")
-            time.sleep(0.1)
+            self._openai.start()
+        except FrontendStartError as e:
+            self.stop()
+            raise LaunchError(f"the OpenAI API front end {e} (--openai-port 0 turns it off).\n"
+                              f"--- {self._openai.log_path} ---\n{self.openai_log_tail()}") from None
 
     def openai_log_tail(self, lines: int = 20) -> str:
-        if self._openai_log is None or not self._openai_log.exists():
-            return ""
-        return "\n".join(self._openai_log.read_text(errors="replace").splitlines()[-lines:])
+        return self._openai.log_tail(lines) if self._openai is not None else ""
 
     def _stop_openai(self, sig: int = signal.SIGTERM) -> None:
-        if self._openai is not None and self._openai.poll() is None:
-            try:
-                self._openai.send_signal(sig)
-            except ProcessLookupError:
-                pass
-
-    def _reap_openai(self, timeout: float) -> None:
-        """Wait for the front end to end (it finishes its in-flight answers), then kill it."""
-        if self._openai is None:
-            return
-        self._stop_openai()
-        try:
-            self._openai.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._openai.kill()
-            self._openai.wait()
+        if self._openai is not None:
+            self._openai.stop(sig)
 
     def _hide_admin_key(self) -> None:
         """Overwrite the restricted APIs' value on tritonserver's command line (/proc/PID/cmdline, which other
@@ -437,58 +390,8 @@ class TritonServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def banner(self) -> str:
-        adapters = list_adapter_names(self.adapter_root)
-        model = self.model_dir or "the embedded tiny model"
-        if self.engine_config.model.path is None:
-            model += " (the embedded tiny RANDOM model: its answers are meaningless text)"
-        example_lora = adapters[0] if adapters else None
-        body = {"text_input": "Describe the image.", "sampling_parameters": json.dumps({"max_tokens": 16})}
-        if example_lora:
-            body["lora_name"] = example_lora
-        lines = [
-            "",
-            f"vlora is serving model '{MODEL_NAME}': {model}",
-            f"  adapters: {', '.join(adapters) if adapters else '(none found)'}",
-            f"  adapter root: {self._adapter_root_description()}",
-            f"  adapter admin: {self._admin_description()}",
-            f"  Triton admin APIs: {self._triton_admin_description()}",
-            f"  listening on {self.options.listen_description}",
-            f"  HTTP     {self.http_url}/v2/models/{MODEL_NAME}/generate   (streaming: .../generate_stream)",
-            f"  gRPC     {self.grpc_url}   (tritonclient streaming RPC, model '{MODEL_NAME}')",
-            f"  metrics  {self.metrics_url}",
-            *([f"  OpenAI   {self.openai_url}   (chat/completions, completions, models; model '{MODEL_NAME}' or an adapter's name)"]
-              if self.openai_url else []),
-            f"  log      {self._log_path}",
-            "  try:",
-            f"    curl -s -X POST {self.http_url}/v2/models/{MODEL_NAME}/generate -d '{json.dumps(body)}'",
-            f"    vlora-client --url {self.grpc_url} --prompt 'Describe the image.'"
-            + (f" --lora {example_lora}" if example_lora else "") + " --stream",
-            "Press Ctrl-C to stop (in-flight requests are drained first).",
-            "",
-        ]
-        return "\n".join(lines)
-
-    def _adapter_root_description(self) -> str:
-        if self.adapter_root:
-            return (f"{self.adapter_root} (one PEFT folder per adapter, served by its folder name; "
-                    "a folder added later: `vlora-client adapters load NAME`)")
-        if self.engine_config.model.path is not None:
-            return "none (--adapters DIR serves the PEFT folders under DIR)"
-        cache_dir = Path(self.engine_config.model.cache_dir) if self.engine_config.model.cache_dir else default_cache_dir()
-        return f"{cache_dir / 'demo-adapters'} (the demo adapters, generated at model load)"
-
-    def _admin_description(self) -> str:
-        token_file = self.engine_config.lora.admin_token_file
-        if token_file:
-            return f"load/unload need the token in {token_file} (admin_token); list is open"
-        return "load/unload are off (enable them with --admin-token-file FILE); list is open"
-
-    def _triton_admin_description(self) -> str:
-        apis = "shared-memory, logging, trace, model-repository"
-        if self.engine_config.lora.admin_token_file:
-            return (f"{apis} need the header '{ADMIN_KEY_HEADER}: <key>' (gRPC: '{GRPC_ADMIN_KEY_HEADER}'), "
-                    "the key being sha256('vlora-triton-admin-key:' + token) in hex")
-        return f"{apis} are off (they need an admin token: --admin-token-file FILE)"
+        return serving_banner(self.options, self.engine_config, self.model_dir, self.adapter_root, self.http_url,
+                              self.grpc_url, self.metrics_url, self.openai_url, self._log_path)
 
     def serve_forever(self) -> int:
         """Print the banner, then wait for the server; SIGINT/SIGTERM drain and stop it."""
@@ -540,7 +443,7 @@ class TritonServer:
             return ENGINE_FAILED_EXIT
         if self.openai_failure is not None:
             self._cleanup(False)
-            _say(self._out, f"tritonserver stopped after the OpenAI front end failed (its log: {self._openai_log})")
+            _say(self._out, f"tritonserver stopped after the OpenAI front end failed (its log: {self._openai.log_path})")
             return OPENAI_FAILED_EXIT
         if code != 0 and not self._stopping:
             _say(self._out, f"tritonserver exited with code {code}.\n{self.failure_report()}")
@@ -615,7 +518,8 @@ class TritonServer:
         """After tritonserver exited: kill what it left running (stubs that outlived it) and remove its
         shared-memory regions; remove a temporary workspace after a clean exit. The OpenAI front end, told to
         stop with the server, gets a few seconds more to finish its answers."""
-        self._reap_openai(timeout=10.0)
+        if self._openai is not None:
+            self._openai.reap(timeout=10.0)
         self._kill_group()
         for region in SHM_DIR.glob(f"{self.shm_prefix}*"):
             try:
@@ -636,37 +540,6 @@ class TritonServer:
 def _say(out: TextIO, text: str) -> None:
     out.write(text + "\n")
     out.flush()
-
-
-def _http_status(url: str, headers: Optional[dict] = None) -> Optional[int]:
-    """The HTTP status of a GET of ``url`` (sent directly, never through a *_proxy), None when unreachable."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return None
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _model_family(model_dir: Optional[str]) -> tuple[str, Optional[str]]:
-    """(config.json's model_type, the folder's name) of the served checkpoint; ("llava", None) when unknown."""
-    if not model_dir:
-        return "llava", None
-    try:
-        model_type = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        model_type = None
-    return (model_type if isinstance(model_type, str) and model_type else "llava"), Path(model_dir).name
 
 
 def _check_port_free(host: str, port: int) -> None:

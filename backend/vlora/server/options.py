@@ -27,7 +27,7 @@ class ServeOptions:
     startup_timeout_s: float = 900.0
     exit_timeout_s: int = 30
     prepare_defaults: bool = True  # generate the tiny model / demo adapters up front
-    # The OpenAI-compatible front end (vlora.server.openai_api), a process of its own on host:openai_port;
+    # The OpenAI-compatible front end (vlora.server.openai), a process of its own on host:openai_port;
     # 0 (the default here; `vlora serve`'s flag defaults to 9000): not started.
     openai_port: int = 0
     openai_max_body_bytes: int = 64 * 1024 * 1024
