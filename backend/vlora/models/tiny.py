@@ -69,6 +69,15 @@ SINGLE_BYTE_LOGIT_SCALE = 0.3  # see _shape_output_distribution
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+# The pixel rescaling and CLIP normalization every tiny model's image (and video) processor config carries.
+CLIP_PIXEL_SETTINGS = {
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": CLIP_MEAN,
+    "image_std": CLIP_STD,
+    "do_convert_rgb": True,
+}
 
 # LLaVA-1.5's conversation format, shared with the loader's fallback.
 CHAT_TEMPLATE = LLAVA_15_CHAT_TEMPLATE
@@ -323,12 +332,7 @@ def preprocessor_config() -> dict[str, Any]:
         "resample": 3,
         "do_center_crop": True,
         "crop_size": {"height": size, "width": size},
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": CLIP_MEAN,
-        "image_std": CLIP_STD,
-        "do_convert_rgb": True,
+        **CLIP_PIXEL_SETTINGS,
     }
 
 

@@ -52,8 +52,7 @@ from vlora.lora.adapter import ATTN_MODULES
 from vlora.lora.demo import DemoAdapter
 from vlora.models.qwen_processing import QwenVideoProcessorPil, load_qwen_processor  # noqa: F401 (re-exported)
 from vlora.models.tiny import (
-    CLIP_MEAN,
-    CLIP_STD,
+    CLIP_PIXEL_SETTINGS,
     CORPUS,
     build_atomically,
     ensure_peft_adapters,
@@ -85,16 +84,20 @@ MROPE_SECTION = [4, 6, 6]
 PATCH_SIZE = 14
 MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
+# The patching both vision towers share.
+VISION_PATCHING = dict(
+    in_channels=3,
+    patch_size=PATCH_SIZE,
+    spatial_merge_size=MERGE_SIZE,
+    temporal_patch_size=TEMPORAL_PATCH_SIZE,
+)
 VISION_QWEN2_VL = dict(
     depth=2,
     embed_dim=32,
     num_heads=2,  # vision head_dim 16
     mlp_ratio=2,
     hidden_act="quick_gelu",
-    in_channels=3,
-    patch_size=PATCH_SIZE,
-    spatial_merge_size=MERGE_SIZE,
-    temporal_patch_size=TEMPORAL_PATCH_SIZE,
+    **VISION_PATCHING,
 )
 VISION_QWEN2_5_VL = dict(
     depth=2,
@@ -102,10 +105,7 @@ VISION_QWEN2_5_VL = dict(
     intermediate_size=64,
     num_heads=2,
     hidden_act="silu",
-    in_channels=3,
-    patch_size=PATCH_SIZE,
-    spatial_merge_size=MERGE_SIZE,
-    temporal_patch_size=TEMPORAL_PATCH_SIZE,
+    **VISION_PATCHING,
     window_size=56,  # 2x2 merged tokens per window: a 112x56 image has 2 windows
     fullatt_block_indexes=[1],  # block 0 windowed, block 1 full
     tokens_per_second=2,
@@ -424,12 +424,7 @@ def _processor_config(kind: str, variant: QwenVariant, min_pixels: int, max_pixe
         "max_pixels": max_pixels,
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
         "resample": 3,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": CLIP_MEAN,
-        "image_std": CLIP_STD,
-        "do_convert_rgb": True,
+        **CLIP_PIXEL_SETTINGS,
         "patch_size": PATCH_SIZE,
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
         "merge_size": MERGE_SIZE,
