@@ -134,6 +134,18 @@ def test_a_video_is_one_item_with_its_own_key(setup):
         engine.inputs.prepare(GenerationRequest("w", f"{VIDEO_PLACEHOLDER}{VIDEO_PLACEHOLDER}", images=frames))
 
 
+def test_a_malformed_video_is_a_clear_refusal(setup):
+    """Frames of different sizes, or a <|video_pad|> beside the placeholder, are the client's error: a clear
+    InvalidRequest naming it (these reached the processor and came back as an internal ValueError)."""
+    engine, _, _ = setup
+    frames = [_png(20, 64, 64), _png(21, 64, 64), _png(22, 96, 64), _png(23, 64, 64)]
+    with pytest.raises(InvalidRequest, match=r"frames must all have the same size: frame 2 is \(96, 64\)"):
+        engine.inputs.prepare(GenerationRequest("s", f"{VIDEO_PLACEHOLDER}Go.", images=frames))
+    same = [_png(30 + i, 64, 64) for i in range(4)]
+    with pytest.raises(InvalidRequest, match="no other <\\|video_pad\\|>"):
+        engine.inputs.prepare(GenerationRequest("p", f"{VIDEO_PLACEHOLDER}Go.<|video_pad|><|video_pad|>", images=same))
+
+
 def test_qwen2_qkv_biases_ride_in_the_fused_group(setup):
     """The engine runs q/k/v as one GEMM over concatenated weights: Qwen2's q/k/v biases are concatenated
     the same way (and each projection's bias is a view of that row), o_proj keeps none."""

@@ -113,10 +113,16 @@ class Qwen2VLFamily(ModelFamily):
 
     def _video_prompt(self, loaded: LoadedModel, text: str, frames, apply_chat_template: bool) -> Prompt:
         processor = loaded.image_processor
-        if text.count(VIDEO_PLACEHOLDER) != 1 or VISION_PLACEHOLDER in text:
-            raise InvalidRequest(f"a video request has one {VIDEO_PLACEHOLDER} and no image placeholder")
+        if text.count(VIDEO_PLACEHOLDER) != 1 or text.count("<|video_pad|>") != 1 or VISION_PLACEHOLDER in text:
+            raise InvalidRequest(f"a video request has one {VIDEO_PLACEHOLDER}, no other <|video_pad|> and no "
+                                 "image placeholder")
         if not frames:
             raise InvalidRequest("a video request carries its frames as the request's images; none were given")
+        sizes = [getattr(f, "size", None) for f in frames]
+        if any(size != sizes[0] for size in sizes):
+            bad = next(i for i, size in enumerate(sizes) if size != sizes[0])
+            raise InvalidRequest(f"a video's frames must all have the same size: frame {bad} is {sizes[bad]}, "
+                                 f"frame 0 is {sizes[0]} (width, height)")
         if apply_chat_template:
             text = text.replace(VIDEO_PLACEHOLDER, "")
             text = processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}],
