@@ -594,6 +594,17 @@ def _h35_code(message: str):
     return m.group(1) if m else None
 
 
+def _at_once(call, n: int, join_s: float) -> list:
+    """``call()`` on ``n`` threads started together; the results that came within ``join_s`` each."""
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(call()), daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    return results
+
+
 def _h35_post(url: str, raw: bytes, timeout: float = 15.0):
     """(HTTP status, JSON body) of a raw POST, or (NO ANSWER, reason) when none came within ``timeout``."""
     req = urllib.request.Request(url, data=raw, headers={"Content-Type": "application/json"})
@@ -779,13 +790,7 @@ def test_h35_hostile_admin_requests_are_answered_and_the_server_stops_quickly(tm
         generate, _ = _urls(srv)
         body = {"text_input": "", "sampling_parameters": json.dumps(
             {"adapter_action": "load", "lora_name": SOURCE, "admin_token": "\ud800"})}
-        outcomes: list = []
-        senders = [threading.Thread(target=lambda: outcomes.append(
-            _h35_post(generate, json.dumps(body).encode(), timeout=20)), daemon=True) for _ in range(3)]
-        for t in senders:
-            t.start()
-        for t in senders:
-            t.join(30)
+        outcomes = _at_once(lambda: _h35_post(generate, json.dumps(body).encode(), timeout=20), 3, 30)
         assert len(outcomes) == 3 and all(status == 400 for status, _ in outcomes), outcomes
         assert all("admin_token" in p["error"] and "\\ud800" not in p["error"] for _, p in outcomes), outcomes
         assert_healthy(srv)
@@ -868,25 +873,14 @@ def test_h35_bad_input_overload_and_a_dead_engine_carry_their_codes_on_every_tra
 
         image_body = json.dumps({"text_input": "USER: <image>\nWhat? ASSISTANT:", "image": [b64(png_bytes(5))],
                                  "sampling_parameters": json.dumps({"max_tokens": 2})}).encode()
-        images: list = []
-        senders = [threading.Thread(target=lambda: images.append(_h35_post(generate, image_body)), daemon=True) for _ in range(4)]
-        for t in senders:
-            t.start()
-        for t in senders:
-            t.join(30)
+        images = _at_once(lambda: _h35_post(generate, image_body), 4, 30)
         assert len(images) == 4, images
         for status, payload in images:
             _h35_assert_unavailable_http(status, payload.get("error", ""), "image request")
         assert any("image requests already wait" in p.get("error", "") for _, p in images), images
         # Triton's own queue (--max-queue-size 4) full: a real 503.
-        burst: list = []
-        senders = [threading.Thread(target=lambda: burst.append(_h35_post(generate, json.dumps(
-            {"text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": 2})}).encode())), daemon=True)
-            for _ in range(10)]
-        for t in senders:
-            t.start()
-        for t in senders:
-            t.join(30)
+        burst = _at_once(lambda: _h35_post(generate, json.dumps(
+            {"text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": 2})}).encode()), 10, 30)
         assert len(burst) == 10, burst
         for status, payload in burst:
             _h35_assert_unavailable_http(status, payload.get("error", ""), "burst")
@@ -1059,13 +1053,7 @@ def test_h67_image_bytes_in_flight_are_bounded_and_memory_comes_back(tmp_path, v
         assert post_json(generate, body, timeout=120)[0] == 200  # warm: caches, the vision tower's buffers
         time.sleep(2.0)
         idle = _h67_stub_rss_mb(srv)
-        results: list = []
-        senders = [threading.Thread(target=lambda: results.append(post_json(generate, body, timeout=120)), daemon=True)
-                   for _ in range(12)]
-        for t in senders:
-            t.start()
-        for t in senders:
-            t.join(180)
+        results = _at_once(lambda: post_json(generate, body, timeout=120), 12, 180)
         assert len(results) == 12, results
         ok = [r for r in results if r[0] == 200]
         refused = [r for r in results if r[0] != 200]
