@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # shared test helpers (engine_parity) import from here
+sys.path.insert(0, str(Path(__file__).parent))  # shared test helpers (helpers, engine_parity) import from here
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from PIL import Image
 
-from vlora.config import EngineConfig
+from helpers import peft_with_adapters, tiny_config, with_adapter
 from vlora.engine.api import GenerationRequest, SamplingParams
 from vlora.engine.builder import build_engine
 from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER
@@ -48,25 +48,19 @@ QWEN_SPECS = {
 
 
 def make_engine(tiny_model_dir, demo_adapter_root, device: str, dtype: str, **over):
-    cfg = EngineConfig().with_overrides({
-        "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root),
-        "model.device": device, "model.dtype": dtype, "lora.max_gpu_adapters": "4", "lora.max_rank": "32",
+    return build_engine(tiny_config(tiny_model_dir, demo_adapter_root, **{
+        "model.device": device, "model.dtype": dtype, "lora.max_gpu_adapters": "4",
         "cache.num_blocks": "512",  # several engines share one GPU in the tests
         **over,
-    })
-    return build_engine(cfg)
+    }))
 
 
 def make_reference(tiny_model_dir, demo_adapter_root, device: str, dtype: torch.dtype):
     """transformers LlavaForConditionalGeneration with every demo adapter loaded through PEFT."""
-    import peft
     from transformers import LlavaForConditionalGeneration
 
     base = LlavaForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=dtype, local_files_only=True).to(device).eval()
-    model = peft.PeftModel.from_pretrained(base, demo_adapter_root / ADAPTERS[0], adapter_name=ADAPTERS[0]).eval()
-    for name in ADAPTERS[1:]:
-        model.load_adapter(demo_adapter_root / name, adapter_name=name)
-    return model.to(device)
+    return peft_with_adapters(base, demo_adapter_root, ADAPTERS).eval().to(device)
 
 
 def _ref_logits(ref, adapter, ids, pixel_values):
@@ -74,12 +68,7 @@ def _ref_logits(ref, adapter, ids, pixel_values):
     kw = {"input_ids": torch.tensor([ids], device=dev)}
     if pixel_values is not None:
         kw["pixel_values"] = pixel_values.to(dev, next(ref.parameters()).dtype)
-    with torch.no_grad():
-        if adapter is None:
-            with ref.disable_adapter():
-                return ref(**kw).logits[0, -1].float()
-        ref.set_adapter(adapter)
-        return ref(**kw).logits[0, -1].float()
+    return with_adapter(ref, adapter, lambda: ref(**kw).logits[0, -1].float())
 
 
 def _requests(engine, specs):
@@ -160,6 +149,15 @@ def check_adapters_matter(engine, reference):
         assert delta > 1e-3, f"{name} barely changes the logits ({delta:.1e})"
 
 
+def add_greedy(engine, rid: str, adapter: Optional[str], text: str, images=(), max_new: int = MAX_NEW):
+    """Queue request ``rid`` (``adapter`` None: the base model) for ``max_new`` tokens, EOS ignored, its outputs
+    dropped; returns its Sequence."""
+    req = GenerationRequest(rid, text, images=list(images), lora_name=adapter,
+                            sampling=SamplingParams(max_tokens=max_new, ignore_eos=True))
+    engine.add_request(engine.inputs.prepare(req), lambda out: None)
+    return engine.waiting[-1]
+
+
 def step_recording(engine, seqs: dict, logits: dict):
     """One ``engine.step()``; each row's logits go to ``logits[(request id, output index)]``, the index of the
     token that step chose (``output_ids[-1]``, or with the step overlap the one still in flight). ``seqs``:
@@ -168,8 +166,31 @@ def step_recording(engine, seqs: dict, logits: dict):
     if result is not None:
         for row, rid in enumerate(result.request_ids):
             s = seqs[rid]
-            logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].clone()
+            logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].float().clone()
     return result
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def check_fast_against_eager(fast, ref, scripts: dict, run, max_new: int, rtol: float, exact: bool) -> None:
+    """Every script of ``scripts`` (name -> ScriptedPolicy script) run by ``run(engine, script)`` (returning
+    (request id -> output ids, (request id, output index) -> logits)) on the fast engine and on the eager
+    reference: ``max_new`` tokens each, the same tokens when ``exact``, and the logits within ``rtol``. Not
+    exact (bf16): the prefill's logits and the first decode step's (a graph replay), whose input token both
+    engines chose alike; after a token differs, the inputs differ."""
+    for name, script in scripts.items():
+        tokens, logits = run(fast, script)
+        ref_tokens, ref_logits = run(ref, script)
+        assert all(len(t) == max_new for t in tokens.values())
+        if exact:
+            assert tokens == ref_tokens, name
+        for (rid, i), want in ref_logits.items():
+            if not exact and (i > 1 or tokens[rid][0] != ref_tokens[rid][0]):
+                continue
+            err = rel_err(logits[(rid, i)], want)
+            assert err <= rtol, f"{name} {rid} step {i}: relative error {err:.2e} > {rtol:.0e}"
 
 
 class ScriptedPolicy(Policy):

@@ -295,7 +295,11 @@ class RunnerConfig:
     step eagerly. An eager prefill issues about 350 launches from Python and is bound by its host on most
     machines seen: a 600-token prompt of the 7B model took 14.3-22 ms eagerly on H100 hosts against 12.3 ms
     of kernels. The default 1,024 covers a one-image LLaVA prompt; its 33 graphs take a few seconds to
-    capture at load (7B on an H100: 3.4 s, 388 MiB) and share the decode graphs' memory pool. ``gemv_max_rows``: steps of at most this many
+    capture at load (7B on an H100: 3.4 s, 388 MiB) and share the decode graphs' memory pool.
+    ``vision_graph_images``: with ``cuda_graphs: auto``, a vision tower of one fixed image size (LLaVA's CLIP)
+    and its projector are captured per bucket of this many images, with vision-side LoRA inside
+    (:mod:`vlora.engine.vision_graphs`); an eager CLIP forward is bound by its host (22 ms for one image on an
+    H200 against 0.5 ms of FLOPs); empty: eager. ``gemv_max_rows``: steps of at most this many
     rows (tokens; 0..16) run their projections (q/k/v, o, gate/up with SiLU * up fused where the layer has
     no LoRA work, down, and the LM head) as memory-bound Triton kernels (:mod:`vlora.engine.gemv`) instead
     of cuBLAS, on CUDA in bf16/fp16 (fp32 keeps cuBLAS); a row gives the same bits in any step of up to that
@@ -305,16 +309,21 @@ class RunnerConfig:
     ``gemv_table``: a launch table file for those kernels (what ``benchmarks/gemv_probe.py --table-out``
     writes), its entries over the committed ones; null: the package's ``engine/gemv_tables/<gpu>.json`` for
     this GPU where one is shipped (``$VLORA_GEMV_TABLE``, for the benchmarks, before it), else the committed
-    table alone (:class:`vlora.engine.gemv.GemvTable`). Read once at load.
+    table alone (:class:`vlora.engine.gemv.GemvTable`). Read once at load. ``warmup``: before the engine is
+    ready, run one request of every path (text greedy and sampled, an image, a video, the first adapter's
+    LoRA and task heads: :mod:`vlora.engine.warmup`) so that the first client request pays for no compilation
+    or plan; ``auto``: on CUDA devices.
     """
 
     cuda_graphs: str = "auto"
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     prefill_graph_tokens: int = 1024
+    vision_graph_images: tuple[int, ...] = (1, 2, 4, 8)
     gemv_max_rows: int = 16
     gemv_table: Optional[str] = None
     attention: str = "auto"
     overlap: str = "auto"
+    warmup: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graphs, bool):  # YAML reads a bare off/on as a boolean
@@ -325,6 +334,8 @@ class RunnerConfig:
         _require(self.attention in ATTENTION_BACKENDS, f"engine.attention must be one of {ATTENTION_BACKENDS}")
         _require(isinstance(self.prefill_graph_tokens, int) and 0 <= self.prefill_graph_tokens <= 16384,
                  "engine.prefill_graph_tokens must be an integer in [0, 16384]")
+        _require(all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 64 for b in self.vision_graph_images),
+                 "engine.vision_graph_images must be integers in [1, 64] (empty: the vision tower runs eagerly)")
         _require(isinstance(self.gemv_max_rows, int) and not isinstance(self.gemv_max_rows, bool)
                  and 0 <= self.gemv_max_rows <= 16, "engine.gemv_max_rows must be an integer in [0, 16]")
         _require(self.gemv_table is None or (isinstance(self.gemv_table, str) and self.gemv_table),
@@ -332,6 +343,9 @@ class RunnerConfig:
         if isinstance(self.overlap, bool):
             object.__setattr__(self, "overlap", "on" if self.overlap else "off")
         _require(self.overlap in ("auto", "on", "off"), "engine.overlap must be auto, on or off")
+        if isinstance(self.warmup, bool):
+            object.__setattr__(self, "warmup", "on" if self.warmup else "off")
+        _require(self.warmup in ("auto", "on", "off"), "engine.warmup must be auto, on or off")
 
 
 @dataclass(frozen=True)

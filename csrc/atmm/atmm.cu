@@ -181,6 +181,18 @@ size_t carve(size_t& cursor, size_t bytes) {
   cursor = at + bytes;
   return at;
 }
+
+// The problem arrays of n grouped-GEMM problems.
+ProblemArrays carve_problems(size_t& cursor, size_t n) {
+  ProblemArrays o;
+  o.problems = carve(cursor, n * sizeof(cutlass::gemm::GemmCoord));
+  o.ptr_a = carve(cursor, n * sizeof(void*));
+  o.ptr_b = carve(cursor, n * sizeof(void*));
+  o.ptr_c = carve(cursor, n * sizeof(void*));
+  o.ld_ab = carve(cursor, n * sizeof(int64_t));
+  o.ld_c = carve(cursor, n * sizeof(int64_t));
+  return o;
+}
 }  // namespace
 
 // The largest workspace any Hopper kernel needs for this call (shrink and expand run one after the
@@ -207,18 +219,8 @@ WorkspaceLayout workspace_layout(int num_segments, int split_k, int64_t num_toke
   WorkspaceLayout w{};
   size_t c = 0;
   size_t p1 = size_t(num_segments) * size_t(split_k), p2 = size_t(num_segments);
-  w.shrink_problems = carve(c, p1 * sizeof(cutlass::gemm::GemmCoord));
-  w.shrink_ptr_a = carve(c, p1 * sizeof(void*));
-  w.shrink_ptr_b = carve(c, p1 * sizeof(void*));
-  w.shrink_ptr_c = carve(c, p1 * sizeof(void*));
-  w.shrink_ld_ab = carve(c, p1 * sizeof(int64_t));
-  w.shrink_ld_c = carve(c, p1 * sizeof(int64_t));
-  w.expand_problems = carve(c, p2 * sizeof(cutlass::gemm::GemmCoord));
-  w.expand_ptr_a = carve(c, p2 * sizeof(void*));
-  w.expand_ptr_b = carve(c, p2 * sizeof(void*));
-  w.expand_ptr_c = carve(c, p2 * sizeof(void*));
-  w.expand_ld_ab = carve(c, p2 * sizeof(int64_t));
-  w.expand_ld_c = carve(c, p2 * sizeof(int64_t));
+  w.shrink = carve_problems(c, p1);
+  w.expand = carve_problems(c, p2);
   w.alpha = carve(c, p2 * sizeof(float));
   w.alpha_ptrs = carve(c, p2 * sizeof(float*));
   w.seg_rank = carve(c, p2 * sizeof(int));
@@ -246,20 +248,27 @@ struct PrepParams {
   WorkspaceLayout w;
 };
 
+namespace {
+// One direction's problem arrays (ProblemArrays), typed, in the workspace.
+struct Problems {
+  cutlass::gemm::GemmCoord* size;
+  const char** a;
+  const char** b;
+  char** c;
+  int64_t* ld_ab;
+  int64_t* ld_c;
+};
+
+__device__ inline Problems problems_at(char* ws, ProblemArrays const& o) {
+  return Problems{reinterpret_cast<cutlass::gemm::GemmCoord*>(ws + o.problems), reinterpret_cast<const char**>(ws + o.ptr_a),
+                  reinterpret_cast<const char**>(ws + o.ptr_b), reinterpret_cast<char**>(ws + o.ptr_c),
+                  reinterpret_cast<int64_t*>(ws + o.ld_ab), reinterpret_cast<int64_t*>(ws + o.ld_c)};
+}
+}  // namespace
+
 __global__ void prep_kernel(PrepParams p, SlotTable slots) {
   using cutlass::gemm::GemmCoord;
-  auto* sp = reinterpret_cast<GemmCoord*>(p.ws + p.w.shrink_problems);
-  auto** sa = reinterpret_cast<const char**>(p.ws + p.w.shrink_ptr_a);
-  auto** sb = reinterpret_cast<const char**>(p.ws + p.w.shrink_ptr_b);
-  auto** sc = reinterpret_cast<char**>(p.ws + p.w.shrink_ptr_c);
-  auto* sld_ab = reinterpret_cast<int64_t*>(p.ws + p.w.shrink_ld_ab);
-  auto* sld_c = reinterpret_cast<int64_t*>(p.ws + p.w.shrink_ld_c);
-  auto* ep = reinterpret_cast<GemmCoord*>(p.ws + p.w.expand_problems);
-  auto** ea = reinterpret_cast<const char**>(p.ws + p.w.expand_ptr_a);
-  auto** eb = reinterpret_cast<const char**>(p.ws + p.w.expand_ptr_b);
-  auto** ec = reinterpret_cast<char**>(p.ws + p.w.expand_ptr_c);
-  auto* eld_ab = reinterpret_cast<int64_t*>(p.ws + p.w.expand_ld_ab);
-  auto* eld_c = reinterpret_cast<int64_t*>(p.ws + p.w.expand_ld_c);
+  const Problems sh = problems_at(p.ws, p.w.shrink), ex = problems_at(p.ws, p.w.expand);
   auto* alpha = reinterpret_cast<float*>(p.ws + p.w.alpha);
   auto** alpha_ptrs = reinterpret_cast<const float**>(p.ws + p.w.alpha_ptrs);
   auto* seg_rank = reinterpret_cast<int*>(p.ws + p.w.seg_rank);
@@ -281,20 +290,20 @@ __global__ void prep_kernel(PrepParams p, SlotTable slots) {
       int j = i * p.split_k + k;
       int k0 = k * p.k_chunk;
       int kk = min(p.k_chunk, p.d_in - k0);
-      sp[j] = GemmCoord(m, rp, kk > 0 ? kk : 0);
-      if (kk <= 0) sp[j] = GemmCoord(0, 0, 0);
-      sa[j] = p.x + (int64_t(lo) * p.ld_x + k0) * eb_;
-      sb[j] = p.lora_a + (int64_t(s_safe) * p.r_max * p.d_in + k0) * eb_;
-      sc[j] = partial + (int64_t(k) * p.num_tokens + lo) * p.r_max * int64_t(sizeof(float));
-      sld_ab[j] = p.d_in;
-      sld_c[j] = p.r_max;
+      sh.size[j] = GemmCoord(m, rp, kk > 0 ? kk : 0);
+      if (kk <= 0) sh.size[j] = GemmCoord(0, 0, 0);
+      sh.a[j] = p.x + (int64_t(lo) * p.ld_x + k0) * eb_;
+      sh.b[j] = p.lora_a + (int64_t(s_safe) * p.r_max * p.d_in + k0) * eb_;
+      sh.c[j] = partial + (int64_t(k) * p.num_tokens + lo) * p.r_max * int64_t(sizeof(float));
+      sh.ld_ab[j] = p.d_in;
+      sh.ld_c[j] = p.r_max;
     }
-    ep[i] = GemmCoord(m, m > 0 ? p.d_out : 0, rp);
-    ea[i] = v + int64_t(lo) * p.r_max * eb_;
-    eb[i] = p.lora_b + int64_t(s_safe) * p.d_out * p.r_max * eb_;
-    ec[i] = p.y + int64_t(lo) * p.ld_y * eb_;
-    eld_ab[i] = p.r_max;
-    eld_c[i] = p.ld_y;
+    ex.size[i] = GemmCoord(m, m > 0 ? p.d_out : 0, rp);
+    ex.a[i] = v + int64_t(lo) * p.r_max * eb_;
+    ex.b[i] = p.lora_b + int64_t(s_safe) * p.d_out * p.r_max * eb_;
+    ex.c[i] = p.y + int64_t(lo) * p.ld_y * eb_;
+    ex.ld_ab[i] = p.r_max;
+    ex.ld_c[i] = p.ld_y;
     alpha[i] = rp > 0 ? slots.scale[slot] : 0.0f;
     alpha_ptrs[i] = alpha + i;
   }
@@ -492,6 +501,13 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
     int64_t t = (a.num_tokens / tb_m + a.num_segments) * int64_t((n + tb_n - 1) / tb_n) * groups;
     return int(std::min<int64_t>(t, 1 << 30));
   };
+  // One direction's CUTLASS grouped GEMM over the prep kernel's problem arrays (A and B share one stride array).
+  auto grouped = [&](ProblemArrays const& o, int count, int tile_bound, float const* const* alpha_ptrs, float beta) {
+    return GroupedLaunch{ws + o.problems, count, tile_bound, reinterpret_cast<void**>(ws + o.ptr_a),
+                         reinterpret_cast<void**>(ws + o.ptr_b), reinterpret_cast<void**>(ws + o.ptr_c),
+                         reinterpret_cast<int64_t*>(ws + o.ld_ab), reinterpret_cast<int64_t*>(ws + o.ld_ab),
+                         reinterpret_cast<int64_t*>(ws + o.ld_c), alpha_ptrs, beta, ws + w.scratch, w.scratch_bytes};
+  };
   if (phases & kPhaseShrink) {
 #if ATMM_HAVE_TRITON
     if (sum_in_place) {  // zero the partial the shrink adds into; the shrink starts as this kernel's dependent
@@ -503,12 +519,9 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
     }
 #endif
     if (cutlass_shrink) {
-      GroupedLaunch ls{ws + w.shrink_problems, a.num_segments * splits_used, tiles(cs.tb_m, cs.tb_n, r_pad_max, splits_used),
-                       reinterpret_cast<void**>(ws + w.shrink_ptr_a), reinterpret_cast<void**>(ws + w.shrink_ptr_b),
-                       reinterpret_cast<void**>(ws + w.shrink_ptr_c), reinterpret_cast<int64_t*>(ws + w.shrink_ld_ab),
-                       reinterpret_cast<int64_t*>(ws + w.shrink_ld_ab), reinterpret_cast<int64_t*>(ws + w.shrink_ld_c),
-                       nullptr, 0.0f, ws + w.scratch, w.scratch_bytes};
-      e = cs.fn(Direction::kShrink, a.dtype)(ls, stream);
+      e = cs.fn(Direction::kShrink, a.dtype)(
+          grouped(w.shrink, a.num_segments * splits_used, tiles(cs.tb_m, cs.tb_n, r_pad_max, splits_used), nullptr, 0.0f),
+          stream);
     } else {
       e = (a.dtype == DType::kF16 ? cs.fused_f16 : cs.fused_bf16)(fa, stream);
     }
@@ -519,12 +532,10 @@ std::string forward_phases(ForwardArgs const& a, int phases, cudaStream_t stream
     if (cutlass_expand) {
       if (!v_ready) e = launch_reduce(a, w, fa.splits, stream);
       if (e != cudaSuccess) return std::string("atmm: reduce: ") + cudaGetErrorString(e) + ": " + shape_of(a);
-      GroupedLaunch le{ws + w.expand_problems, a.num_segments, tiles(ce.tb_m, ce.tb_n, a.d_out, 1),
-                       reinterpret_cast<void**>(ws + w.expand_ptr_a), reinterpret_cast<void**>(ws + w.expand_ptr_b),
-                       reinterpret_cast<void**>(ws + w.expand_ptr_c), reinterpret_cast<int64_t*>(ws + w.expand_ld_ab),
-                       reinterpret_cast<int64_t*>(ws + w.expand_ld_ab), reinterpret_cast<int64_t*>(ws + w.expand_ld_c),
-                       reinterpret_cast<float const* const*>(ws + w.alpha_ptrs), 1.0f, ws + w.scratch, w.scratch_bytes};
-      e = ce.fn(Direction::kExpand, a.dtype)(le, stream);
+      e = ce.fn(Direction::kExpand, a.dtype)(
+          grouped(w.expand, a.num_segments, tiles(ce.tb_m, ce.tb_n, a.d_out, 1),
+                  reinterpret_cast<float const* const*>(ws + w.alpha_ptrs), 1.0f),
+          stream);
     } else {
       e = (a.dtype == DType::kF16 ? ce.fused_f16 : ce.fused_bf16)(fa, stream);
     }

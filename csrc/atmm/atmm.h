@@ -77,10 +77,15 @@ const std::vector<KernelConfig>& kernel_configs();
 // Index of a configuration by name, or -1.
 int find_config(const std::string& name);
 
+// Where one direction's grouped-GEMM problem arrays lie in the workspace (the prep kernel writes them):
+// problem sizes, A/B/C pointers, the A and B leading dimension (one array for both) and C's.
+struct ProblemArrays {
+  size_t problems, ptr_a, ptr_b, ptr_c, ld_ab, ld_c;
+};
+
 // Workspace carved into the per-call metadata and intermediates (see forward()).
 struct WorkspaceLayout {
-  size_t shrink_problems, shrink_ptr_a, shrink_ptr_b, shrink_ptr_c, shrink_ld_ab, shrink_ld_c;
-  size_t expand_problems, expand_ptr_a, expand_ptr_b, expand_ptr_c, expand_ld_ab, expand_ld_c;
+  ProblemArrays shrink, expand;
   size_t alpha, alpha_ptrs, seg_rank, partial, v;
   size_t slot_scale;  // kMaxSlots floats, then kMaxSlots ints: each slot's scale and padded rank (Triton expand)
   size_t scratch, scratch_bytes;  // the Hopper kernels' own workspace (the largest any of them needs)

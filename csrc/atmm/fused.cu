@@ -257,13 +257,5 @@ cudaError_t fused_expand(FusedArgs const& a, cudaStream_t stream) {
   cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) { return gemv_shrink<__half>(a, s); } \
   cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) { return gemv_shrink<__nv_bfloat16>(a, s); } \
   }
-#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB)                                                          \
-  namespace atmm {                                                                                      \
-  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                              \
-    return fused_expand<__half, BM, BN, WM, WN, MINB>(a, s);                                                  \
-  }                                                                                                     \
-  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                             \
-    return fused_expand<__nv_bfloat16, BM, BN, WM, WN, MINB>(a, s);                                           \
-  }                                                                                                     \
-  }
+#define ATMM_FUSED_EXPAND(NAME, BM, BN, WM, WN, MINB) ATMM_DEFINE_FUSED(NAME, fused_expand, BM, BN, WM, WN, MINB)
 #include "atmm/tile_configs.def"

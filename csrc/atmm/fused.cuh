@@ -50,6 +50,19 @@ cudaError_t launch_slot_scale(FusedArgs const& a, cudaStream_t stream);
 cudaError_t launch_zero_partial(FusedArgs const& a, bool scales, cudaStream_t stream);
 #endif
 
+// Defines config NAME's entry points that atmm.cu's registry names, atmm_fused_NAME_f16 and atmm_fused_NAME_bf16:
+// KERNEL<__half, ...>(a, s) and KERNEL<__nv_bfloat16, ...>(a, s), the rest of the arguments being KERNEL's
+// template arguments after the element type (KERNEL is looked up in namespace atmm). Expand it at file scope.
+#define ATMM_DEFINE_FUSED(NAME, KERNEL, ...)                                 \
+  namespace atmm {                                                           \
+  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {  \
+    return KERNEL<__half, __VA_ARGS__>(a, s);                                \
+  }                                                                          \
+  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) { \
+    return KERNEL<__nv_bfloat16, __VA_ARGS__>(a, s);                         \
+  }                                                                          \
+  }
+
 template <typename T>
 cudaError_t gemv_shrink(FusedArgs const& a, cudaStream_t stream);
 template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>

@@ -44,35 +44,33 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
+// ldmatrix .x4 of four 8x8 b16 tiles; LAYOUT "" or ".trans" (each tile transposed on the way).
+#define ATMM_LDSM_X4(FN, LAYOUT)                                                             \
+  __device__ __forceinline__ void FN(uint32_t (&r)[4], const void* p) {                      \
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4" LAYOUT ".shared.b16 {%0,%1,%2,%3}, [%4];\n" \
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                            \
+                 : "r"(smem_u32(p)));                                                        \
+  }
+ATMM_LDSM_X4(ldsm_x4, "")
+ATMM_LDSM_X4(ldsm_x4_t, ".trans")
+#undef ATMM_LDSM_X4
 
+// mma.sync m16n8k16, T x T -> fp32, for T = __nv_bfloat16 ("bf16") and __half ("f16").
 template <typename T>
 struct Mma;
-template <>
-struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-template <>
-struct Mma<__half> {
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
+#define ATMM_MMA_M16N8K16(T, PTX)                                                                                 \
+  template <>                                                                                                     \
+  struct Mma<T> {                                                                                                 \
+    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { \
+      asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "                                            \
+          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                               \
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                        \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                                        \
+    }                                                                                                             \
+  };
+ATMM_MMA_M16N8K16(__nv_bfloat16, "bf16")
+ATMM_MMA_M16N8K16(__half, "f16")
+#undef ATMM_MMA_M16N8K16
 
 template <typename T>
 struct Pair;  // two elements packed in 32 bits, and their conversions
@@ -88,6 +86,17 @@ struct Pair<__half> {
   static __device__ __forceinline__ float2 to_f2(P v) { return __half22float2(v); }
   static __device__ __forceinline__ P from_f2(float a, float b) { return __floats2half2_rn(a, b); }
 };
+
+// Zeroes a warp's mma accumulators: M x N fragments of four floats.
+template <int M, int N>
+__device__ __forceinline__ void zero_acc(float (&acc)[M][N][4]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+}
 
 // Programmatic dependent launch (sm_90): let the next kernel start / wait for the previous one.
 __device__ __forceinline__ void pdl_launch_dependents() {
@@ -198,12 +207,7 @@ struct ShrinkTile {
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp % WM, wn = warp / WM;
-#pragma unroll
-    for (int i = 0; i < C::MT; ++i)
-#pragma unroll
-      for (int j = 0; j < C::NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+    zero_acc(acc);
 
     for (int kb = 0; kb < nk; ++kb) {
       cp_async_wait<STAGES - 2>();
@@ -466,12 +470,7 @@ struct UpdateOps {
       const T* sb = smem + (j % STAGES) * C::kStageElems;
       T* sy = const_cast<T*>(sb) + C::kBElems;
       float acc[C::MT][C::NT][4];
-#pragma unroll
-      for (int i = 0; i < C::MT; ++i)
-#pragma unroll
-        for (int q = 0; q < C::NT; ++q)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[i][q][e] = 0.f;
+      zero_acc(acc);
 #pragma unroll
       for (int ks = 0; ks < C::KS; ++ks) {
         if (ks * 16 >= K16) break;

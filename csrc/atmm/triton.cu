@@ -229,38 +229,24 @@ cudaError_t launch_zero_partial(FusedArgs const& a, bool scales, cudaStream_t st
   return cudaGetLastError();
 }
 
-// One loaded-function cache per (config, dtype, EVEN); the entry points atmm.cu's registry names.
-#define ATMM_TRITON_SHRINK(NAME, BM, BK, R, W, S)                                                              \
+// One loaded-function cache per (config, dtype, EVEN); the entry points atmm.cu's registry names, each
+// LAUNCH(that dtype's functions, "NAME", dtype, the family's arguments..., a, s); the config's shared memory.
+#define ATMM_TRITON_ENTRIES(NAME, LAUNCH, ...)                                                                 \
   static TritonFn triton_fn_##NAME[2][2];                                                                       \
   cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                                    \
-    return triton_shrink(triton_fn_##NAME[0], #NAME, DType::kF16, BM, BK, R, a, s);                             \
+    return LAUNCH(triton_fn_##NAME[0], #NAME, DType::kF16, __VA_ARGS__, a, s);                                  \
   }                                                                                                             \
   cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                                   \
-    return triton_shrink(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, BK, R, a, s);                            \
+    return LAUNCH(triton_fn_##NAME[1], #NAME, DType::kBF16, __VA_ARGS__, a, s);                                 \
   }                                                                                                             \
   size_t atmm_fused_##NAME##_smem() { return triton_smem(#NAME); }
-#define ATMM_TRITON_EXPAND(NAME, BM, BN, R, CH, W, S)                                                          \
-  static TritonFn triton_fn_##NAME[2][2];                                                                       \
-  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                                    \
-    return triton_expand(triton_fn_##NAME[0], #NAME, DType::kF16, BM, CH, R, a, s);                             \
-  }                                                                                                             \
-  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                                   \
-    return triton_expand(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, CH, R, a, s);                            \
-  }                                                                                                             \
-  size_t atmm_fused_##NAME##_smem() { return triton_smem(#NAME); }
-#define ATMM_TRITON_EXPAND_COLS(NAME, BM, BN, R, W, S, WAVES)                                                  \
-  static TritonFn triton_fn_##NAME[2][2];                                                                       \
-  cudaError_t atmm_fused_##NAME##_f16(FusedArgs const& a, cudaStream_t s) {                                    \
-    return triton_expand_cols(triton_fn_##NAME[0], #NAME, DType::kF16, BM, BN, R, WAVES, a, s);                 \
-  }                                                                                                             \
-  cudaError_t atmm_fused_##NAME##_bf16(FusedArgs const& a, cudaStream_t s) {                                   \
-    return triton_expand_cols(triton_fn_##NAME[1], #NAME, DType::kBF16, BM, BN, R, WAVES, a, s);                \
-  }                                                                                                             \
-  size_t atmm_fused_##NAME##_smem() { return triton_smem(#NAME); }
+#define ATMM_TRITON_SHRINK(NAME, BM, BK, R, W, S) ATMM_TRITON_ENTRIES(NAME, triton_shrink, BM, BK, R)
+#define ATMM_TRITON_EXPAND(NAME, BM, BN, R, CH, W, S) ATMM_TRITON_ENTRIES(NAME, triton_expand, BM, CH, R)
+#define ATMM_TRITON_EXPAND_COLS(NAME, BM, BN, R, W, S, WAVES) \
+  ATMM_TRITON_ENTRIES(NAME, triton_expand_cols, BM, BN, R, WAVES)
 #include "atmm/tile_configs.def"
-#undef ATMM_TRITON_SHRINK
-#undef ATMM_TRITON_EXPAND
-#undef ATMM_TRITON_EXPAND_COLS
+#include "atmm/tile_configs_undef.h"
+#undef ATMM_TRITON_ENTRIES
 
 }  // namespace atmm
 #endif  // ATMM_HAVE_TRITON

@@ -23,11 +23,13 @@ STARTUP_TIMEOUT_S = 300
 ADMIN_TOKEN = "e2e-admin-token-0123456789"  # what start_server's servers require for adapter load/unload
 
 
-from vlora.server.ports import free_ports  # noqa: E402,F401  (the e2e tests import it from here)
+from vlora.server.ports import ServerUrls, free_ports  # noqa: E402,F401  (the e2e tests import free_ports from here)
 
 
 @dataclass
-class RunningServer:
+class RunningServer(ServerUrls):
+    """A `vlora serve` process on loopback; its URLs as the launcher's (ServerUrls: http_url with its scheme)."""
+
     proc: subprocess.Popen
     workspace: Path
     output: Path  # the launcher's stdout and stderr
@@ -37,23 +39,7 @@ class RunningServer:
     adapters: list[str]
     admin_token: Optional[str] = None  # None: the server refuses adapter load/unload
     openai_port: int = 0  # the OpenAI API's port (start_server(openai=True)); 0: off
-
-    @property
-    def openai_url(self) -> str:
-        """The OpenAI API's base URL, for ``openai.OpenAI(base_url=...)``."""
-        return f"http://127.0.0.1:{self.openai_port}/v1"
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+    url_host = "127.0.0.1"
 
     def launcher_output(self) -> str:
         return self.output.read_text(errors="replace") if self.output.exists() else ""
@@ -65,7 +51,7 @@ class RunningServer:
         return "\n".join(log.read_text(errors="replace").splitlines()[-tail:])
 
     def is_ready(self) -> bool:
-        return http_status(f"http://{self.http_url}/v2/models/{MODEL}/ready") == 200
+        return http_status(f"{self.http_url}/v2/models/{MODEL}/ready") == 200
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
@@ -159,6 +145,17 @@ def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
+
+
+def assert_refused(server, body: dict, words) -> str:
+    """POST ``body`` to ``server``'s /generate: a 400 whose error mentions each of ``words`` (any case).
+    Returns the error message."""
+    status, payload = post_json(f"{server.http_url}/v2/models/{MODEL}/generate", body)
+    assert status == 400, (status, payload)
+    message = payload.get("error", "")
+    for word in words:
+        assert word.lower() in message.lower(), f"error {message!r} does not mention {word!r}"
+    return message
 
 
 def post_sse(url: str, body: dict, timeout: float = 120.0) -> list[dict]:

@@ -180,7 +180,7 @@ def test_unload_under_steady_traffic_completes(server, add_adapter):
 
 
 def test_admin_requests_are_checked(server):
-    url = f"http://{server.http_url}/v2/models/{MODEL}/generate"
+    url = f"{server.http_url}/v2/models/{MODEL}/generate"
     for body, words in (({"text_input": "", "adapter_action": "reload"}, ["adapter_action", "reload"]),
                         ({"text_input": "", "adapter_action": "load"}, ["lora_name"]),
                         ({"text_input": "", "adapter_action": "list", "max_tokens": 3}, ["max_tokens"])):
@@ -193,7 +193,7 @@ def test_admin_requests_are_checked(server):
 def test_load_and_unload_need_the_admin_token(server, add_adapter):
     """load/unload carry the server's token (sampling_parameters or a request parameter); list is open. A
     refusal is one log line without a traceback, and the token is never echoed."""
-    url = f"http://{server.http_url}/v2/models/{MODEL}/generate"
+    url = f"{server.http_url}/v2/models/{MODEL}/generate"
     name = add_adapter()
     wrong = "not-the-token-0123456789"
     log_start = len(server.server_log(1_000_000).splitlines())
@@ -222,7 +222,7 @@ def test_load_and_unload_need_the_admin_token(server, add_adapter):
     log = server.server_log(1_000_000)
     assert wrong not in log and server.admin_token not in log
     # Clients can read the model's configuration: it names the token's file, never the token.
-    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{MODEL}/config", timeout=10) as r:
+    with urllib.request.urlopen(f"{server.http_url}/v2/models/{MODEL}/config", timeout=10) as r:
         config = r.read().decode()
     assert "lora.admin_token_file" in config and server.admin_token not in config
 

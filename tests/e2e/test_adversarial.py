@@ -35,13 +35,13 @@ SOURCE = "demo-r8-qv"
 
 
 def _urls(server) -> tuple[str, str]:
-    base = f"http://{server.http_url}/v2/models/{MODEL}"
+    base = f"{server.http_url}/v2/models/{MODEL}"
     return f"{base}/generate", f"{base}/generate_stream"
 
 
 def assert_healthy(server, within_s: float = HEALTHY_WITHIN_S) -> None:
     """The server reports ready and answers a normal request, correctly and within ``within_s``."""
-    assert http_status(f"http://{server.http_url}/v2/health/ready") == 200
+    assert http_status(f"{server.http_url}/v2/health/ready") == 200
     generate, _ = _urls(server)
     t0 = time.monotonic()
     status, payload = post_json(generate, {"text_input": "USER: How many circles? ASSISTANT:",
@@ -320,8 +320,8 @@ def test_a_wedged_engine_fails_its_requests_and_takes_the_server_down(tmp_path, 
         code = srv.proc.wait(timeout=60)
         out = srv.launcher_output()
         assert code == 3 and "ENGINE FAILED" in out and "no progress" in out, out[-2000:]
-        assert http_status(f"http://{srv.http_url}/v2/health/ready") != 200
-        assert http_status(f"http://{srv.http_url}/v2/models/{MODEL}/ready") != 200
+        assert http_status(f"{srv.http_url}/v2/health/ready") != 200
+        assert http_status(f"{srv.http_url}/v2/models/{MODEL}/ready") != 200
         _assert_nothing_left([triton] + stubs, prefix)
     finally:
         srv.stop(timeout=30)
@@ -370,7 +370,7 @@ _R37_HTTP_OPEN = ["/v2/health/live", "/v2/health/ready", "/v2", f"/v2/models/{MO
 
 def _r37_http(server, method: str, path: str, body=None, headers: dict = None) -> tuple[int, str]:
     data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-    req = urllib.request.Request(f"http://{server.http_url}{path}", data=data, method=method,
+    req = urllib.request.Request(f"{server.http_url}{path}", data=data, method=method,
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
@@ -912,7 +912,7 @@ H4_PROMPT = ("USER: You answer questions about the city's traffic reports. Repor
 
 
 def _h4_admin(server, action: str, name: str) -> dict:
-    url = f"http://{server.http_url}/v2/models/{MODEL}/generate"
+    url = f"{server.http_url}/v2/models/{MODEL}/generate"
     status, payload = post_json(url, {"text_input": "", "adapter_action": action, "lora_name": name,
                                       "admin_token": server.admin_token}, timeout=60)
     assert status == 200, (action, name, status, payload)
@@ -920,7 +920,7 @@ def _h4_admin(server, action: str, name: str) -> dict:
 
 
 def _h4_generate(server, name: str) -> str:
-    url = f"http://{server.http_url}/v2/models/{MODEL}/generate"
+    url = f"{server.http_url}/v2/models/{MODEL}/generate"
     status, payload = post_json(url, {"text_input": H4_PROMPT, "lora_name": name, "sampling_parameters": json.dumps(
         {"max_tokens": 6, "ignore_eos": True, "temperature": 0.0})}, timeout=60)
     assert status == 200 and payload.get("num_output_tokens") == 6, (status, payload)

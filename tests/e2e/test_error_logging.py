@@ -15,7 +15,7 @@ DEEP_JSON = '{"stop": ' + "[" * 100_000 + "]" * 100_000 + "}"  # nested far past
 
 
 def test_bad_requests_leave_at_most_one_log_line_each(server):
-    url = f"http://{server.http_url}/v2/models/{MODEL}/generate"
+    url = f"{server.http_url}/v2/models/{MODEL}/generate"
     bodies = [body for _, body, _ in BAD_REQUESTS] + [
         {"text_input": GOOD_PROMPT, "sampling_parameters": DEEP_JSON},
         {"text_input": GOOD_PROMPT, "sampling_parameters": json.dumps({"max_tokens": "9" * 5000})},

@@ -96,12 +96,12 @@ def test_raw_json_like_curl(server, cases, sequential):
         body["image"] = [b64(i) for i in case["images"]]
     if case["lora_name"]:
         body["lora_name"] = case["lora_name"]
-    status, payload = post_json(f"http://{server.http_url}/v2/models/{MODEL}/generate", body)
+    status, payload = post_json(f"{server.http_url}/v2/models/{MODEL}/generate", body)
     assert status == 200, payload
     assert payload["text_output"] == ref.text
     assert payload["finish_reason"] == ref.finish_reason
 
-    events = post_sse(f"http://{server.http_url}/v2/models/{MODEL}/generate_stream", {**body, "stream": True})
+    events = post_sse(f"{server.http_url}/v2/models/{MODEL}/generate_stream", {**body, "stream": True})
     assert len(events) >= 2 and all("error" not in e for e in events), events
     assert "".join(e["text_output"] for e in events) == ref.text
     assert events[-1]["finish_reason"] == ref.finish_reason
@@ -142,7 +142,7 @@ def test_exclude_input_in_output_false_prepends_prompt(server, sequential, cases
     case, ref = cases[1], sequential[1]
     body = {"text_input": case["prompt"], "exclude_input_in_output": False,
             "sampling_parameters": json.dumps({"max_tokens": case["max_tokens"], "lora_name": case["lora_name"]})}
-    status, payload = post_json(f"http://{server.http_url}/v2/models/{MODEL}/generate", body)
+    status, payload = post_json(f"{server.http_url}/v2/models/{MODEL}/generate", body)
     assert status == 200, payload
     assert payload["text_output"] == case["prompt"] + ref.text
 
@@ -163,7 +163,7 @@ def test_apply_chat_template_option(server):
     """The option wraps the prompt in the model's chat template: more input tokens, same prompt text."""
     client = VloraClient(server.http_url, protocol="http")
     plain = client.generate("What is in the picture?", images=[png_bytes(5)], max_tokens=4)
-    status, payload = post_json(f"http://{server.http_url}/v2/models/{MODEL}/generate", {
+    status, payload = post_json(f"{server.http_url}/v2/models/{MODEL}/generate", {
         "text_input": "What is in the picture?", "image": [b64(png_bytes(5))],
         "sampling_parameters": json.dumps({"max_tokens": 4, "apply_chat_template": True})})
     assert status == 200, payload

@@ -30,7 +30,7 @@ def head_body(ds, sample, lora, task=None, **extra):
 def test_counting_head_over_http(server):
     assert {"demo-count-circles", "demo-shapes"} <= set(server.adapters)
     ds = generate("count-circles", seed=11, sizes={"train": 0, "val": 0, "test": 3})
-    url = f"http://{server.http_url}/v2/models/{MODEL}/generate"
+    url = f"{server.http_url}/v2/models/{MODEL}/generate"
     for sample in ds.split("test"):
         code, body = post_json(url, head_body(ds, sample, "demo-count-circles"))
         assert code == 200, body
@@ -44,7 +44,7 @@ def test_counting_head_over_http(server):
 
 
 def test_fused_adapter_heads_and_unknown_task(server):
-    url = f"http://{server.http_url}/v2/models/{MODEL}/generate"
+    url = f"{server.http_url}/v2/models/{MODEL}/generate"
     for task in ("color", "shape", "presence-red-triangle"):
         ds = generate(task, seed=12, sizes={"train": 0, "val": 0, "test": 1})
         code, body = post_json(url, head_body(ds, ds.split("test")[0], "demo-shapes"))

@@ -64,27 +64,16 @@ def test_metrics_show_requests_per_adapter_and_batch_size(server):
     shared = "USER: " + "Look at the crossing and list what moves there, lane by lane. " * 6
     for question in ("Cars? ASSISTANT:", "Bikes? ASSISTANT:"):
         client.generate(shared + question, max_tokens=2)
-    deadline = time.monotonic() + 10
-    while True:
-        reused = sum(metric_values(server.metrics(), "vlora_prefix_cache_reused_tokens_total").values())
-        if reused >= 64 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert reused >= 64, reused
-    assert sum(metric_values(server.metrics(), "vlora_prefix_cache_prompt_tokens_total").values()) > reused
+    reused = total(scrape_until(server, total_at_least("vlora_prefix_cache_reused_tokens_total", 64)),
+                   "vlora_prefix_cache_reused_tokens_total")
+    assert total(server.metrics(), "vlora_prefix_cache_prompt_tokens_total") > reused
 
     # The encoder cache: the same frame twice is encoded once.
     frame = png_bytes(77)
     for question in ("Cars? ASSISTANT:", "Bikes? ASSISTANT:"):
         client.generate("USER: <image>\n" + question, images=[frame], max_tokens=2)
-    deadline = time.monotonic() + 10
-    while True:
-        hits = sum(metric_values(server.metrics(), "vlora_encoder_cache_hits_total").values())
-        if hits >= 1 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert hits >= 1, hits
-    assert sum(metric_values(server.metrics(), "vlora_encoder_cache_bytes").values()) > 0
+    scrape_until(server, total_at_least("vlora_encoder_cache_hits_total", 1))
+    assert total(server.metrics(), "vlora_encoder_cache_bytes") > 0
 
 
 def scrape_until(server, check, timeout: float = 10.0) -> str:
@@ -100,6 +89,18 @@ def scrape_until(server, check, timeout: float = 10.0) -> str:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def total(text: str, name: str) -> float:
+    """The sum of every sample of ``name``."""
+    return sum(metric_values(text, name).values())
+
+
+def total_at_least(name: str, least: float):
+    """A scrape_until check: the samples of ``name`` sum to ``least`` or more."""
+    def check(text: str) -> None:
+        assert total(text, name) >= least, (name, total(text, name))
+    return check
 
 
 def _labelled(text: str, name: str, adapter: str) -> float:

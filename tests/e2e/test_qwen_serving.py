@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from e2e_helpers import MODEL, b64, post_json, start_server
+from e2e_helpers import MODEL, assert_refused, b64, post_json, start_server
+from helpers import peft_greedy, peft_with_adapters, qwen_processor_inputs
 from vlora_client import VloraClient, VloraClientError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # a safety net: nothing here may hang CI
@@ -173,7 +174,7 @@ def test_raw_json_generate_with_base64_images(qwen_server, sequential):
     _, adapter, prompt, images, _ = CASES[i]
     body = {"text_input": prompt, "image": [b64(qwen_png(*spec)) for spec in images],
             "sampling_parameters": json.dumps({"max_tokens": MAX_TOKENS, "temperature": 0, "lora_name": adapter})}
-    status, payload = post_json(f"http://{qwen_server.http_url}/v2/models/{MODEL}/generate", body)
+    status, payload = post_json(f"{qwen_server.http_url}/v2/models/{MODEL}/generate", body)
     assert status == 200, payload
     assert payload["text_output"] == sequential[i].text
 
@@ -183,41 +184,26 @@ def reference(qwen_dirs):
     """transformers + PEFT on the same folder and adapters, and the folder's own processor."""
     import torch
 
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     model_dir, adapter_root = qwen_dirs
-    names = tiny_qwen.QWEN_ADAPTER_NAMES
     with torch.random.fork_rng(devices=[]):
-        model = peft.PeftModel.from_pretrained(tiny_qwen.load_tiny_qwen(model_dir, torch.float32),
-                                               adapter_root / names[0], adapter_name=names[0])
-        for name in names[1:]:
-            model.load_adapter(adapter_root / name, adapter_name=name)
+        model = peft_with_adapters(tiny_qwen.load_tiny_qwen(model_dir, torch.float32), adapter_root,
+                                   tiny_qwen.QWEN_ADAPTER_NAMES)
     return model.eval(), tiny_qwen.load_qwen_processor(model_dir)
 
 
-def reference_answer(reference, case) -> tuple[str, int]:
-    """The greedy continuation of transformers + PEFT: (text, number of new tokens)."""
-    import torch
-    from PIL import Image
-
+def reference_answer(reference, adapter, prompt: str, images, template: bool = False) -> tuple[str, int]:
+    """The greedy continuation of transformers + PEFT: (text, number of new tokens). ``images``: (seed, width,
+    height) of each image, or with the video placeholder in the prompt of each frame (the processor's video
+    path); ``template``: the chat template makes one user turn of the images, then the text."""
     model, processor = reference
-    _, adapter, prompt, images, template = case
-    pil = [Image.open(io.BytesIO(qwen_png(*spec))).convert("RGB") for spec in images]
-    if template:  # one user turn: the images, then the text
+    if template:
         assert VP not in prompt
-        content = [{"type": "image"} for _ in pil] + [{"type": "text", "text": prompt}]
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
         prompt = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                add_generation_prompt=True)
-    elif pil and VP not in prompt:
-        prompt = VP * len(pil) + prompt
-    inputs = processor(text=[prompt], images=pil or None, return_tensors="pt")
-    with torch.no_grad():
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        else:
-            model.set_adapter(adapter)
-            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    inputs = qwen_processor_inputs(processor, prompt, [qwen_png(*spec) for spec in images])
+    new = peft_greedy(model, adapter, inputs, MAX_TOKENS)
     eos = set(model.generation_config.eos_token_id or ())
     n = next((k + 1 for k, t in enumerate(new) if t in eos), len(new))  # generated tokens, EOS included
     return processor.tokenizer.decode(new, skip_special_tokens=True), n
@@ -227,11 +213,11 @@ def reference_answer(reference, case) -> tuple[str, int]:
 def test_answers_equal_transformers_peft(qwen_server, sequential, reference, case_id):
     i = CASE_IDS.index(case_id)
     _, adapter, prompt, images, template = CASES[i]
-    text, n = reference_answer(reference, CASES[i])
+    text, n = reference_answer(reference, adapter, prompt, images, template)
     params = {"max_tokens": MAX_TOKENS, "temperature": 0, "apply_chat_template": template}
     if adapter:
         params["lora_name"] = adapter
-    status, payload = post_json(f"http://{qwen_server.http_url}/v2/models/{MODEL}/generate", {
+    status, payload = post_json(f"{qwen_server.http_url}/v2/models/{MODEL}/generate", {
         "text_input": prompt, "image": [b64(qwen_png(*spec)) for spec in images],
         "sampling_parameters": json.dumps(params)})
     assert status == 200, payload
@@ -309,7 +295,7 @@ def bad(max_model_len, qwen_dirs):
 
 def healthy(server) -> None:
     assert server.is_ready(), "the server is no longer ready"
-    status, payload = post_json(f"http://{server.http_url}/v2/models/{MODEL}/generate", {
+    status, payload = post_json(f"{server.http_url}/v2/models/{MODEL}/generate", {
         "text_input": f"{VP}{GOOD}", "image": [b64(qwen_png(23, 56, 56))],
         "sampling_parameters": json.dumps({"max_tokens": 2, "ignore_eos": True, "lora_name": "qwen-r8-qv"})})
     assert status == 200 and payload["num_output_tokens"] == 2, payload
@@ -318,12 +304,8 @@ def healthy(server) -> None:
 @pytest.mark.parametrize("case_id", BAD_IDS)
 def test_bad_request_is_refused_with_a_clear_error(qwen_server, bad, case_id):
     body, words = bad[case_id]
-    status, payload = post_json(f"http://{qwen_server.http_url}/v2/models/{MODEL}/generate", body)
-    assert status == 400, (status, payload)
-    message = payload.get("error", "")
+    message = assert_refused(qwen_server, body, words)
     assert "internal error" not in message.lower(), message
-    for word in words:
-        assert word.lower() in message.lower(), f"error {message!r} does not mention {word!r}"
     healthy(qwen_server)
 
 
@@ -347,36 +329,15 @@ VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"  # once in the text: the r
 FRAMES = [(40 + i, 64, 64) for i in range(4)]  # 4 frames: 2 temporal patches
 
 
-def reference_video_answer(reference, adapter, prompt: str, frames) -> tuple[str, int]:
-    """transformers + PEFT greedy continuation of a video request, through the processor's video path."""
-    import torch
-    from PIL import Image
-
-    model, processor = reference
-    pil = [Image.open(io.BytesIO(qwen_png(*spec))).convert("RGB") for spec in frames]
-    inputs = processor(text=[prompt], videos=[pil], return_tensors="pt")
-    with torch.no_grad():
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        else:
-            model.set_adapter(adapter)
-            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    new = out[0, inputs["input_ids"].shape[1]:].tolist()
-    eos = set(model.generation_config.eos_token_id or ())
-    n = next((k + 1 for k, t in enumerate(new) if t in eos), len(new))
-    return processor.tokenizer.decode(new, skip_special_tokens=True), n
-
-
 def test_video_request_as_readme_sends_it(qwen_server, reference):
     """README's Qwen video curl: the video placeholder once, the frames as `image`, lora_name in
     sampling_parameters; the answer is transformers + PEFT's on the same frames."""
     prompt = f"{VIDEO}What happens in this clip?"
     body = {"text_input": prompt, "image": [b64(qwen_png(*spec)) for spec in FRAMES],
             "sampling_parameters": json.dumps({"max_tokens": MAX_TOKENS, "temperature": 0, "lora_name": "qwen-r16-attn"})}
-    status, payload = post_json(f"http://{qwen_server.http_url}/v2/models/{MODEL}/generate", body)
+    status, payload = post_json(f"{qwen_server.http_url}/v2/models/{MODEL}/generate", body)
     assert status == 200, payload
-    text, n = reference_video_answer(reference, "qwen-r16-attn", prompt, FRAMES)
+    text, n = reference_answer(reference, "qwen-r16-attn", prompt, FRAMES)
     assert (payload["text_output"], payload["num_output_tokens"]) == (text, n)
     # Without the video placeholder the same frames are four images (4 tokens each), not one video (2 x 4).
     as_images = VloraClient(qwen_server.http_url, protocol="http").generate(
@@ -398,17 +359,14 @@ def qwen25(tmp_path_factory, vlora_cache):
     and transformers + PEFT on the same folder."""
     import torch
 
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     model_dir = tiny_qwen.ensure_tiny_qwen(vlora_cache, variant="qwen2_5_vl")
     adapter_root = tiny_qwen.ensure_tiny_qwen_adapters(model_dir, vlora_cache / "qwen2.5-vl-adapters")
     srv = start_server(tmp_path_factory.mktemp("e2e-qwen25-server"), vlora_cache, extra_args=[
         "--model", str(model_dir), "--adapters", str(adapter_root), "--dtype", "float32"])
-    names = tiny_qwen.QWEN_ADAPTER_NAMES
     with torch.random.fork_rng(devices=[]):
-        model = peft.PeftModel.from_pretrained(tiny_qwen.load_tiny_qwen(model_dir, torch.float32),
-                                               adapter_root / names[0], adapter_name=names[0])
-        for name in names[1:]:
-            model.load_adapter(adapter_root / name, adapter_name=name)
+        model = peft_with_adapters(tiny_qwen.load_tiny_qwen(model_dir, torch.float32), adapter_root,
+                                   tiny_qwen.QWEN_ADAPTER_NAMES)
     yield srv, (model.eval(), tiny_qwen.load_qwen_processor(model_dir))
     code = srv.stop()
     assert code == 0, f"`vlora serve` did not stop cleanly (exit {code}):\n{srv.launcher_output()[-3000:]}"
@@ -418,12 +376,8 @@ def test_qwen25_concurrent_http_and_grpc_equal_transformers_peft(qwen25):
     """Qwen2.5-VL: all cases at once over HTTP generate and over gRPC streams; every answer is
     transformers + PEFT's (images of different sizes, one wider than a vision window, and a video)."""
     srv, reference = qwen25
-    want = {}
-    for case_id, adapter, prompt, images in Q25_CASES:
-        if VIDEO in prompt:
-            want[case_id] = reference_video_answer(reference, adapter, prompt, images)
-        else:
-            want[case_id] = reference_answer(reference, (case_id, adapter, prompt, images, False))
+    want = {case_id: reference_answer(reference, adapter, prompt, images)
+            for case_id, adapter, prompt, images in Q25_CASES}
     http = VloraClient(srv.http_url, protocol="http")
     grpc = VloraClient(srv.grpc_url)
 

@@ -24,11 +24,25 @@ RANKS = tuple(RANK_CYCLE) + (0,)
 SCALES = (2.0, 0.5, 1.0, 0.25, 1.5, 3.0)
 
 
+def family_configs(kind: str) -> tuple[list[dict], list[dict]]:
+    """The extension's configs of one kind (``stream``, ``triton``, ``cutlass3``...): (its shrinks, its expands)."""
+    configs = [c for c in ext.configs() if c["kind"] == kind]
+    return [c for c in configs if c["shrink"]], [c for c in configs if c["expand"]]
+
+
 def family_grid(test):
     """The grid of every kernel family's test_every_*: both dtypes x five segment patterns x T 1..2048."""
     test = pytest.mark.parametrize("T", [1, 7, 64, 300, 2048])(test)
     test = pytest.mark.parametrize("pattern", ["one_long", "many_short", "empty", "no_adapter", "7x1"])(test)
     return pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])(test)
+
+
+def large_prefill_grid(test):
+    """The grid of the stream and Triton families' test_large_prefill: widths 4096 and 5120 x T 8192 and 4097
+    (one past a power of two) x d_in split in 1 or 2."""
+    test = pytest.mark.parametrize("split", [1, 2])(test)
+    test = pytest.mark.parametrize("T", [8192, 4097])(test)
+    return pytest.mark.parametrize("d", [4096, 5120])(test)
 
 
 def make(T, d_in, d_out, dtype, pattern, seed, ranks=RANKS):

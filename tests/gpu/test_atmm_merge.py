@@ -1,9 +1,7 @@
 """The streaming merge reading A and B in place (csrc/atmm/stream.cuh, stream_merge: per-matrix strides, a second
 term) against an fp32 reference: the LoRA slot stacks as the model runner lays them out, a swap (+ new - old) in
-one launch, weights as a row slice of a stack (GQA modules), and the swift switcher on the switch probe's runner."""
+one launch, weights as a row slice of a stack (GQA modules), and the swift switcher on the switchers' synthetic runner."""
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import torch
@@ -132,13 +130,13 @@ def test_refusals():
 
 
 def test_swift_switcher_reads_the_slot_stacks(launches):
-    """The switch probe's runner (q/k/v and o stacks, slot stacks) at a small width: merge, swap, unmerge with
-    the swift switcher, each checked against fp32, one launch per group and switch."""
-    probe = importlib.import_module("benchmarks.switch_probe")
+    """The switchers' synthetic runner (tests/helpers.py: q/k/v and o stacks, slot stacks) at a small width: merge,
+    swap, unmerge with the swift switcher, each checked against fp32, one launch per group and switch."""
+    from helpers import synthetic_runner
     from vlora.orchestrator.switcher import SwiftSwitcher
 
     L, d, r, S = 3, 512, 64, 6
-    runner = probe.synthetic_runner(L, d, r, S, torch.bfloat16, "cuda")
+    runner = synthetic_runner(L, d, r, S, torch.bfloat16, "cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     for slot in (2, 5):
         for w in runner.lora_layers.values():

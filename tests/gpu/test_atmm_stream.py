@@ -7,16 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, family_grid, make, ranks_for  # same oracle and tolerances
+# Same oracle and tolerances; importing it skips this module where CUDA or the extension is missing.
+from test_atmm_gpu import (RANKS, SCALES, check, check_family, check_graph_replay, ext, family_configs, family_grid,
+                           large_prefill_grid, make, ranks_for)
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-ext = pytest.importorskip("vlora_atmm_ext", reason="vlora_atmm_ext not built (pip install ./csrc)")
-
-STREAM_SHRINK = [c for c in ext.configs() if c["kind"] == "stream" and c["shrink"]]
-STREAM_EXPAND = [c for c in ext.configs() if c["kind"] == "stream" and c["expand"]]
+STREAM_SHRINK, STREAM_EXPAND = family_configs("stream")
 
 
 def test_there_are_stream_configs():
@@ -28,9 +25,7 @@ def test_every_stream_config(kernels, dtype, pattern, T):
     check_family(kernels, STREAM_SHRINK, STREAM_EXPAND, T, dtype, pattern)
 
 
-@pytest.mark.parametrize("d", [4096, 5120])
-@pytest.mark.parametrize("T", [8192, 4097])
-@pytest.mark.parametrize("split", [1, 2])
+@large_prefill_grid
 def test_large_prefill(kernels, d, T, split):
     check(kernels, T, d, d, torch.bfloat16, "1x7", seed=T + d, shrink=("xs_m16_r128_w1x4", split), expand="ye_m64n64_r128_w2x4")
     check(kernels, T, d, d, torch.float16, "one_long", seed=T, shrink=("xs_m16_r128_w1x4", split), expand="ye_m128n64_r128_w2x4")

@@ -9,17 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_atmm_gpu import RANKS, SCALES, check, check_family, check_graph_replay, family_grid, make, ranks_for, ref_fp32  # noqa: F401  (same oracle and tolerances)
+# Same oracle and tolerances; importing it skips this module where CUDA or the extension is missing.
+from test_atmm_gpu import (RANKS, SCALES, check, check_family, check_graph_replay, ext, family_configs,  # noqa: F401
+                           family_grid, large_prefill_grid, make, ranks_for, ref_fp32)
 from vlora.atmm.dispatch import PHASE_EXPAND, PHASE_PREP, PHASE_SHRINK
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-ext = pytest.importorskip("vlora_atmm_ext", reason="vlora_atmm_ext not built (pip install ./csrc)")
-
-TR_SHRINK = [c for c in ext.configs() if c["kind"] == "triton" and c["shrink"]]
-TR_EXPAND = [c for c in ext.configs() if c["kind"] == "triton" and c["expand"]]
+TR_SHRINK, TR_EXPAND = family_configs("triton")
 if not TR_SHRINK:
     pytest.skip("the extension was built without the Triton kernels (no triton at build time)", allow_module_level=True)
 
@@ -34,9 +31,7 @@ def test_every_triton_config(kernels, dtype, pattern, T):
     check_family(kernels, TR_SHRINK, TR_EXPAND, T, dtype, pattern)
 
 
-@pytest.mark.parametrize("d", [4096, 5120])
-@pytest.mark.parametrize("T", [8192, 4097])
-@pytest.mark.parametrize("split", [1, 2])
+@large_prefill_grid
 def test_large_prefill(kernels, d, T, split):
     check(kernels, T, d, d, torch.bfloat16, "1x7", seed=T + d, shrink=("tr_s_m64k128_r128_w4s4", split),
           expand="tr_e_m64n128_r128_c1024_w4s2")

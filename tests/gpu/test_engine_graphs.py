@@ -15,11 +15,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from vlora.config import EngineConfig  # noqa: E402
 from vlora.engine.api import GenerationRequest, SamplingParams  # noqa: E402
 from vlora.engine.builder import build_engine  # noqa: E402
 from vlora.orchestrator.policies import MERGE, MIXTURE, UNMERGE  # noqa: E402
-from engine_parity import ScriptedPolicy, step_recording  # noqa: E402
+from engine_parity import ScriptedPolicy, add_greedy, check_fast_against_eager, rel_err, step_recording  # noqa: E402
+from helpers import tiny_config  # noqa: E402
 
 REQUESTS = {"a1": "demo-r8-qv", "a2": "demo-r8-qv", "b1": "demo-r32-mlp", "c1": "demo-r16-attn", "base": None}
 PROMPTS = {"a1": "Count the circles.", "a2": "Is there a red square in the corner?", "b1": "Describe the scene.",
@@ -34,23 +34,18 @@ SCRIPTS = {
 
 
 def make(tiny_model_dir, demo_adapter_root, dtype: str, fast: bool, prefill_graphs: int = 0):
-    cfg = EngineConfig().with_overrides({
-        "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
-        "model.dtype": dtype, "lora.max_rank": "32", "lora.max_gpu_adapters": "4", "cache.num_blocks": "256",
+    return build_engine(tiny_config(tiny_model_dir, demo_adapter_root, **{
+        "model.device": "cuda", "model.dtype": dtype, "lora.max_gpu_adapters": "4", "cache.num_blocks": "256",
         "orchestrator.policy": "vlora", "scheduler.max_batch_size": "8",
         "engine.cuda_graphs": "auto" if fast else "off", "engine.attention": "triton" if fast else "torch",
-        "engine.overlap": "on" if fast else "off", "engine.prefill_graph_tokens": str(prefill_graphs)})
-    return build_engine(cfg)
+        "engine.overlap": "on" if fast else "off", "engine.prefill_graph_tokens": str(prefill_graphs)}))
 
 
 def run(engine, script):
     engine.orchestrator.policy = ScriptedPolicy(script)
     logits, seqs = {}, {}
     for rid, adapter in REQUESTS.items():
-        req = GenerationRequest(rid, PROMPTS[rid], lora_name=adapter,
-                                sampling=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
-        engine.add_request(engine.inputs.prepare(req), lambda out: None)
-        seqs[rid] = engine.waiting[-1]
+        seqs[rid] = add_greedy(engine, rid, adapter, PROMPTS[rid], max_new=MAX_NEW)
     while engine.has_work():
         step_recording(engine, seqs, logits)
     engine.orchestrator.enter(UNMERGE, None)
@@ -63,21 +58,7 @@ def test_graphs_and_paged_attention_match_the_eager_reference(tiny_model_dir, de
     ref = make(tiny_model_dir, demo_adapter_root, dtype, fast=False)
     assert fast.runner.graphs is not None and fast.runner.graphs.graphs, "no decode graph was captured"
     assert ref.runner.graphs is None
-    for name, script in SCRIPTS.items():
-        tokens, logits = run(fast, script)
-        ref_tokens, ref_logits = run(ref, script)
-        assert all(len(t) == MAX_NEW for t in tokens.values())
-        if exact:
-            assert tokens == ref_tokens, name
-        for key, want in ref_logits.items():
-            rid, i = key
-            # bf16: the prefill's logits and the first decode step's (a graph replay), whose input token
-            # both engines chose alike; after a token differs, the inputs differ.
-            if not exact and (i > 1 or tokens[rid][0] != ref_tokens[rid][0]):
-                continue
-            got = logits[key]
-            rel = (got - want).abs().max() / want.abs().max()
-            assert rel <= rtol, f"{name} {key}: relative error {rel:.2e} > {rtol:.0e}"
+    check_fast_against_eager(fast, ref, SCRIPTS, run, MAX_NEW, rtol, exact)
     # Every variant replayed at least one captured graph.
     assert {v for _, v in fast.runner.graphs.graphs} >= {"base", "lora", "mixture"}
 
@@ -177,8 +158,7 @@ def test_prefill_graphs_match_eager_prefill(tiny_model_dir, demo_adapter_root, d
         rid, i = key
         if not exact and (i > 0 or tokens[rid][0] != ref_tokens[rid][0]):
             continue  # bf16: compare the prefill's logits (same inputs); later inputs may differ
-        got = logits[key]
-        rel = (got - want).abs().max() / want.abs().max()
+        rel = rel_err(logits[key], want)
         assert rel <= rtol, f"{key}: relative error {rel:.2e} > {rtol:.0e}"
 
 

@@ -9,17 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from helpers import require_cuda
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+require_cuda(triton=True)
 
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb  # noqa: E402
 
 from vlora.engine import fused_ops as fo  # noqa: E402
-
-if not fo.triton_available():
-    pytest.skip("triton is not installed", allow_module_level=True)
 
 DEV = torch.device("cuda")
 H, HQ, D, I = 4096, 32, 128, 11008

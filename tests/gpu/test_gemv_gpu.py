@@ -11,16 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = pytest.mark.gpu
+from helpers import require_cuda
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+require_cuda(triton=True)
 
 from vlora.engine import gemv  # noqa: E402
 from vlora.engine.fused_ops import silu_mul, silu_mul_reference  # noqa: E402
-
-if not gemv.triton_available():
-    pytest.skip("triton is not installed", allow_module_level=True)
 
 DEV = torch.device("cuda")
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
@@ -129,11 +126,10 @@ def test_kernels_capture_in_a_cuda_graph(weights):
 
 # -- the engine -----------------------------------------------------------------------------------------
 
-from vlora.config import EngineConfig  # noqa: E402
-from vlora.engine.api import GenerationRequest, SamplingParams  # noqa: E402
 from vlora.engine.builder import build_engine  # noqa: E402
 from vlora.orchestrator.policies import MERGE, MIXTURE, UNMERGE  # noqa: E402
-from engine_parity import ScriptedPolicy, step_recording  # noqa: E402
+from engine_parity import ScriptedPolicy, add_greedy, rel_err, step_recording  # noqa: E402
+from helpers import tiny_config  # noqa: E402
 
 MAX_NEW = 64
 PROMPTS = ["Count the circles.", "Is there a red square in the corner?", "Describe the scene.",
@@ -151,25 +147,20 @@ CASES = {
 def make(tiny_model_dir, demo_adapter_root, graphs: bool, rows: int = 16, targets=None):
     """bf16, the Triton attention in both; a context of 256 tokens, so that decode attention takes one split
     in the graphs (as wide as the context) and eagerly alike."""
-    over = {"model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
-            "model.dtype": "bfloat16", "model.max_model_len": "256", "lora.max_rank": "32",
-            "lora.max_gpu_adapters": "4", "cache.num_blocks": "256", "orchestrator.policy": "vlora",
+    over = {"model.device": "cuda", "model.dtype": "bfloat16", "model.max_model_len": "256", "lora.max_gpu_adapters": "4", "cache.num_blocks": "256", "orchestrator.policy": "vlora",
             "scheduler.max_batch_size": "8", "engine.cuda_graphs": "auto" if graphs else "off",
             "engine.attention": "triton", "engine.overlap": "on" if graphs else "off",
             "engine.gemv_max_rows": str(rows)}
     if targets is not None:
         over["lora.target_modules"] = "[" + ", ".join(targets) + "]"
-    return build_engine(EngineConfig().with_overrides(over))
+    return build_engine(tiny_config(tiny_model_dir, demo_adapter_root, **over))
 
 
 def run(engine, requests, script):
     engine.orchestrator.policy = ScriptedPolicy(script)
     logits, seqs = {}, {}
     for i, (rid, adapter) in enumerate(requests.items()):
-        req = GenerationRequest(rid, PROMPTS[i % len(PROMPTS)], lora_name=adapter,
-                                sampling=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
-        engine.add_request(engine.inputs.prepare(req), lambda out: None)
-        seqs[rid] = engine.waiting[-1]
+        seqs[rid] = add_greedy(engine, rid, adapter, PROMPTS[i % len(PROMPTS)], max_new=MAX_NEW)
     while engine.has_work():
         step_recording(engine, seqs, logits)
     engine.flush()
@@ -182,7 +173,7 @@ def first_logits_close(tokens, logits, ref_tokens, ref_logits, rtol=6e-2):
     for (rid, i), want in ref_logits.items():
         if i > 1 or (i == 1 and tokens[rid][0] != ref_tokens[rid][0]):
             continue
-        rel = (logits[(rid, i)] - want).abs().max() / want.abs().max()
+        rel = rel_err(logits[(rid, i)], want)
         assert rel <= rtol, f"{rid} step {i}: relative error {rel:.2e}"
 
 

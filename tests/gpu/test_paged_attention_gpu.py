@@ -9,16 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from helpers import require_cuda, shuffled_block_tables
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+require_cuda(triton=True)
 
 from vlora.engine import attention as attn  # noqa: E402
 from vlora.engine.attention import AttentionMetadata  # noqa: E402
-
-if not attn.triton_available():
-    pytest.skip("triton is not installed", allow_module_level=True)
 
 DEV = torch.device("cuda")
 H, D, BS = 32, 128, 16
@@ -37,13 +34,7 @@ class Cache:
     def __init__(self, seq_lens: list[int], n_kv: int, dtype: torch.dtype, seed: int, spare: int = 7,
                  high_ids_from: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
-        need = [-(-L // BS) for L in seq_lens]
-        num_blocks = high_ids_from + sum(need) + spare
-        ids = (high_ids_from + torch.randperm(sum(need) + spare, generator=g)).tolist()
-        self.tables = []
-        for n in need:
-            self.tables.append(ids[:n])
-            ids = ids[n:]
+        self.tables, num_blocks = shuffled_block_tables(seq_lens, BS, g, spare, first_id=high_ids_from)
         shape = (num_blocks * BS, n_kv, D)
         self.k = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
         self.v = torch.full(shape, float("nan"), dtype=dtype, device=DEV)

@@ -16,8 +16,6 @@ PEFT-made adapters (ranks 8/16/32, attention and MLP targets), and the kernels a
 """
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
@@ -28,14 +26,13 @@ if not torch.cuda.is_available():
 peft = pytest.importorskip("peft")
 tiny_qwen = pytest.importorskip("vlora.models.tiny_qwen")
 
-from PIL import Image  # noqa: E402
-
 from vlora.config import EngineConfig  # noqa: E402
-from vlora.engine.api import GenerationRequest, SamplingParams  # noqa: E402
+from vlora.engine.api import GenerationRequest  # noqa: E402
 from vlora.engine.builder import build_engine  # noqa: E402
-from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER  # noqa: E402
+from vlora.models.qwen2_vl import VISION_PLACEHOLDER  # noqa: E402
 from vlora.orchestrator.policies import MERGE, MIXTURE, UNMERGE  # noqa: E402
-from engine_parity import QWEN_SPECS, ScriptedPolicy, _png  # noqa: E402
+from engine_parity import QWEN_SPECS, ScriptedPolicy, _png, add_greedy, check_fast_against_eager, rel_err, step_recording  # noqa: E402
+from helpers import peft_greedy, peft_with_adapters, qwen_processor_inputs, shuffled_block_tables, with_adapter  # noqa: E402
 
 DEV = torch.device("cuda")
 ADAPTERS = tiny_qwen.QWEN_ADAPTER_NAMES  # qwen-r8-qv, qwen-r16-attn, qwen-r32-mlp
@@ -69,31 +66,15 @@ def make_reference(variant: str, model_dir, root, dtype: torch.dtype):
     import transformers
 
     base = getattr(transformers, CLASSES[variant]).from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
-    ref = peft.PeftModel.from_pretrained(base.to(DEV).eval(), root / ADAPTERS[0], adapter_name=ADAPTERS[0])
-    for name in ADAPTERS[1:]:
-        ref.load_adapter(root / name, adapter_name=name)
+    ref = peft_with_adapters(base.to(DEV).eval(), root, ADAPTERS)
     return ref.to(DEV).eval(), tiny_qwen.load_qwen_processor(model_dir)
 
 
 def reference_inputs(processor, text: str, images: list[bytes], dtype: torch.dtype) -> dict:
     """The model inputs as the processor builds them (images first where the text has no placeholder), on DEV."""
-    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
-    if VIDEO_PLACEHOLDER in text:
-        inputs = processor(text=[text], videos=[pil], return_tensors="pt")
-    else:
-        if images and VISION_PLACEHOLDER not in text:
-            text = VISION_PLACEHOLDER * len(images) + text
-        inputs = processor(text=[text], images=pil, return_tensors="pt")
+    inputs = qwen_processor_inputs(processor, text, images)
     return {k: (v.to(DEV, dtype) if k.startswith("pixel_values") else v.to(DEV)) if isinstance(v, torch.Tensor) else v
             for k, v in inputs.items()}
-
-
-def with_adapter(ref, adapter, fn):
-    if adapter is None:
-        with ref.disable_adapter():
-            return fn()
-    ref.set_adapter(adapter)
-    return fn()
 
 
 class GraphCounter:
@@ -117,39 +98,23 @@ def run_mixed(engine, specs: dict, max_new: int, check_mixed: bool = True):
     seqs, logits = {}, {}
 
     def add(rid):
-        adapter, text, images = specs[rid]
-        req = GenerationRequest(rid, text, images=list(images), lora_name=adapter,
-                                sampling=SamplingParams(max_tokens=max_new, ignore_eos=True))
-        engine.add_request(engine.inputs.prepare(req), lambda out: None)
-        seqs[rid] = engine.waiting[-1]
-
-    def step():
-        result = engine.step()
-        if result is not None:
-            for row, rid in enumerate(result.request_ids):
-                s = seqs[rid]  # the step's token: output_ids[-1], or (step overlap) the one still in flight
-                logits[(rid, len(s.output_ids) + s.inflight - 1)] = result.logits[row].float().clone()
-        return result
+        seqs[rid] = add_greedy(engine, rid, *specs[rid], max_new=max_new)
 
     for name in ADAPTERS:  # in their slots first: on CUDA a slot copy completes asynchronously
         engine.loras.release(engine.loras.acquire(name))
     ids = list(specs)
     for rid in ids[:2]:
         add(rid)
-    step()
+    step_recording(engine, seqs, logits)
     for rid in ids[2:]:
         add(rid)
     mixed = False
     while engine.has_work():
-        ran = step()
+        ran = step_recording(engine, seqs, logits)
         mixed |= ran is not None and bool(ran.num_prefill) and bool(ran.num_decode)
     if check_mixed:  # the scheduler may spread the joiners' prefills over steps (memory, slots); one must mix
         assert mixed, "no step ran prefills beside decodes"
     return {rid: s.output_ids for rid, s in seqs.items()}, logits
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
 # -- the engine against transformers + PEFT --------------------------------------------------------------
@@ -175,14 +140,11 @@ def test_engine_matches_transformers_peft_on_cuda(qwen, dtype, torch_dtype, rtol
 
     for rid, (adapter, text, images) in SPECS.items():
         inputs = reference_inputs(processor, text, images, torch_dtype)
-        with torch.no_grad():
-            want = with_adapter(ref, adapter, lambda: ref(**inputs).logits[0, -1].float())
+        want = with_adapter(ref, adapter, lambda: ref(**inputs).logits[0, -1].float())
         err = rel_err(logits[(rid, 0)], want)
         assert err <= rtol, f"{variant} {rid}: prefill logits relative error {err:.2e} > {rtol:.0e}"
         if exact:
-            with torch.no_grad():
-                out = with_adapter(ref, adapter, lambda: ref.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False))
-            assert tokens[rid] == out[0, inputs["input_ids"].shape[1]:].tolist(), f"{variant} {rid}"
+            assert tokens[rid] == peft_greedy(ref, adapter, inputs, MAX_NEW), f"{variant} {rid}"
     assert len({tuple(t) for t in tokens.values()}) > 1, "the tiny model answers everything alike"
 
 
@@ -211,18 +173,7 @@ def test_graphs_and_paged_attention_match_the_eager_reference(qwen, dtype, rtol,
     ref = make_engine(model_dir, root, dtype, fast=False)
     assert fast.runner.graphs is not None and fast.runner.graphs.graphs and ref.runner.graphs is None
     counter = GraphCounter(fast.runner.graphs)
-    for name, script in SCRIPTS.items():
-        tokens, logits = run_scripted(fast, script)
-        ref_tokens, ref_logits = run_scripted(ref, script)
-        assert all(len(t) == LONG_NEW for t in tokens.values())
-        if exact:
-            assert tokens == ref_tokens, name
-        for (rid, i), want in ref_logits.items():
-            # bf16: the prefill's logits and the first decode step's (both engines chose its input alike)
-            if not exact and (i > 1 or tokens[rid][0] != ref_tokens[rid][0]):
-                continue
-            err = rel_err(logits[(rid, i)], want)
-            assert err <= rtol, f"{name} {rid} step {i}: relative error {err:.2e} > {rtol:.0e}"
+    check_fast_against_eager(fast, ref, SCRIPTS, run_scripted, LONG_NEW, rtol, exact)
     assert counter.shifted > 0 and counter.rows > counter.shifted  # image/video rows (shifted) and text rows
     assert {v for _, v in fast.runner.graphs.graphs} >= {"base", "lora", "mixture"}
 
@@ -233,17 +184,12 @@ HQ, HKV, D, BS = 28, 4, 128, 16
 
 
 def _pools(lens, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-L // BS) for L in lens]
-    ids = torch.randperm(sum(need) + 3, generator=g).tolist()
-    tables, rows = [], (sum(need) + 3) * BS
-    for n in need:
-        tables.append(ids[:n])
-        ids = ids[n:]
+    tables, num_blocks = shuffled_block_tables(lens, BS, torch.Generator().manual_seed(seed), spare=3)
+    rows = num_blocks * BS
     gd = torch.Generator(device=DEV).manual_seed(seed)
     k = torch.randn(rows, HKV, D, generator=gd, device=DEV).to(dtype)
     v = torch.randn(rows, HKV, D, generator=gd, device=DEV).to(dtype)
-    width = max(need)
+    width = max(len(t) for t in tables)
     bt = torch.zeros(len(lens), width, dtype=torch.int32)
     for i, t in enumerate(tables):
         bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)

@@ -84,3 +84,39 @@ def test_batched_vision_lora_matches_each_image_alone(family, vlora_cache):
             assert (want.float() - base).abs().max() > MOVES * base.abs().max(), f"slot {s} barely moves image {i}"
     for s in slots:
         engine.loras.release(s)
+
+
+def test_vision_graphs_match_the_eager_tower(vlora_cache):
+    """LLaVA's fixed-size tower captured per image-count bucket (engine.vision_graph_images), vision-side LoRA
+    inside: any mix of adapters and the base encoder, in buckets that pad (3 -> 4) and in a batch larger than
+    the largest bucket (two replays), equals the eager tower through the reference LoRA backend within bf16."""
+    from vlora.engine.vision_graphs import VisionGraphs
+
+    engine, names = _setup("llava", vlora_cache)
+    runner = engine.runner
+    slots = [engine.loras.acquire(n) for n in names]
+    graphs = VisionGraphs(runner, (1, 2, 4))
+    graphs.capture_all()
+    size = runner.model.config.vision_config.image_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, plan in ((1, [-1]), (1, [slots[0]]), (3, [slots[0], -1, slots[1]]), (6, [-1, slots[1], slots[1], -1, slots[0], -1])):
+        px = torch.randn(n, 3, size, size, device="cuda", generator=g)
+        with torch.inference_mode():
+            got = graphs.run(px, plan)
+            keep = runner.lora_ctx.backend
+            runner.lora_ctx.backend = get_lora_backend("reference")
+            try:
+                want = [runner.encode(px[i:i + 1], None, [s])[0] for i, s in enumerate(plan)]
+            finally:
+                runner.lora_ctx.backend = keep
+        assert len(got) == n
+        for a, b in zip(got, want):
+            rel = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+            assert rel < RTOL, (n, plan, rel)
+    assert graphs.replays == 1 + 1 + 1 + 2
+    # the runner serves LLaVA images through them once set (the engine's builder does this at load)
+    runner.vision_graphs = graphs
+    px = torch.randn(2, 3, size, size, device="cuda", generator=g)
+    with torch.inference_mode():
+        out = runner.encode(px, None, [slots[0], -1])
+    assert graphs.replays == 6 and len(out) == 2

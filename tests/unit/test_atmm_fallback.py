@@ -11,37 +11,15 @@ from vlora.atmm import AtmmKernels, atmm_reference
 from vlora.atmm.dispatch import PHASE_SHRINK
 from vlora.atmm.mapping import LoraBatchMapping
 
-
-class _Table:
-    def add(self, *args) -> None:
-        pass
-
-    def lookup(self, direction, dtype, tokens, width, rank, segments) -> dict:
-        config = "shrink_cfg" if direction == "shrink" else "expand_cfg"
-        return {"config": config, "split_k": 1, "exact": True, "default": False, "matched": config}
+from helpers import FakeAtmmExt
 
 
-class _RefusingExt:
-    """The extension's Python surface, with a forward that refuses every call as a kernel launch would."""
+REFUSAL = "atmm: shrink shrink_cfg: operation not supported: dtype=bf16 T=1185"
 
-    MAX_SLOTS = 64
 
-    def __init__(self) -> None:
-        self.calls = 0
-
-    TilingTable = _Table
-
-    @staticmethod
-    def configs() -> list[dict]:
-        return [{"name": "shrink_cfg"}, {"name": "expand_cfg"}]
-
-    @staticmethod
-    def workspace_size(segments, split_k, tokens, r_max, dtype) -> int:
-        return 1024
-
-    def forward(self, *args) -> None:
-        self.calls += 1
-        raise RuntimeError("atmm: shrink shrink_cfg: operation not supported: dtype=bf16 T=1185")
+def _refusing() -> FakeAtmmExt:
+    """The extension, with a forward that refuses every call as a kernel launch would."""
+    return FakeAtmmExt(suffix="_cfg", refuse=REFUSAL)
 
 
 def _case(tokens=(5, 7), slots=(0, 1), seed=0):
@@ -57,7 +35,7 @@ def _case(tokens=(5, 7), slots=(0, 1), seed=0):
 
 
 def test_refused_call_is_served_by_the_reference_and_warned_once(caplog):
-    ext = _RefusingExt()
+    ext = _refusing()
     kernels = AtmmKernels(ext=ext, load_table=False)
     y, x, a, b, ranks, scales, mapping = _case()
     expected = atmm_reference(y.clone(), x, a, b, ranks, scales, mapping)
@@ -65,25 +43,25 @@ def test_refused_call_is_served_by_the_reference_and_warned_once(caplog):
 
     out = kernels.run(y, x, a, b, ranks, scales, mapping)
     assert out is y and torch.equal(y, expected)
-    assert ext.calls == 1
+    assert len(ext.calls) == 1
     assert "operation not supported" in caplog.text and "PyTorch reference" in caplog.text
 
     # The same signature again: straight to the reference, no second refusal, no second warning.
     caplog.clear()
     y2 = _case()[0]
     kernels.run(y2, x, a, b, ranks, scales, mapping)
-    assert torch.equal(y2, expected) and ext.calls == 1 and caplog.text == ""
+    assert torch.equal(y2, expected) and len(ext.calls) == 1 and caplog.text == ""
 
     # Another token count with the same kernels: tried once more, answered, not warned again.
     y3, x3, a3, b3, _, _, m3 = _case(tokens=(4, 9), seed=1)
     expected3 = atmm_reference(y3.clone(), x3, a3, b3, ranks, scales, m3)
     kernels.run(y3, x3, a3, b3, ranks, scales, m3)
-    assert torch.equal(y3, expected3) and ext.calls == 2 and caplog.text == ""
+    assert torch.equal(y3, expected3) and len(ext.calls) == 2 and caplog.text == ""
 
 
 @pytest.mark.parametrize("forced", [{"shrink": ("shrink_cfg", 1)}, {"expand": "expand_cfg"}, {"phases": PHASE_SHRINK}])
 def test_forced_configurations_still_raise(forced):
-    kernels = AtmmKernels(ext=_RefusingExt(), load_table=False)
+    kernels = AtmmKernels(ext=_refusing(), load_table=False)
     y, x, a, b, ranks, scales, mapping = _case()
     before = y.clone()
     with pytest.raises(RuntimeError, match="operation not supported"):
@@ -91,28 +69,9 @@ def test_forced_configurations_still_raise(forced):
     assert torch.equal(y, before)
 
 
-class _TableExt(_RefusingExt):
-    """An extension whose loaded table answers with its own config per direction."""
-
-    def __init__(self) -> None:
-        super().__init__()
-
-        class Table(_Table):
-            def lookup(self, direction, dtype, tokens, width, rank, segments) -> dict:
-                config = direction + "_cfg"
-                return {"config": config, "split_k": 4 if direction == "shrink" else 1, "exact": True,
-                        "default": False, "matched": config}
-
-        self.TilingTable = Table
-
-    @staticmethod
-    def configs() -> list[dict]:
-        return [{"name": n, "kind": "stream"} for n in ("shrink_cfg", "expand_cfg")]
-
-
 def test_plan_takes_each_direction_from_the_table():
     """The shrink (with its split) and the expand of a call come from the table's entry of each direction."""
-    kernels = AtmmKernels(ext=_TableExt(), load_table=False)
+    kernels = AtmmKernels(ext=FakeAtmmExt(suffix="_cfg", shrink_split=4, kind="stream", refuse=REFUSAL), load_table=False)
     _, _, _, _, ranks, _, mapping = _case()
     shrink_idx, split_k, expand_idx, _, _ = kernels.plan_call("bf16", 12, 32, 24, 8, ranks, mapping.num_segments, mapping.seg_slot_host)
     names = kernels.config_names

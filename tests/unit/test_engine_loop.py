@@ -7,41 +7,11 @@ import time
 
 import pytest
 
-from vlora.config import EngineConfig
 from vlora.engine.api import EngineOverloaded, GenerationRequest, InvalidRequest, SamplingParams
 from vlora.engine.async_engine import AsyncEngine
 from vlora.engine.builder import build_engine
 
-
-def _cfg(tiny_model_dir, demo_adapter_root, **over):
-    base = {"model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cpu",
-            "model.dtype": "float32", "lora.max_rank": "32"}
-    base.update({k: str(v) for k, v in over.items()})
-    return EngineConfig().with_overrides(base)
-
-
-class Collector:
-    def __init__(self):
-        self.events = {}
-        self.done = {}
-        self.cv = threading.Condition()
-
-    def __call__(self, out):
-        with self.cv:
-            self.events.setdefault(out.request_id, []).append(out)
-            if out.finished:
-                self.done[out.request_id] = out
-            self.cv.notify_all()
-
-    def wait(self, n, timeout=60):
-        with self.cv:
-            assert self.cv.wait_for(lambda: len(self.done) >= n, timeout), f"only {len(self.done)} of {n} finished"
-
-    def wait_running(self, rid, timeout=60):
-        """Until ``rid`` (a streaming request) has produced a token: it is in the running batch."""
-        with self.cv:
-            assert self.cv.wait_for(lambda: any(o.text_delta or o.num_output_tokens for o in self.events.get(rid, ())),
-                                    timeout), f"{rid} never produced a token"
+from helpers import Collector, tiny_config
 
 
 def req(rid, prompt="Count the circles.", lora=None, **sp):
@@ -51,7 +21,7 @@ def req(rid, prompt="Count the circles.", lora=None, **sp):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, demo_adapter_root):
-    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root, **{"lora.max_gpu_adapters": 2}))
+    eng = AsyncEngine(tiny_config(tiny_model_dir, demo_adapter_root, **{"lora.max_gpu_adapters": 2}))
     yield eng
     eng.shutdown()
 
@@ -133,7 +103,7 @@ def test_bad_images_are_refused(engine):
 
 
 def test_back_pressure_rejects_when_full(tiny_model_dir, demo_adapter_root):
-    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root, **{"scheduler.max_batch_size": 1, "scheduler.max_waiting": 1}))
+    eng = AsyncEngine(tiny_config(tiny_model_dir, demo_adapter_root, **{"scheduler.max_batch_size": 1, "scheduler.max_waiting": 1}))
     try:
         col = Collector()
         # "a" runs until it is cancelled below: it fills the batch of one for as long as the context allows.
@@ -152,7 +122,7 @@ def test_back_pressure_rejects_when_full(tiny_model_dir, demo_adapter_root):
 
 
 def test_shutdown_drains_in_flight(tiny_model_dir, demo_adapter_root):
-    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root))
+    eng = AsyncEngine(tiny_config(tiny_model_dir, demo_adapter_root))
     col = Collector()
     for i in range(4):
         eng.submit(eng.prepare(req(f"d{i}", max_tokens=20, ignore_eos=True)), col)
@@ -163,7 +133,7 @@ def test_shutdown_drains_in_flight(tiny_model_dir, demo_adapter_root):
 
 
 def test_prompt_longer_than_budget_still_runs(tiny_model_dir, demo_adapter_root):
-    eng = build_engine(_cfg(tiny_model_dir, demo_adapter_root, **{"scheduler.max_num_batched_tokens": 16}))
+    eng = build_engine(tiny_config(tiny_model_dir, demo_adapter_root, **{"scheduler.max_num_batched_tokens": 16}))
     col = Collector()
     eng.add_request(eng.inputs.prepare(req("big", prompt="many words " * 20, max_tokens=2)), col)
     while eng.has_work():
@@ -184,7 +154,7 @@ def test_after_outputs_wakes_a_buffering_consumer_once_per_step(tiny_model_dir, 
             log.append(("wake", ""))
             threads.add(threading.current_thread().name)
 
-    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root), after_outputs=wake)
+    eng = AsyncEngine(tiny_config(tiny_model_dir, demo_adapter_root), after_outputs=wake)
     col = Collector()
 
     def callback(out):

@@ -8,38 +8,13 @@ import time
 
 import pytest
 
-from vlora.config import EngineConfig
 from vlora.engine.api import GenerationRequest, InvalidRequest, SamplingParams
 from vlora.engine.api import EngineDead
 from vlora.engine.async_engine import AsyncEngine
 
+from helpers import Collector, tiny_config
+
 pytestmark = pytest.mark.timeout(300)
-
-
-def _cfg(tiny_model_dir, demo_adapter_root, **over):
-    base = {"model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cpu",
-            "model.dtype": "float32", "lora.max_rank": "32"}
-    base.update({k: str(v) for k, v in over.items()})
-    return EngineConfig().with_overrides(base)
-
-
-class Collector:
-    def __init__(self):
-        self.events: dict[str, list] = {}
-        self.done: dict[str, object] = {}
-        self.cv = threading.Condition()
-
-    def __call__(self, out):
-        with self.cv:
-            self.events.setdefault(out.request_id, []).append(out)
-            if out.finished:
-                assert out.request_id not in self.done, f"{out.request_id} finished twice"
-                self.done[out.request_id] = out
-                self.cv.notify_all()
-
-    def wait(self, n, timeout):
-        with self.cv:
-            assert self.cv.wait_for(lambda: len(self.done) >= n, timeout), f"only {len(self.done)} of {n} finished"
 
 
 def _req(rid, max_tokens=8, **sp):
@@ -63,7 +38,7 @@ def make_engine(tiny_model_dir, demo_adapter_root):
 
     def make(**over):
         dead = _Dead()
-        eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root, **over), on_dead=dead)
+        eng = AsyncEngine(tiny_config(tiny_model_dir, demo_adapter_root, **over), on_dead=dead)
         engines.append(eng)
         return eng, dead
 
@@ -155,7 +130,7 @@ def test_a_dead_engine_wakes_the_output_consumer_after_failing_its_requests(tiny
             wakes.append((threading.current_thread().name, len(col.done)))
 
     dead = _Dead()
-    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root, **{"scheduler.fault_injection": "true",
+    eng = AsyncEngine(tiny_config(tiny_model_dir, demo_adapter_root, **{"scheduler.fault_injection": "true",
                                                                   "scheduler.stall_timeout_s": 1.5}),
                       on_dead=dead, after_outputs=wake)
     try:

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from vlora.config import EngineConfig
 from vlora.engine.api import GenerationRequest, SamplingParams
+from helpers import tiny_config
 from vlora.engine.builder import build_engine
 from vlora.engine.graphs import DecodeGraphs
 from vlora.orchestrator.policies import MERGE, MIXTURE, UNMERGE, Decision, Policy
@@ -32,10 +32,8 @@ class Fixed(Policy):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, demo_adapter_root):
-    cfg = EngineConfig().with_overrides({
-        "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cpu",
-        "model.dtype": "float32", "lora.max_rank": "32", "lora.max_gpu_adapters": "4", "orchestrator.policy": "vlora"})
-    return build_engine(cfg)
+    return build_engine(tiny_config(tiny_model_dir, demo_adapter_root,
+                                    **{"lora.max_gpu_adapters": 4, "orchestrator.policy": "vlora"}))
 
 
 def variants(engine, mode, merged, requests) -> Counter:

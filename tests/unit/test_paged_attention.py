@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from helpers import shuffled_block_tables
 from vlora.engine import attention as attn
 from vlora.engine.attention import (AttentionMetadata, choose_num_splits, get_attention_backend, paged_decode_reference,
                                     paged_prefill_reference)
@@ -35,13 +36,7 @@ class Cache:
     def __init__(self, seq_lens: list[int], n_kv: int, head_dim: int, block_size: int, seed: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         g = torch.Generator().manual_seed(seed)
-        need = [-(-L // block_size) for L in seq_lens]
-        num_blocks = sum(need) + 3  # spare blocks that nobody owns
-        ids = torch.randperm(num_blocks, generator=g).tolist()
-        self.tables: list[list[int]] = []
-        for n in need:
-            self.tables.append(ids[:n])
-            ids = ids[n:]
+        self.tables, num_blocks = shuffled_block_tables(seq_lens, block_size, g, spare=3)  # 3 blocks nobody owns
         # NaN everywhere but the live positions: a kernel that reads past a sequence's end, or a block
         # that is not in its table, turns the result into NaN.
         shape = (num_blocks * block_size, n_kv, head_dim)

@@ -5,18 +5,16 @@ of different sizes, so different numbers of visual tokens, text-only requests an
 beside them)."""
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from PIL import Image
 
 from vlora.config import EngineConfig
-from vlora.engine.api import GenerationRequest, InvalidRequest, SamplingParams
+from vlora.engine.api import GenerationRequest, InvalidRequest
 from vlora.engine.builder import build_engine
 from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER
 
-from engine_parity import QWEN_SPECS, _png  # noqa: E402
+from engine_parity import QWEN_SPECS, _png, add_greedy  # noqa: E402
+from helpers import peft_greedy, peft_with_adapters, qwen_processor_inputs  # noqa: E402
 
 peft = pytest.importorskip("peft")
 tiny_qwen = pytest.importorskip("vlora.models.tiny_qwen")
@@ -39,30 +37,14 @@ def setup(request, tmp_path_factory):
     cls = getattr(transformers, {"qwen2_vl": "Qwen2VLForConditionalGeneration",
                                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[request.param])
     base = cls.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True).eval()
-    ref = peft.PeftModel.from_pretrained(base, root / ADAPTERS[0], adapter_name=ADAPTERS[0]).eval()
-    for name in ADAPTERS[1:]:
-        ref.load_adapter(root / name, adapter_name=name)
+    ref = peft_with_adapters(base, root, ADAPTERS).eval()
     processor = tiny_qwen.load_qwen_processor(model_dir)
     return engine, ref, processor
 
 
 def _reference(ref, processor, adapter, text, images):
     """transformers + PEFT greedy continuation of the request, as the processor builds it."""
-    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
-    if VIDEO_PLACEHOLDER in text:
-        inputs = processor(text=[text], videos=[pil], return_tensors="pt")
-    else:
-        if images and VISION_PLACEHOLDER not in text:
-            text = VISION_PLACEHOLDER * len(images) + text
-        inputs = processor(text=[text], images=pil, return_tensors="pt")
-    with torch.no_grad():
-        if adapter is None:
-            with ref.disable_adapter():
-                out = ref.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-        else:
-            ref.set_adapter(adapter)
-            out = ref.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return peft_greedy(ref, adapter, qwen_processor_inputs(processor, text, images), MAX_NEW)
 
 
 def _run(engine, specs: dict, together: bool):
@@ -70,11 +52,7 @@ def _run(engine, specs: dict, together: bool):
     seqs = {}
 
     def add(rid):
-        adapter, text, images = specs[rid]
-        req = GenerationRequest(rid, text, images=list(images), lora_name=adapter,
-                                sampling=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
-        engine.add_request(engine.inputs.prepare(req), lambda out: None)
-        seqs[rid] = engine.waiting[-1]
+        seqs[rid] = add_greedy(engine, rid, *specs[rid], max_new=MAX_NEW)
 
     ids = list(specs)
     if together:  # two first, one step, then the rest: a step with prefills and decodes together

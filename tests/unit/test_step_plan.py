@@ -16,6 +16,8 @@ from vlora.engine.plan import DECODE_GRAPH, PlanBuilder, PlanShape
 from vlora.lora.backends import AtmmBackend
 from vlora.lora.layers import LoraContext, LoraLinear
 
+from helpers import FakeAtmmExt
+
 
 @pytest.fixture
 def kv():
@@ -114,43 +116,6 @@ def test_vision_stage_mappings_come_from_one_buffer(kv):
     assert tower.seg_slot.data_ptr() - dev.data_ptr() < dev.numel()
 
 
-class _RecordingExt:
-    """The extension's Python surface: a table that answers per direction, a forward that records its
-    arguments (``refuse``: raises as a refused launch would)."""
-
-    MAX_SLOTS = 64
-
-    def __init__(self, refuse: bool = False) -> None:
-        self.calls: list[tuple] = []
-        self.lookups = 0
-        self.refuse = refuse
-        ext = self
-
-        class Table:
-            def add(self, *args) -> None:
-                pass
-
-            def lookup(self, direction, dtype, tokens, width, rank, segments) -> dict:
-                ext.lookups += 1
-                return {"config": direction, "split_k": 2 if direction == "shrink" else 1, "exact": True,
-                        "default": False, "matched": direction}
-
-        self.TilingTable = Table
-
-    @staticmethod
-    def configs() -> list[dict]:
-        return [{"name": "shrink"}, {"name": "expand"}]
-
-    @staticmethod
-    def workspace_size(segments, split_k, tokens, r_max, dtype) -> int:
-        return 4096
-
-    def forward(self, *args) -> None:
-        self.calls.append(args)
-        if self.refuse:
-            raise RuntimeError("atmm: operation not supported")
-
-
 def _layer(ctx: LoraContext, ranks=(8, 0, 16), seed=0) -> LoraLinear:
     g = torch.Generator().manual_seed(seed)
     base = torch.nn.Linear(32, 24, bias=False).to(torch.bfloat16)
@@ -175,7 +140,7 @@ def _bind(backend: AtmmBackend, ctx: LoraContext, mapping: LoraBatchMapping) -> 
 
 
 def test_the_backend_plans_once_per_step_shape_and_layers_only_launch():
-    ext = _RecordingExt()
+    ext = FakeAtmmExt(shrink_split=2)
     backend, ctx = _prepared(ext)
     layers = [_layer(ctx, seed=i) for i in range(3)]  # one shape and ranks: one plan
     mapping = LoraBatchMapping.from_token_slots([3, 5], [2, -1])
@@ -199,7 +164,7 @@ def test_the_backend_plans_once_per_step_shape_and_layers_only_launch():
 
 
 def test_a_refused_launch_is_served_by_the_reference_and_warned_once(caplog):
-    ext = _RecordingExt(refuse=True)
+    ext = FakeAtmmExt(shrink_split=2, refuse="atmm: operation not supported")
     backend, ctx = _prepared(ext)
     layer = _layer(ctx)
     mapping = LoraBatchMapping.from_token_slots([4, 4], [0, 2])
@@ -218,7 +183,7 @@ def test_a_refused_launch_is_served_by_the_reference_and_warned_once(caplog):
 
 def test_steps_on_the_cpu_take_the_reference_unprepared():
     """No extension work where the inputs are not on CUDA: prepare leaves the backend off."""
-    ext = _RecordingExt()
+    ext = FakeAtmmExt(shrink_split=2)
     backend, ctx = _prepared(ext)
     layer = _layer(ctx)
     mapping = LoraBatchMapping.from_token_slots([8], [2])
@@ -230,3 +195,24 @@ def test_steps_on_the_cpu_take_the_reference_unprepared():
     want = atmm_reference(want, x, layer.lora_a, layer.lora_b, layer.ranks_t, layer.neg_scales_t, ctx.delora)
     layer.add_lora(x, y)
     assert torch.equal(y, want) and not ext.calls
+
+
+@pytest.mark.parametrize("rows_per_segment", [1, 5])
+def test_the_graph_safe_path_adds_each_segments_slot(rows_per_segment):
+    """``rows``: segments of equal length with their slots on the device (a decode graph's rows; a vision graph's
+    images of R rows each) give what the segment reference gives over the same segments, slot -1 adding nothing;
+    sign -1 takes the delta out again."""
+    from vlora.lora.backends import lora_rows_torch
+
+    g = torch.Generator().manual_seed(3)
+    slots, r, d_in, d_out = [2, -1, 0, 2], 4, 6, 5
+    T = len(slots) * rows_per_segment
+    x = torch.randn(T, d_in, generator=g)
+    a, b = torch.randn(3, r, d_in, generator=g), torch.randn(3, d_out, r, generator=g)
+    y0 = torch.randn(T, d_out, generator=g)
+    got = lora_rows_torch(y0.clone(), x, a, b, torch.tensor(slots, dtype=torch.int32), 1.0)
+    mapping = LoraBatchMapping.from_segments(range(0, T + 1, rows_per_segment), slots)
+    want = atmm_reference(y0.clone(), x, a, b, torch.full((3,), r), torch.ones(3), mapping)
+    torch.testing.assert_close(got, want)
+    back = lora_rows_torch(got, x, a, b, torch.tensor(slots, dtype=torch.int32), -1.0)
+    torch.testing.assert_close(back, y0, atol=1e-5, rtol=1e-5)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlora.config import EngineConfig
+from helpers import synthetic_runner, tiny_config
 from vlora.engine.builder import build_engine
 from vlora.orchestrator.switcher import PerLayerSwitcher, SwiftSwitcher
 
@@ -17,10 +17,8 @@ ADAPTERS = ("demo-r8-qv", "demo-r32-mlp", "demo-r16-attn")
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, demo_adapter_root):
-    cfg = EngineConfig().with_overrides({
-        "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cpu",
-        "model.dtype": "float32", "lora.max_rank": "32", "lora.max_gpu_adapters": "4", "orchestrator.policy": "unmerge-only"})
-    return build_engine(cfg)
+    return build_engine(tiny_config(tiny_model_dir, demo_adapter_root,
+                                    **{"lora.max_gpu_adapters": 4, "orchestrator.policy": "unmerge-only"}))
 
 
 def test_slot_buffers_are_views_of_one_stack_per_group(engine):
@@ -82,15 +80,12 @@ def test_the_swift_switch_skips_groups_the_adapters_do_not_target(engine, monkey
 def test_each_group_merges_in_one_call_from_the_slot_stacks(monkeypatch):
     """One merge call per weight group (q/k/v: 3L matrices, o: L) covers every layer and module, a swap included
     (the new adapter in and the old one out as two terms of one call), with A and B read in place: the operands
-    are views of the slot stacks, not copies (the synthetic runner of benchmarks/switch_probe.py, in fp64 here);
+    are views of the slot stacks, not copies (the switchers' synthetic runner of tests/helpers.py, in fp64 here);
     an adapter that targets q/k/v only leaves o alone."""
-    import importlib
-
     import vlora.orchestrator.switcher as switcher
 
-    probe = importlib.import_module("benchmarks.switch_probe")
     L, d, r, S = 3, 16, 4, 5
-    runner = probe.synthetic_runner(L, d, r, S, torch.float64, "cpu")
+    runner = synthetic_runner(L, d, r, S, torch.float64, "cpu")
     gen = torch.Generator().manual_seed(0)
     for slot in (1, 3):
         for w in runner.lora_layers.values():

@@ -3,12 +3,10 @@ a 400), and the engine survives what slips past: a request with non-finite logit
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
 
-from vlora.config import EngineConfig
 from vlora.engine import core
 from vlora.engine.api import (
     MAX_SAMPLING_JSON_BYTES,
@@ -18,6 +16,8 @@ from vlora.engine.api import (
     parse_sampling_json,
 )
 from vlora.engine.async_engine import AsyncEngine
+
+from helpers import Collector, tiny_config
 
 
 def _from_json(text):
@@ -82,30 +82,9 @@ def test_large_json_is_refused():
 # ---- at the engine
 
 
-def _cfg(tiny_model_dir, demo_adapter_root):
-    return EngineConfig().with_overrides({"model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root),
-                                          "model.device": "cpu", "model.dtype": "float32", "lora.max_rank": "32"})
-
-
-class Collector:
-    def __init__(self):
-        self.done = {}
-        self.cv = threading.Condition()
-
-    def __call__(self, out):
-        with self.cv:
-            if out.finished:
-                self.done[out.request_id] = out
-                self.cv.notify_all()
-
-    def wait(self, n, timeout=60):
-        with self.cv:
-            assert self.cv.wait_for(lambda: len(self.done) >= n, timeout), f"only {len(self.done)} of {n} finished"
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, demo_adapter_root):
-    eng = AsyncEngine(_cfg(tiny_model_dir, demo_adapter_root))
+    eng = AsyncEngine(tiny_config(tiny_model_dir, demo_adapter_root))
     yield eng
     eng.shutdown()
 

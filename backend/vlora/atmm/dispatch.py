@@ -241,25 +241,26 @@ class AtmmKernels:
 
     def run_rows(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  mapping: LoraBatchMapping, sign: float, stream: int | None = None) -> bool:
-        """The graph-safe call of a captured decode step: one segment per row (``mapping.seg_indptr`` is
-        0..T, ``mapping.seg_slot`` the rows' slots, -1: none), every slot at rank ``r_max`` and scale
-        ``sign`` (the slot buffers hold scale * B, zero past each rank), so the launch arguments do not
-        depend on which adapters the slots hold. The tiling is the table's for (T, width, r_max, T
-        segments), chosen once. False (nothing launched) when the extension refuses the launch. The caller
+        """The graph-safe call of a captured step: segments at fixed bounds (a decode graph: one per row,
+        ``mapping.seg_indptr`` 0..T; a vision graph: one per image), their slots read on the device
+        (``mapping.seg_slot``, -1: none), every slot at rank ``r_max`` and scale ``sign`` (the slot buffers
+        hold scale * B, zero past each rank), so the launch arguments do not depend on which adapters the
+        slots hold. The tiling is the table's for (T, width, r_max, S segments), chosen once. False (nothing launched) when the extension refuses the launch. The caller
         has checked the inputs (:meth:`check_buffers` and the activations' layout, as the backend does);
         ``stream``: the step's CUDA stream (None: the current one)."""
         dtype = _DTYPES[y.dtype]
         n_slots, r_max, d_in = lora_a.shape
         d_out = y.shape[1]
         T = x.shape[0]
-        key = (y.device, dtype, T, d_in, d_out, r_max, n_slots, float(sign))
+        S = mapping.seg_slot.shape[0]  # segments: T in a decode graph; a vision graph's images
+        key = (y.device, dtype, T, S, d_in, d_out, r_max, n_slots, float(sign))
         plan = self._row_plans.get(key)
         if plan is None:
-            hit = self.lookup("shrink", dtype, T, d_in, r_max, T)
+            hit = self.lookup("shrink", dtype, T, d_in, r_max, S)
             shrink = (hit["config"], hit["split_k"])
-            expand = self.lookup("expand", dtype, T, d_out, r_max, T)["config"]
+            expand = self.lookup("expand", dtype, T, d_out, r_max, S)["config"]
             split_k = int(shrink[1])
-            need = self.ext.workspace_size(T, split_k, T, r_max, dtype)
+            need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
             workspace = torch.empty(max(need, 256), dtype=torch.uint8, device=y.device)
             plan = (self._names.index(shrink[0]), split_k, self._names.index(expand), [r_max] * n_slots,
                     [float(sign)] * n_slots, workspace)
@@ -273,7 +274,7 @@ class AtmmKernels:
             self.ext.forward(
                 y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
                 mapping.seg_indptr.data_ptr(), mapping.seg_slot.data_ptr(), workspace.data_ptr(), workspace.numel(),
-                T, d_in, d_out, r_max, x.stride(0), y.stride(0), T, ranks_list, scales_list, dtype,
+                T, d_in, d_out, r_max, x.stride(0), y.stride(0), S, ranks_list, scales_list, dtype,
                 shrink_idx, split_k, expand_idx, stream, PHASE_ALL, True)
         except RuntimeError as e:  # refused before any launch: the caller's PyTorch path serves this shape
             log.warning("atmm: the extension refused a per-row call (T=%d d_in=%d d_out=%d r_max=%d: %s); "

@@ -37,16 +37,7 @@ class LoraBatchMapping:
         """Build from per-request token counts and slots; neighbouring requests of one slot are merged."""
         if len(lengths) != len(slots):
             raise ValueError(f"lengths ({len(lengths)}) and slots ({len(slots)}) differ in length")
-        indptr = [0]
-        seg_slot: list[int] = []
-        for n, s in zip(lengths, slots):
-            if n < 0:
-                raise ValueError(f"negative segment length {n}")
-            if seg_slot and seg_slot[-1] == s:
-                indptr[-1] += n
-            else:
-                seg_slot.append(int(s))
-                indptr.append(indptr[-1] + n)
+        indptr, seg_slot, _ = segment_runs(lengths, slots)
         return cls.from_segments(indptr, seg_slot, device)
 
     @classmethod
@@ -61,5 +52,26 @@ class LoraBatchMapping:
             seg_indptr_host=indptr,
             seg_slot_host=slots,
             num_tokens=indptr[-1],
-            has_lora=any(s >= 0 and indptr[i + 1] > indptr[i] for i, s in enumerate(slots)),
+            has_lora=uses_lora(indptr, slots),
         )
+
+
+def segment_runs(lengths: Sequence[int], slots: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """(indptr, slots, has_lora) of the runs of neighbouring requests of one slot: ``lengths[i]`` tokens of
+    request i use slot ``slots[i]``; neighbours of one slot make one segment."""
+    indptr = [0]
+    seg: list[int] = []
+    for n, s in zip(lengths, slots):
+        if n < 0:
+            raise ValueError(f"negative segment length {n}")
+        if seg and seg[-1] == s:
+            indptr[-1] += n
+        else:
+            seg.append(int(s))
+            indptr.append(indptr[-1] + n)
+    return tuple(indptr), tuple(seg), uses_lora(indptr, seg)
+
+
+def uses_lora(indptr: Sequence[int], slots: Sequence[int]) -> bool:
+    """Whether a token uses an adapter: a segment with a slot (>= 0) and tokens."""
+    return any(s >= 0 and indptr[i + 1] > indptr[i] for i, s in enumerate(slots))

@@ -13,6 +13,7 @@ from vlora.config import ConfigError, EngineConfig, default_cache_dir
 from vlora.engine.core import LLMEngine
 from vlora.metrics import EngineMetrics
 from vlora.engine.model_runner import ModelRunner
+from vlora.orchestrator.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,11 @@ def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device
     from vlora.models.family import load_model
 
     dtype = resolve_dtype(config.model.dtype, device)
+    warm = config.engine.warmup == "on" or (config.engine.warmup == "auto" and device.type == "cuda")
+    if warm and metrics is not None:
+        from vlora.engine.warmup import GatedMetrics
+
+        metrics = GatedMetrics(metrics)  # opened after the warm-up: its requests are not traffic
     model_dir, adapter_root = resolve_model_and_adapters(config)
     t0 = time.perf_counter()
     loaded = load_model(model_dir, dtype, device)
@@ -103,24 +109,35 @@ def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device
                         vision=runner.vision_lora_sites())
     info = {"name": loaded.name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
             "max_model_len": max_model_len, "model_dir": str(model_dir), "adapter_root": str(adapter_root) if adapter_root else None}
+    # The orchestrator places the weights (its switcher's stacks, the LoRA backend); then the graphs are
+    # captured, the cost model measured over them, and the tuner started: the engine is built complete.
+    orchestrator = Orchestrator(config.orchestrator, config.scheduler.max_batch_size, runner, loras, metrics)
+    capture_graphs(config, runner, max_model_len, info)
+    resolve_cost_model(config, runner, loras, orchestrator, info)  # after the graphs: a measurement replays them
+    tuner = start_tuner(config, runner, device, dtype)  # last: it profiles beside the finished model
     engine = LLMEngine(config, runner, loras, loaded.tokenizer, max_model_len, eos_token_ids(loaded), metrics,
-                       inputs=InputProcessor(loaded, config.limits, loras, max_model_len), model_info=info)
-    capture_graphs(config, runner, max_model_len, engine)  # after the orchestrator placed the weights
-    resolve_cost_model(config, engine)  # after the graphs: a measurement replays them
-    engine.tuner = start_tuner(config, runner, device, dtype)  # last: it profiles beside the finished engine
+                       inputs=InputProcessor(loaded, config.limits, loras, max_model_len), model_info=info,
+                       tuner=tuner, orchestrator=orchestrator)
+    if warm:
+        from vlora.engine.warmup import warm_up
+
+        info["warmup"] = warm_up(engine)
+        if metrics is not None:
+            metrics.open = True
     log.info("engine ready: %s on %s/%s in %.1fs, adapters at %s", loaded.name, device, dtype, time.perf_counter() - t0, adapter_root)
     return engine
 
 
-def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int, engine: LLMEngine) -> None:
+def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int, info: dict) -> None:
     """Capture the decode graphs (``engine.cuda_graphs``), then the prefill graphs (``engine.prefill_graph_tokens``),
-    once the orchestrator has placed the weights."""
+    once the orchestrator has placed the weights; what was captured goes to ``info["cuda_graphs"]`` (the
+    engine's ``model_info``)."""
     if runner.device.type != "cuda" or config.engine.cuda_graphs == "off":
         return
     if not runner.attention.graph_safe:
         log.warning("engine.attention=%s reads the sequence lengths on the host: CUDA graphs are off with it "
                     "(every step runs eager; engine.attention auto, flash or triton capture them)", runner.attention.name)
-        engine.model_info["cuda_graphs"] = {"off": f"engine.attention={runner.attention.name} cannot be captured"}
+        info["cuda_graphs"] = {"off": f"engine.attention={runner.attention.name} cannot be captured"}
         return
     from vlora.engine.graphs import VARIANTS, DecodeGraphs, PrefillGraphs, prefill_buckets
 
@@ -129,37 +146,45 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int
     runner.graphs = DecodeGraphs(runner, sizes, max_model_len)
     # Only the vlora policy runs mixture steps; other policies would capture such a graph when first needed.
     runner.graphs.capture_all(VARIANTS if config.orchestrator.policy == "vlora" else ("base", "lora"))
-    engine.model_info["cuda_graphs"] = {"batch_sizes": list(runner.graphs.sizes), "capture_s": round(runner.graphs.capture_s, 2),
+    info["cuda_graphs"] = {"batch_sizes": list(runner.graphs.sizes), "capture_s": round(runner.graphs.capture_s, 2),
                                         "memory_mib": round(runner.graphs.memory_bytes / 2**20, 1)}
     max_tokens = min(config.engine.prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
     if prefill_buckets(max_tokens):
         runner.prefill_graphs = PrefillGraphs(runner, max_tokens, config.scheduler.max_batch_size, max_model_len,
                                               pool=runner.graphs.pool)
         runner.prefill_graphs.capture_all()
-        engine.model_info["cuda_graphs"]["prefill_tokens"] = list(runner.prefill_graphs.sizes)
-        engine.model_info["cuda_graphs"]["prefill_capture_s"] = round(runner.prefill_graphs.capture_s, 2)
-        engine.model_info["cuda_graphs"]["prefill_memory_mib"] = round(runner.prefill_graphs.memory_bytes / 2**20, 1)
+        info["cuda_graphs"]["prefill_tokens"] = list(runner.prefill_graphs.sizes)
+        info["cuda_graphs"]["prefill_capture_s"] = round(runner.prefill_graphs.capture_s, 2)
+        info["cuda_graphs"]["prefill_memory_mib"] = round(runner.prefill_graphs.memory_bytes / 2**20, 1)
+    loaded = runner.loaded
+    if config.engine.vision_graph_images and loaded is not None and loaded.family.fixed_pixels(loaded) is not None:
+        from vlora.engine.vision_graphs import VisionGraphs
+
+        runner.vision_graphs = VisionGraphs(runner, config.engine.vision_graph_images, pool=runner.graphs.pool)
+        runner.vision_graphs.capture_all()
+        info["cuda_graphs"]["vision_images"] = list(runner.vision_graphs.sizes)
+        info["cuda_graphs"]["vision_capture_s"] = round(runner.vision_graphs.capture_s, 2)
 
 
-def resolve_cost_model(config: EngineConfig, engine: LLMEngine) -> None:
+def resolve_cost_model(config: EngineConfig, runner: ModelRunner, loras, orchestrator: Orchestrator, info: dict) -> None:
     """Give the orchestrator the cost model ``orchestrator.cost_model`` names (after the graphs are captured:
-    a measurement replays them). Policies other than vlora only measure one when asked to (``measure``)."""
+    a measurement replays them), summed up in ``info["cost_model"]``. Policies other than vlora only measure
+    one when asked to (``measure``)."""
     from vlora.engine import cost_probe
     from vlora.orchestrator.switcher import SWITCHERS
 
     cfg = config.orchestrator
     if cfg.policy != "vlora" and cfg.cost_model == "auto":
         return
-    runner = engine.runner
     key = cost_probe.model_key(runner, dtype=str(runner.dtype).removeprefix("torch."), max_rank=config.lora.max_rank,
                                targets=config.lora.target_modules, max_batch_size=config.scheduler.max_batch_size,
                                lora_backend=cfg.resolved_lora_compute, switcher=cfg.resolved_switcher)
     cache = Path(cfg.cost_model_dir) if cfg.cost_model_dir else default_cache_dir() / "cost-model"
     model = cost_probe.resolve(cfg.cost_model, runner, cache_dir=cache, key=key,
                                max_batch_size=config.scheduler.max_batch_size,
-                               switcher_cls=SWITCHERS[cfg.resolved_switcher], loras=engine.loras)
-    engine.orchestrator.set_costs(model)
-    engine.model_info["cost_model"] = model.summary()
+                               switcher_cls=SWITCHERS[cfg.resolved_switcher], loras=loras)
+    orchestrator.set_costs(model)
+    info["cost_model"] = model.summary()
 
 
 def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device, dtype: torch.dtype):

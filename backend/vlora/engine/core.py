@@ -49,10 +49,13 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner, loras: LoraManager, tokenizer,
                  max_model_len: int, eos_ids: set[int], metrics: Optional[EngineMetrics] = None,
-                 inputs=None, model_info: Optional[dict] = None, tuner=None) -> None:
+                 inputs=None, model_info: Optional[dict] = None, tuner=None,
+                 orchestrator: Optional[Orchestrator] = None) -> None:
         """``inputs``: the InputProcessor that prepares requests for this engine; ``model_info``: what the
         builder found (name, dtype, device, graphs...), shown to clients; ``tuner``: the ATMM tuner sidecar
-        started at model load (vlora.atmm.tuner.start_at_load), whose table is swapped in between steps."""
+        started at model load (vlora.atmm.tuner.start_at_load), whose table is swapped in between steps;
+        ``orchestrator``: the builder's, which placed the weights before the graphs were captured (None: a
+        new one over ``runner`` and ``loras``)."""
         self.config = config
         self.runner = runner
         self.loras = loras
@@ -62,7 +65,8 @@ class LLMEngine:
         self._aborted: set[str] = set()
         self.inputs = inputs
         self.model_info: dict = model_info if model_info is not None else {}
-        self.orchestrator = Orchestrator(config.orchestrator, config.scheduler.max_batch_size, runner, loras, self.metrics)
+        self.orchestrator = orchestrator if orchestrator is not None else Orchestrator(
+            config.orchestrator, config.scheduler.max_batch_size, runner, loras, self.metrics)
         self.scheduler = Scheduler(config, runner.kv, loras, self.orchestrator, runner.loaded, self.metrics, max_model_len)
         self.adapters = AdapterRequests(loras, self.scheduler, self.metrics)
         self._reported_depth: Optional[tuple[int, int]] = None  # (running, waiting) last sent to the metrics

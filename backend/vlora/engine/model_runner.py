@@ -123,6 +123,7 @@ class ModelRunner:
         self.gemv_table = self._load_gemv_table(None)
         self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
         self.prefill_graphs = None  # PrefillGraphs (vlora.engine.graphs) once captured
+        self.vision_graphs = None  # VisionGraphs (vlora.engine.vision_graphs) once captured
         self.encoder_cache: Optional[EncoderCache] = None  # set_encoder_cache()
         # The family's vision-side projections that adapters may target; wrapped for LoRA with ``vision_lora``.
         self.vision_sites = loaded.family.vision_lora_sites(loaded) if loaded is not None else []
@@ -283,6 +284,8 @@ class ModelRunner:
         vision-side LoRA encodes item i (-1 or None: the plain encoder); items of one slot should be
         neighbours (one LoRA segment each run). No LoRA work when no item has a slot."""
         family, loaded = self.loaded.family, self.loaded
+        if self.vision_graphs is not None and self.vision_graphs.serves(pixel_values, image_grid_thw, video):
+            return self.vision_graphs.run(pixel_values, vision_slots)
         if vision_slots is None or all(s < 0 for s in vision_slots):
             return family.encode_images(loaded, pixel_values, image_grid_thw, video=video)
         if self.vision_lora is None:

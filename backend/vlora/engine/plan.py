@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 import torch
 
-from vlora.atmm.mapping import LoraBatchMapping
+from vlora.atmm.mapping import LoraBatchMapping, segment_runs
 from vlora.engine.attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -395,7 +395,7 @@ class PlanBuilder:
         for lengths, slots in groups:
             if len(lengths) != len(slots):
                 raise ValueError(f"lengths ({len(lengths)}) and slots ({len(slots)}) differ in length")
-            segs = self._runs(lengths, slots)
+            segs = segment_runs(lengths, slots)
             plans.append((n, segs))
             n += _up(2 * len(segs[1]) + 1, 4)
         if self._aux_dev is None or 4 * n > self._aux_dev.numel():
@@ -429,25 +429,10 @@ class PlanBuilder:
             self._aux_dev = torch.zeros(size, dtype=torch.uint8, device=self.device)
 
     @staticmethod
-    def _runs(lengths: Sequence[int], slots: Sequence[int]) -> tuple:
-        """(indptr, slots, has_lora) of runs of neighbouring sequences of one slot, on the host."""
-        indptr = [0]
-        seg: list[int] = []
-        for m, s in zip(lengths, slots):
-            if m < 0:
-                raise ValueError(f"negative segment length {m}")
-            if seg and seg[-1] == s:
-                indptr[-1] += m
-            else:
-                seg.append(int(s))
-                indptr.append(indptr[-1] + m)
-        return tuple(indptr), tuple(seg), any(s >= 0 and indptr[i + 1] > indptr[i] for i, s in enumerate(seg))
-
-    @staticmethod
     def _segments(h32: np.ndarray, lay: Layout, lengths: list[int], slots: list[int], delora: bool) -> tuple:
         """Runs of neighbouring sequences of one slot, written to the layout's LoRA fields:
         (indptr, slots, has_lora) on the host."""
-        indptr, seg, has = PlanBuilder._runs(lengths, slots)
+        indptr, seg, has = segment_runs(lengths, slots)
         at_i, at_s = (lay.di, lay.ds) if delora else (lay.pi, lay.ps)
         h32[at_i:at_i + len(indptr)] = indptr
         h32[at_s:at_s + len(seg)] = seg

@@ -76,6 +76,15 @@ def load_model(args):
     return load_llava(model_dir, getattr(torch, args.dtype), device)
 
 
+def _guarded(command: str, run, args) -> int:
+    """``run(args)``; a bad dataset, option or path is one line on stderr and exit code 2."""
+    try:
+        return run(args)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        say(f"vlora {command}: {e}")
+        return 2
+
+
 def example_request(adapter: str, task: str, ds: VisionDataset) -> str:
     prompt = ds.prompt_for(1 if ds.task_type != "action" else 4)
     body = {"text_input": prompt, "image": ["<base64 PNG>"] * prompt.count("<image>"),
@@ -93,11 +102,7 @@ def train_add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def train_run(args) -> int:
-    try:
-        return _train(args)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        say(f"vlora train: {e}")
-        return 2
+    return _guarded("train", _train, args)
 
 
 def _train(args) -> int:
@@ -141,11 +146,7 @@ def fuse_add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def fuse_run(args) -> int:
-    try:
-        return _fuse(args)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        say(f"vlora fuse: {e}")
-        return 2
+    return _guarded("fuse", _fuse, args)
 
 
 def _fuse(args) -> int:

@@ -9,8 +9,9 @@ device tensors are views of the step plan's buffers (:mod:`vlora.engine.plan`), 
 Every backend serves two kinds of step metadata:
 - ``segments``: an eager step's :class:`~vlora.atmm.mapping.LoraBatchMapping` (segments of a packed
   batch, with host copies of the segment bounds), the signature of :func:`vlora.atmm.atmm`;
-- ``rows``: a captured decode step's per-row slot buffer at a fixed device address (one token per row,
-  slot -1 for rows without an adapter). Nothing in it may read device values on the host, so that the
+- ``rows``: a captured step's segments of equal, fixed length with their slots in a buffer at a fixed
+  device address (a decode graph: one token per row; a vision graph: one image's rows per segment; slot -1
+  for segments without an adapter). Nothing in it may read device values on the host, so that the
   step can be captured once and replayed as a CUDA graph while the buffer's contents change.
 
 The slot buffers hold ``lora_b`` pre-multiplied by each adapter's scale
@@ -35,15 +36,23 @@ log = logging.getLogger(__name__)
 
 def lora_rows_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                     row_slot: torch.Tensor, sign: float) -> torch.Tensor:
-    """Graph-safe per-row LoRA in plain PyTorch (gathers each row's adapter: bytes grow with the rows).
+    """Graph-safe LoRA in plain PyTorch over S segments of equal length T / S (a decode graph's rows: S = T;
+    a vision graph's images: S images of R rows), each segment's slot read on the device only (gathers each
+    segment's adapter: bytes grow with the segments).
 
-    Semantics: y[i] += sign * B[s_i] @ (A[s_i] @ x[i])  for rows with s_i = row_slot[i] >= 0
-    Shape: y [T, d_out]  x [T, d_in]  lora_a [n, r, d_in]  lora_b [n, d_out, r]  row_slot [T] int32
+    Semantics: y[rows of segment i] += sign * x @ A[s_i]^T @ B[s_i]^T  for segments with s_i = row_slot[i] >= 0
+    Shape: y [T, d_out]  x [T, d_in]  lora_a [n, r, d_in]  lora_b [n, d_out, r]  row_slot [S] int32
     """
     idx = row_slot.clamp(min=0).long()
-    keep = (row_slot >= 0).to(y.dtype).unsqueeze(1) * sign
-    v = torch.bmm(lora_a.index_select(0, idx), x.unsqueeze(2))  # [T, r, 1]
-    y += torch.bmm(lora_b.index_select(0, idx), v).squeeze(2) * keep
+    S, T = row_slot.shape[0], x.shape[0]
+    if S == T:
+        keep = (row_slot >= 0).to(y.dtype).unsqueeze(1) * sign
+        v = torch.bmm(lora_a.index_select(0, idx), x.unsqueeze(2))  # [T, r, 1]
+        y += torch.bmm(lora_b.index_select(0, idx), v).squeeze(2) * keep
+        return y
+    keep = (row_slot >= 0).to(y.dtype).view(S, 1, 1) * sign
+    v = torch.bmm(x.reshape(S, T // S, -1), lora_a.index_select(0, idx).transpose(1, 2))  # [S, R, r]
+    y += (torch.bmm(v, lora_b.index_select(0, idx).transpose(1, 2)) * keep).reshape(T, -1)
     return y
 
 

@@ -98,6 +98,7 @@ class ModelFamily:
     name: ClassVar[str] = ""
     model_types: ClassVar[tuple[str, ...]] = ()
     image_placeholder: ClassVar[str] = ""  # what a prompt writes where an image goes
+    video_placeholder: ClassVar[str] = ""  # where a video goes (its frames are the request's images); "": no video
     # Vision-side LoRA: (stage, regex over the loaded model's module paths, with groups ``module`` and, in the
     # tower, ``layer``) for each stage's targetable nn.Linear projections; ``vision_lora_aliases`` are
     # (older prefix, current prefix) pairs for the module paths of adapters trained with older transformers.
@@ -114,6 +115,16 @@ class ModelFamily:
     def encode_images(self, loaded: LoadedModel, pixel_values: torch.Tensor,
                       image_grid_thw: Optional[torch.Tensor], video: bool = False) -> list[torch.Tensor]:
         """Features of each image (or video), [tokens of that image, hidden], in order."""
+        raise NotImplementedError
+
+    def fixed_pixels(self, loaded: LoadedModel) -> Optional[tuple[int, int]]:
+        """(H, W) of every image's pixel_values where the vision tower takes one fixed size (LLaVA's CLIP),
+        so that an image-count bucket can be captured as a CUDA graph (:meth:`encode_batch`); None where
+        the shapes depend on the image (Qwen2-VL's grids)."""
+        return None
+
+    def encode_batch(self, loaded: LoadedModel, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Fixed-size families: [n, 3, H, W] -> [n, tokens per image, hidden], one tensor."""
         raise NotImplementedError
 
     def item_tokens(self, loaded: LoadedModel, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor],

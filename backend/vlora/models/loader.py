@@ -252,8 +252,17 @@ class LlavaFamily(ModelFamily):
         ids = build_prompt_ids(loaded, text, len(images), apply_chat_template)
         return Prompt(ids=ids, pixel_values=pixel_values(images, loaded.image_processor) if images else None)
 
+    def fixed_pixels(self, loaded) -> Optional[tuple[int, int]]:
+        size = loaded.model.config.vision_config.image_size
+        return (size, size)
+
     def encode_images(self, loaded, pixel_values, image_grid_thw, video=False):
         """[n, 3, H, W] -> n x [tokens_per_image, hidden], as LlavaModel.get_image_features does."""
+        return list(self.encode_batch(loaded, pixel_values))
+
+    def encode_batch(self, loaded, pixel_values) -> torch.Tensor:
+        """[n, 3, H, W] -> [n, tokens_per_image, hidden] (what :class:`vlora.engine.vision_graphs.VisionGraphs`
+        captures)."""
         model = loaded.model
         vm = model.model
         p = next(vm.vision_tower.parameters())
@@ -262,7 +271,7 @@ class LlavaFamily(ModelFamily):
         layers = layer if isinstance(layer, (list, tuple)) else [layer]
         default = model.config.vision_feature_select_strategy == "default"
         feats = torch.cat([out.hidden_states[li][:, 1:] if default else out.hidden_states[li] for li in layers], dim=-1)
-        return list(vm.multi_modal_projector(feats))
+        return vm.multi_modal_projector(feats)
 
     def vision_lora_rows(self, loaded, pixel_values, image_grid_thw, video=False):
         """Every image alike: the tower's tokens (patches, plus CLIP's class token), then its placeholder

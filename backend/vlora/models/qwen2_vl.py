@@ -37,6 +37,7 @@ class Qwen2VLFamily(ModelFamily):
     name = "qwen2-vl"
     model_types = tuple(_CLASSES)
     image_placeholder = VISION_PLACEHOLDER
+    video_placeholder = VIDEO_PLACEHOLDER
     # The ViT blocks' attention and MLP (fc1/fc2 in Qwen2-VL, gate/up/down in Qwen2.5-VL) and the patch
     # merger's two linear layers; transformers before 4.52 had the tower at visual. instead of model.visual.
     vision_lora_modules = (
@@ -137,11 +138,14 @@ class Qwen2VLFamily(ModelFamily):
 
     def encode_images(self, loaded: LoadedModel, pixel_values: torch.Tensor,
                       image_grid_thw: Optional[torch.Tensor], video: bool = False) -> list[torch.Tensor]:
-        vm = loaded.model.model
-        p = next(vm.visual.parameters())
-        encode = vm.get_video_features if video else vm.get_image_features
-        out = encode(pixel_values.to(p.device, p.dtype), image_grid_thw.to(p.device))
-        return list(out.pooler_output)
+        """The model's vision tower and merger, without host syncs (:mod:`vlora.models.qwen_vision`); images and
+        a video's frames alike (transformers' get_image_features and get_video_features differ only in names)."""
+        from vlora.models.qwen_vision import encode_features, vision_forward
+
+        visual = loaded.model.model.visual
+        p = next(visual.parameters())
+        return encode_features(vision_forward(visual), pixel_values.to(p.device, p.dtype), image_grid_thw.cpu(),
+                               int(loaded.model.config.vision_config.spatial_merge_size))
 
     def item_tokens(self, loaded: LoadedModel, pixel_values, image_grid_thw, video: bool = False) -> list[int]:
         merge = loaded.model.config.vision_config.spatial_merge_size

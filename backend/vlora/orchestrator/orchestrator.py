@@ -46,6 +46,16 @@ class Orchestrator:
         self.switches = 0
         self.last_switch_s = 0.0
 
+    def forget(self) -> None:
+        """Back to unmerged mode with fresh estimates from the same cost model, the counters at zero: what
+        the warm start leaves (:mod:`vlora.engine.warmup`; its steps paid for compilation and plans)."""
+        if self.mode != UNMERGE or self.merged is not None:
+            self.enter(UNMERGE, None)
+        self.estimates = Estimates(alpha=self.cfg.ema, costs=self.estimates.costs)
+        self.mode_seconds.clear()
+        self.switches = 0
+        self.last_switch_s = 0.0
+
     @property
     def mode_impl(self) -> InferenceMode:
         return MODES[self.mode]

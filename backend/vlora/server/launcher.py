@@ -53,6 +53,7 @@ from vlora.server.lockdown import (
     unsendable_value,
 )
 from vlora.server.options import ServeOptions, add_arguments, options_from_args  # noqa: F401 (add_arguments: `vlora serve`'s)
+from vlora.server.ports import ServerUrls
 from vlora.server.processes import _alive, child_processes
 from vlora.server.repository import (
     MODEL_NAME,
@@ -134,7 +135,7 @@ def prepare_default_artifacts(config: EngineConfig, out: TextIO) -> tuple[Option
     return str(model_dir), str(root)
 
 
-class TritonServer:
+class TritonServer(ServerUrls):
     """One tritonserver process serving the vlora model."""
 
     def __init__(self, options: ServeOptions, out: TextIO = sys.stdout) -> None:
@@ -156,27 +157,14 @@ class TritonServer:
         self.adapter_root: Optional[str] = options.engine.lora.adapter_root
         self._openai: Optional[OpenAIFrontendProcess] = None  # the OpenAI front end's process
         self.openai_failure: Optional[str] = None  # why the OpenAI front end stopped while serving
+        # Where clients reach it (ServerUrls: http_url, grpc_url, metrics_url, openai_url).
+        self.url_host = options.client_host
+        self.http_port, self.grpc_port = options.http_port, options.grpc_port
+        self.metrics_port, self.openai_port = options.metrics_port, options.openai_port
 
     @property
     def log_path(self) -> Optional[Path]:
         return self._log_path
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.options.client_host}:{self.options.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.options.client_host}:{self.options.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.options.client_host}:{self.options.metrics_port}/metrics"
-
-    @property
-    def openai_url(self) -> Optional[str]:
-        """The OpenAI API's base URL (``.../v1``), None when it is off."""
-        return f"http://{self.options.client_host}:{self.options.openai_port}/v1" if self.options.openai_port else None
 
     def start(self) -> None:
         """Prepare everything, start tritonserver, and return once it is ready (or raise LaunchError)."""

@@ -186,20 +186,19 @@ class TritonModelMetrics:
 
     def prefix_cache(self, prompt_tokens: int, reused_tokens: int, evictions: int) -> None:
         with self._lock:
-            c = self._counts
-            for key, value in ((("prefix_prompt",), prompt_tokens), (("prefix_reused",), reused_tokens),
-                               (("prefix_evictions",), evictions)):
-                if value:
-                    c[key] = c.get(key, 0) + value
+            self._add_counts(prefix_prompt=prompt_tokens, prefix_reused=reused_tokens, prefix_evictions=evictions)
 
     def encoder_cache(self, hits: int, misses: int, evictions: int, bytes_used: int) -> None:
         with self._lock:
-            c = self._counts
-            for key, value in ((("encoder_hits",), hits), (("encoder_misses",), misses),
-                               (("encoder_evictions",), evictions)):
-                if value:
-                    c[key] = c.get(key, 0) + value
+            self._add_counts(encoder_hits=hits, encoder_misses=misses, encoder_evictions=evictions)
             self._gauges["encoder_bytes"] = bytes_used
+
+    def _add_counts(self, **values: int) -> None:
+        """Add each nonzero value to its unlabelled counter (the caller holds the lock)."""
+        c = self._counts
+        for name, value in values.items():
+            if value:
+                c[(name,)] = c.get((name,), 0) + value
 
     # Flushing, on the metrics thread (and in flush() and close()).
     def flush(self) -> None:

@@ -16,20 +16,23 @@ MAX_SPLITS = 64
 SMEM_BUDGET = 96 * 1024
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
+@dataclass(frozen=True, kw_only=True)
+class KernelLaunch:
+    """What every attention kernel's launch names: its key tile, warps and pipeline stages."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig(KernelLaunch):
     num_splits: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
 
 
-@dataclass(frozen=True)
-class PrefillConfig:
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(KernelLaunch):
     block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
     heavy_first: bool = True  # the query tiles with the most keys first (see _prefill_kernel)
     split_mask: bool = True  # the tiles every query sees run without the causal mask
 

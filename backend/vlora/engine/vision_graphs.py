@@ -1,0 +1,131 @@
+"""CUDA graphs of a fixed-size vision tower and its projector (LLaVA's CLIP), one per image-count bucket.
+
+An eager CLIP-L forward issues about 450 launches from Python and is bound by its host: one 336 px image
+took 22 ms on an H200 against 0.5 ms of FLOPs (benchmarks/RESULTS.md). A family whose tower takes one
+fixed image size (:meth:`vlora.models.base.ModelFamily.fixed_pixels`) is captured here per bucket of images
+(``engine.vision_graph_images``) and replayed with the images copied into the graph's input buffer; a batch
+pads up to the next bucket (padding images are encoded and dropped), and a batch larger than the largest
+bucket runs as several replays.
+
+Two variants per bucket: ``base`` (no LoRA work) and, where vision-side LoRA is on, ``lora``: every image's
+rows in each stage (tower, projector) form one segment of a fixed size, and the segments' adapter slots sit in
+a device buffer written before each replay (slot -1: the plain encoder for that image). The LoRA backend's
+graph-safe path serves them (:meth:`vlora.lora.backends.LoraBackend.add_rows`, every slot at the buffers'
+``r_max``: the slot buffers are zero past each adapter's rank), so a replay serves images of any adapters.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from vlora.atmm.mapping import LoraBatchMapping
+from vlora.engine.graphs import smallest_at_least
+
+if TYPE_CHECKING:
+    from vlora.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class VisionGraphs:
+    def __init__(self, runner: "ModelRunner", sizes: tuple[int, ...], pool=None) -> None:
+        loaded = runner.loaded
+        family = loaded.family
+        hw = family.fixed_pixels(loaded)
+        if hw is None:
+            raise ValueError(f"{family.name}: the vision tower takes images of many sizes; no vision graphs")
+        self.runner, self.family, self.loaded = runner, family, loaded
+        self.sizes = tuple(sorted(set(int(s) for s in sizes)))
+        self.max_images = self.sizes[-1]
+        dev, dtype = runner.device, runner.dtype
+        self.pixels = torch.zeros(self.max_images, 3, *hw, dtype=dtype, device=dev)
+        self.slots = torch.full((self.max_images,), -1, dtype=torch.int32, device=dev)
+        # rows each image puts through each stage's projections (the same for every image here)
+        self.rows = {stage: n[0] for stage, n in family.vision_lora_rows(loaded, self.pixels[:1], None).items()}
+        self.variants = ("base", "lora") if runner.vision_lora is not None else ("base",)
+        self.pool = pool
+        self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_s = 0.0
+        self.replays = 0
+
+    def serves(self, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor], video: bool) -> bool:
+        return (not video and image_grid_thw is None and pixel_values.dim() == 4
+                and tuple(pixel_values.shape[1:]) == tuple(self.pixels.shape[1:]))
+
+    def _mappings(self, b: int) -> dict[str, LoraBatchMapping]:
+        """Per stage: ``b`` segments of that stage's rows per image, their slots read from ``self.slots`` on
+        the device (the host tuples are placeholders: the graph-safe path reads the device buffers only)."""
+        out = {}
+        for stage, r in self.rows.items():
+            indptr = torch.arange(0, (b + 1) * r, r, dtype=torch.int32, device=self.runner.device)
+            out[stage] = LoraBatchMapping(seg_indptr=indptr, seg_slot=self.slots[:b],
+                                          seg_indptr_host=tuple(range(0, (b + 1) * r, r)), seg_slot_host=(0,) * b,
+                                          num_tokens=b * r, has_lora=True)
+        return out
+
+    def _body(self, b: int, variant: str) -> torch.Tensor:
+        r = self.runner
+        vl = r.vision_lora
+        if variant == "lora":
+            for stage, mapping in self._mappings(b).items():
+                ctx = vl.contexts[stage]
+                ctx.backend = r.lora_ctx.backend
+                ctx.bind(mapping, rows=True)
+        try:
+            return self.family.encode_batch(self.loaded, self.pixels[:b])
+        finally:
+            if vl is not None:
+                for ctx in vl.contexts.values():
+                    ctx.clear()
+
+    @torch.inference_mode()
+    def _capture(self, b: int, variant: str) -> None:
+        dev = self.runner.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisation and library plans stay out of the graph
+                self._body(b, variant)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            out = self._body(b, variant)
+        self.graphs[(b, variant)] = (g, out)
+
+    def capture_all(self) -> None:
+        t0 = time.perf_counter()
+        for b in reversed(self.sizes):
+            for v in self.variants:
+                self._capture(b, v)
+        torch.cuda.synchronize(self.runner.device)
+        self.capture_s = time.perf_counter() - t0
+        log.info("CUDA graphs: %d vision-tower graphs (images %s, variants %s) in %.1f s", len(self.graphs),
+                 list(self.sizes), list(self.variants), self.capture_s)
+
+    @torch.inference_mode()
+    def run(self, pixel_values: torch.Tensor, vision_slots: Optional[list[int]] = None) -> list[torch.Tensor]:
+        """Each image's projected features, [tokens, hidden] (copies: the graph's output buffer is reused)."""
+        n = pixel_values.shape[0]
+        slots = list(vision_slots) if vision_slots is not None else [-1] * n
+        out: list[torch.Tensor] = []
+        for lo in range(0, n, self.max_images):
+            hi = min(n, lo + self.max_images)
+            b = smallest_at_least(self.sizes, hi - lo)
+            chunk = slots[lo:hi]
+            variant = "lora" if any(s >= 0 for s in chunk) else "base"
+            if variant == "lora" and self.runner.vision_lora is None:
+                raise RuntimeError("vision-side LoRA is off on this runner, but an image asks for an adapter slot")
+            self.pixels[:hi - lo].copy_(pixel_values[lo:hi], non_blocking=True)
+            if variant == "lora":
+                host = torch.tensor(chunk + [-1] * (b - len(chunk)), dtype=torch.int32)
+                self.slots[:b].copy_(host.pin_memory() if pixel_values.is_cuda else host, non_blocking=True)
+            g, feats = self.graphs[(b, variant)]
+            g.replay()
+            self.replays += 1
+            out.extend(feats[:hi - lo].clone().unbind(0))
+        return out

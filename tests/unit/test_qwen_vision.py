@@ -1,0 +1,66 @@
+"""The sync-free Qwen vision forward (vlora.models.qwen_vision) against the model's own (transformers'
+get_image_features / get_video_features), fp32 on the CPU, tiny Qwen2-VL and Qwen2.5-VL: images of several
+sizes in one call (runs of unequal lengths; Qwen2.5-VL's edge windows), and a video."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from vlora.models.family import load_model
+from vlora.models.qwen_vision import window_index
+
+
+def _png(seed: int, w: int, h: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    buf = io.BytesIO()
+    Image.fromarray((torch.rand(h, w, 3, generator=g) * 255).to(torch.uint8).numpy()).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def loaded(request, tmp_path_factory):
+    from vlora.models.tiny_qwen import ensure_tiny_qwen
+
+    return load_model(ensure_tiny_qwen(tmp_path_factory.mktemp(request.param), variant=request.param),
+                      torch.float32, "cpu")
+
+
+def _images(sizes):
+    return [Image.open(io.BytesIO(_png(i, w, h))).convert("RGB") for i, (w, h) in enumerate(sizes)]
+
+
+def test_images_match_the_models_own_forward(loaded):
+    fam = loaded.family
+    prompt = fam.prompt(loaded, "Describe.", _images([(56, 56), (112, 84), (56, 140), (56, 56)]), False)
+    vm = loaded.model.model
+    with torch.inference_mode():
+        got = fam.encode_images(loaded, prompt.pixel_values, prompt.image_grid_thw)
+        want = vm.get_image_features(prompt.pixel_values, prompt.image_grid_thw).pooler_output
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+
+
+def test_a_video_matches_the_models_own_forward(loaded):
+    fam = loaded.family
+    prompt = fam.prompt(loaded, fam.video_placeholder + "What happens?", _images([(84, 56)] * 4), False)
+    assert prompt.video
+    vm = loaded.model.model
+    with torch.inference_mode():
+        got = fam.encode_images(loaded, prompt.pixel_values, prompt.image_grid_thw, video=True)
+        want = vm.get_video_features(prompt.pixel_values, prompt.image_grid_thw).pooler_output
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+
+
+def test_window_index_matches_transformers():
+    vision_utils = pytest.importorskip("transformers.vision_utils")
+    if not hasattr(vision_utils, "get_vision_window_index"):
+        pytest.skip("this transformers keeps the window index on the model")
+    grids = [(1, 16, 16), (1, 10, 22), (2, 8, 12)]
+    want_index, want_bounds = vision_utils.get_vision_window_index(torch.tensor(grids), 2, 112, 14)
+    index, bounds = window_index(grids, 2, 112, 14)
+    assert torch.equal(index, want_index) and bounds == want_bounds.tolist()

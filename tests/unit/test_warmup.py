@@ -1,0 +1,61 @@
+"""The warm start (vlora.engine.warmup): one request of every path runs to its end before the engine is ready,
+on the tiny LLaVA (with a demo adapter and its task heads) and the tiny Qwen2-VL (a video too); the engine is
+left idle, and its metrics report none of it."""
+from __future__ import annotations
+
+import pytest
+
+from vlora.config import EngineConfig
+from vlora.engine.builder import build_engine
+from vlora.engine.warmup import GatedMetrics, warm_requests
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a, **k: self.calls.append(name)
+
+
+def test_llava_warm_up_runs_every_path_before_ready(tiny_model_dir, demo_adapter_root):
+    metrics = Recorder()
+    engine = build_engine(EngineConfig().with_overrides({
+        "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cpu",
+        "cache.num_blocks": "256", "engine.warmup": "on"}), metrics)
+    info = engine.model_info["warmup"]
+    names = {name for name, _ in warm_requests(engine)}
+    assert set(info["paths"]) == names and "failed" not in info
+    assert {"text", "text-sampled", "image", "lora-text", "lora-image"} <= names
+    assert any(n.startswith("head-") for n in names)  # the first demo adapter carries task heads
+    assert not engine.has_work() and not engine.running and not engine.waiting
+    assert metrics.calls == []  # nothing reported until the engine is ready
+    assert isinstance(engine.metrics, GatedMetrics) and engine.metrics.open
+    orch = engine.orchestrator  # nothing merged, no estimate from the warm-up's steps
+    assert orch.mode == "unmerge" and orch.merged is None and orch.switches == 0
+    assert all(v == 0.0 for v in orch.estimates.step_s.values())
+
+
+def test_qwen_warm_up_includes_a_video(tmp_path_factory):
+    from vlora.models.tiny_qwen import ensure_tiny_qwen
+
+    model_dir = ensure_tiny_qwen(tmp_path_factory.mktemp("qwen"))
+    engine = build_engine(EngineConfig().with_overrides({
+        "model.path": str(model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "256",
+        "engine.warmup": "on"}))
+    info = engine.model_info["warmup"]
+    assert set(info["paths"]) == {"text", "text-sampled", "image", "video"} and "failed" not in info
+
+
+def test_warm_up_is_off_on_cpu_by_default(tiny_model_dir):
+    engine = build_engine(EngineConfig().with_overrides({
+        "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "64"}))
+    assert "warmup" not in engine.model_info
+
+
+@pytest.mark.parametrize("value", ["sometimes", 3])
+def test_a_bad_warmup_setting_is_refused(value):
+    from vlora.config import ConfigError
+
+    with pytest.raises(ConfigError, match="engine.warmup"):
+        EngineConfig().with_overrides({"engine.warmup": value})
