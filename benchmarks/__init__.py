@@ -1,2 +1,3 @@
 """The benchmark scripts, run from the repository root as ``python -m benchmarks.<script>``; shared code in
-``benchmarks.common``. Findings of probes that were removed: ``benchmarks/NOTES.md``."""
+``benchmarks.common`` (``floors``, ``profiling``, ``engine_floor_report`` and ``orchestrator_report`` are parts of
+``engine_floor`` and ``orchestrator``). Findings of probes that were removed: ``benchmarks/NOTES.md``."""

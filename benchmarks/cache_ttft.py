@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import io
 import json
 import math
 import statistics
@@ -51,7 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from benchmarks.common import (PRESETS, TINY, build_model_engine, device_name, git_commit, model_folder,
-                    model_parser, write_result)
+                               model_parser, noise_png, sync_fn, write_result)
 
 NAME = "cache-ttft"
 DECODER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -136,17 +135,6 @@ def text_of(engine, tokens: int, offset: int, end: str) -> tuple[str, int]:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if length(mid) <= tokens else (lo, mid)
     return make(lo), length(lo)
-
-
-def noise_png(seed: int, side: int) -> bytes:
-    """A side x side RGB PNG of uniform noise: frames of the stream, each its own content."""
-    import numpy as np
-    from PIL import Image
-
-    arr = np.random.default_rng(seed).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
 
 
 # -- the workloads --------------------------------------------------------------------------------
@@ -293,7 +281,7 @@ def measure_model(preset: str, args: argparse.Namespace, device) -> dict:
     t_made = time.perf_counter()
     engine = build(model_dir, device, args)
     t_built = time.perf_counter()
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    sync = sync_fn(device)
     encoder_cache = engine.runner.encoder_cache
     if encoder_cache is None:
         raise RuntimeError("the engine was built without an encoder cache (--encoder-cache-mb 0?)")

@@ -12,8 +12,7 @@
 #   ENGINE_TESTS   default the engine's GPU tests (paged attention, graphs, parity with transformers + PEFT)
 #   FLOOR_ARGS     arguments of benchmarks/engine_floor.py (default --quick)
 #   CACHE_ARGS     arguments of benchmarks/cache_ttft.py (default none: LLaVA-1.5-7B and Qwen2-VL-7B)
-#   ATMM steps (in this order, after the engine's): "switch" (benchmarks/switch_probe.py: merge/swap/unmerge
-#   of rank 64 into q/k/v/o of 32 layers), "atmmbench" (benchmarks/atmm.py ${ATMM_BENCH_ARGS:---quick}),
+#   ATMM steps (in this order, after the engine's): "atmmbench" (benchmarks/atmm.py ${ATMM_BENCH_ARGS:---quick}),
 #   "atmm" (the ATMM and merge GPU tests, ATMM_TESTS, under `timeout ${ATMM_TEST_TIMEOUT:-300}`)
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -82,11 +81,6 @@ if [[ " $STEPS " == *" cache "* ]]; then
   python3 -m benchmarks.cache_ttft ${CACHE_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/cache-ttft.log" | tail -30
   rc=$(( rc | PIPESTATUS[0] ))
   echo "benchmarks/cache_ttft.py: $(( $(date +%s) - t0 )) s"
-fi
-if [[ " $STEPS " == *" switch "* ]]; then
-  host_check switch
-  python3 -m benchmarks.switch_probe --json "$OUT/switch-probe.json" 2>&1 | tee "$OUT/switch-probe.log" | tail -12
-  rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" atmmbench "* ]]; then
   host_check atmmbench

@@ -11,8 +11,8 @@
 #   mkdir -p .devpack && cp .engpack/*.so.gz .devpack/ && OUT=$OUT/orch bash benchmarks/device_orchestrator.sh
 #       (carry [".engpack"]); then, here: python -m benchmarks.orchestrator --report <$OUT/orch/orchestrator.json>
 #       prints the tables, the verdicts and a RESULTS.md section, and records results/orchestrator-<device>.json.
-#   ORCH_STEPS   default "bench"; also "probe" (benchmarks/switch_probe.py, ~15 s) and "test" (the graph tests
-#                tests/gpu/test_engine_graphs.py): they run first and come out of the budget
+#   ORCH_STEPS   default "bench"; also "test" (the graph tests tests/gpu/test_engine_graphs.py): it runs first and
+#                comes out of the budget
 #   ORCH_BUDGET_S (default 415), ORCH_ARGS: more arguments for benchmarks/orchestrator.py (e.g. "--drain 2.5")
 # Writes $OUT/orchestrator.json (and .partial after every cell), orchestrator.log, model-gen.log, gpu.txt.
 set -uo pipefail
@@ -36,10 +36,6 @@ STEPS=${ORCH_STEPS:-bench}
 rc=0
 if [[ " $STEPS " == *" test "* ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_graphs.py 2>&1 | tee "$OUT/graph-tests.log" | tail -15
-  rc=$(( rc | PIPESTATUS[0] ))
-fi
-if [[ " $STEPS " == *" probe "* ]]; then
-  python3 -m benchmarks.switch_probe --json "$OUT/switch-probe.json" 2>&1 | tee "$OUT/switch-probe.log"
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" bench "* ]]; then

@@ -9,63 +9,41 @@ next to a plain PyTorch decode step captured in a CUDA graph (benchmarks/plain_d
     python -m benchmarks.engine_floor --preset configs/models/qwen2-vl-7b.yaml --quick --deadline-s 200  # Qwen2-VL-7B
     python -m benchmarks.engine_floor --batches 1,8 --contexts 700 --gemv-max-rows 0 --variants base,gemv --skip-plain  # cuBLAS vs gemv
 
-The 7B model folder is written under ``--work`` on first use (random weights, the folder
-engine_decode.py uses). Points whose KV cache cannot fit are skipped and say so: on an 80 GB card, batch
-64 at 2,000 tokens of context (64 GiB of KV) fits neither the engine nor the plain decoder.
-
+The 7B model folder is written under ``--work`` on first use (random weights, the folder engine_decode.py uses).
+Points whose KV cache cannot fit are skipped and say so (on an 80 GB card, batch 64 at 2,000 tokens of context).
 What is measured (every point in this one process, on this one device):
-- decode: ms per ``LLMEngine.step()`` of a running batch of B requests already prefilled to the context
-  (prompts of that many random tokens, prefilled by the engine; EOS ignored), the mean of ``--steps``
-  steps after ``--warmup``, between device synchronisations. Three workloads: ``base`` (no adapter),
-  ``lora`` (one distinct rank-``--rank`` adapter per request over q/k/v/o, unmerged, in device slots) and
-  ``merged`` (every request on one adapter, merged into the weights by the merge-only policy); ``gemv``:
-  ``base`` with ``engine.gemv_max_rows`` at ``--gemv-rows`` (the decode-row projection kernels of
-  vlora.engine.gemv; the decode graphs are captured again for it, then again as they were), so that one
-  run times both on one machine. ``--gemv-max-rows`` sets it for the whole engine instead.
-- plain: the same decode shape in plain PyTorch, one CUDA graph per step, on the same weights (the same
-  model folder, loaded once more and freed before the engine is built: the two with their KV caches do
-  not fit in device memory at once). It is checked first against a transformers forward.
-- prefill: ms of the step that prefills one prompt of T tokens (the request asks for one output token).
-- vision: ms of ``runner.encode_images`` on 1 and 8 preprocessed images (random pixels; Qwen: 448x448
-  images through the processor, so 1,024 patches and 256 visual tokens each).
-- media (Qwen2-VL family; ``--media``, default one 448x448 image and a 16-frame 448x448 video): one request
-  of random-noise PNGs and a short text, asking for one token, prefilled alone in one step: ms of
-  ``inputs.prepare`` (PNG decode, the processor, M-RoPE positions), of the step (vision tower + merger,
-  the prompt's prefill, sampling; every repetition has new pixels, so the encoder cache never hits), and
-  TTFT (the two together); then the vision tower alone on the same pixels.
+- decode: ms per ``LLMEngine.step()`` of a running batch of B requests prefilled to the context (random prompt
+  tokens, EOS ignored), the mean of ``--steps`` steps after ``--warmup``. Variants: ``base`` (no adapter), ``lora``
+  (one distinct rank-``--rank`` q/k/v/o adapter per request, unmerged, in device slots), ``merged`` (one adapter
+  merged by the merge-only policy), ``sync`` (base without the step overlap) and ``gemv`` (base with
+  ``engine.gemv_max_rows`` at ``--gemv-rows``, its graphs captured again, so that one run times both kernels).
+- plain: the same decode shape in plain PyTorch, one CUDA graph per step, on the same model folder (loaded once more
+  and freed before the engine is built), checked first against a transformers forward.
+- prefill: ms of the step that prefills one prompt of T tokens (asking for one output token).
+- vision: ms of ``runner.encode_images`` on 1 and 8 images (random pixels; Qwen: 448x448 images, 256 tokens each).
+- media (Qwen2-VL family; ``--media``, default one 448x448 image and a 16-frame 448x448 video): one request of noise
+  PNGs asking for one token, prefilled alone: ms of ``inputs.prepare``, of the step (new pixels every repetition: no
+  encoder-cache hit) and TTFT (the two), then the vision tower alone on the same pixels.
 
-Floors (rates measured in this run: a device-to-device copy, bytes read + written; an 8192^3 bf16 matmul):
-- decode = bytes / copy rate; bytes = decoder weights (every layer's projections and norms) + final norm
-  + LM head + the KV cache read for B sequences of that context + B new tokens' KV written (+ for
-  ``lora``: the distinct adapters' A and B of every targeted projection). Embedding rows are left out.
-- prefill = FLOPs / matmul rate; FLOPs = 2 * decoder projection parameters * T + causal attention
-  2 * 2 * layers * heads * head_dim * T^2 / 2 + the LM head for the last token only (2 * vocab * hidden).
-- vision = FLOPs / matmul rate: patch embedding, the encoder layers the feature layer needs (the
-  last one is skipped by ``vision_feature_layer = -2``), attention over all patch tokens, the projector.
-  Qwen2-VL / Qwen2.5-VL (:class:`QwenVisionDims`): the Conv3d patch embedding, every ViT block's
-  projections and MLP, attention within each frame (Qwen2.5-VL: within 112 px windows but in its
-  full-attention blocks), the 2x2 patch merger.
-- media = vision floor of its pixels + prefill floor of its prompt tokens (TTFT floor; preprocessing
-  on the host has no floor).
+Floors (``benchmarks/floors.py``, which says what each counts; rates measured in this run): decode = bytes / copy
+rate, prefill, vision and media = FLOPs / matmul rate. Profiles (``--profile``, ``--profile-prefill``): read by
+``benchmarks/profiling.py``.
 
-Targets (the project issue), each printed PASS/FAIL: base decode <= 1.3x floor at every batch and context,
-and faster than the plain graphed step (the faster of its two attention variants); unmerged LoRA <= 1.2x
-base at batch 1 and <= 1.3x at batch 32 (32 distinct adapters); merged within 3% of base; prefill <= 1.4x
-its floor.
+Targets (the project issue), each printed PASS/FAIL: base decode <= 1.3x floor at every point and faster than the
+plain graphed step (the faster attention variant); unmerged LoRA <= 1.2x base at batch 1 and <= 1.3x at batch 32;
+merged within 3% of base; prefill <= 1.4x its floor.
 
-Writes ``<out>/engine-floor-<device>.json`` (with ``<out>/engine-floor-<device>.results-line.md`` where
-``--out`` is not benchmarks/results) and, unless ``--no-record``, results/engine-floor-<device>.json and
-one line in benchmarks/RESULTS.md. A Qwen2-VL model is named ``engine-floor-qwen`` (Qwen2.5-VL:
-``engine-floor-qwen2.5``) instead, so that its results sit beside LLaVA's. A point that fails is recorded with its error and the run goes on.
-Exits 1 when the plain step fails or does not match transformers, or the engine part stops early;
-exits 3 on a slow host (``--slow-host-x``: the first plain point far above its floor; nothing is recorded);
-targets missed do not change the exit status.
+Writes ``<out>/engine-floor-<device>.json`` (with ``<out>/engine-floor-<device>.results-line.md`` where ``--out``
+is not benchmarks/results) and, unless ``--no-record``, results/engine-floor-<device>.json and a line in
+benchmarks/RESULTS.md; a Qwen2-VL model's are ``engine-floor-qwen`` (Qwen2.5-VL: ``engine-floor-qwen2.5``). A point
+that fails is recorded with its error and the run goes on. Exits 1 when the plain step fails or does not match
+transformers, or the engine part stops early; 3 on a slow host (``--slow-host-x``: the first plain point far
+above its floor; nothing is recorded); missed targets do not change the exit status.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import io
 import json
 import math
@@ -74,16 +52,17 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from benchmarks.common import ROOT, RESULTS, device_name, git_commit, record_result
+from benchmarks.common import (ROOT, RESULTS, Deadline, device_name, ensure_resident, free_memory, git_commit, model_folder, noise_png,
+                               numbers, register_adapters, set_policy, sync_fn)
+from benchmarks.engine_floor_report import (NAME, evaluate_targets, floor_text, print_decode_row, print_media_row, print_tables,
+                                            write_outputs)
+from benchmarks.floors import (GIB, LORA_TARGETS, QWEN_IMAGE_SIDE, QWEN_TYPES, ModelDims, VisionDims, decode_floor, measure_rates,
+                               media_floor, plan_slots, prefill_floor, vision_dims, vision_floor)
+from benchmarks.profiling import activities, gpu_timeline, kernel_table, print_profile, python_rows
 
-NAME = "engine-floor"
-GIB = 2 ** 30
-TARGETS = {"base_x_floor": 1.3, "lora_x_base_bs1": 1.2, "lora_x_base_bs32": 1.3, "merged_x_base": 1.03, "prefill_x_floor": 1.4}
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 FULL = dict(batches="1,8,32,64", contexts="700,2000", prefill="600,2300,8000", images="1,8")
 QUICK = dict(batches="1,32", contexts="700", prefill="600", images="1,8")
 QWEN_MEDIA = "image:448,video:16x448"  # --media auto on a Qwen2-VL-family model (none on LLaVA)
@@ -91,278 +70,9 @@ CUDA_RESERVE = 8 * GIB  # activations, graphs and a first KV pool, beside the we
 PLAIN_MARGIN = 3 * GIB  # free memory the plain decoder leaves beside its cache (graph pool, activations)
 
 
-# -- model dimensions and floors ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The decoder's sizes, from the checkpoint's config.json, and the bytes and FLOPs they imply."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    inter: int
-    vocab: int
-    elt: int  # bytes per weight/cache element
-
-    @classmethod
-    def from_config(cls, text: dict, elt: int) -> "ModelDims":
-        heads = text["num_attention_heads"]
-        return cls(layers=text["num_hidden_layers"], hidden=text["hidden_size"], heads=heads,
-                   kv_heads=text.get("num_key_value_heads") or heads,
-                   head_dim=text.get("head_dim") or text["hidden_size"] // heads,
-                   inter=text["intermediate_size"], vocab=text["vocab_size"], elt=elt)
-
-    def module_dims(self) -> dict[str, tuple[int, int]]:
-        """(d_in, d_out) of each projection."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"q_proj": (self.hidden, q), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
-                "o_proj": (q, self.hidden), "gate_proj": (self.hidden, self.inter), "up_proj": (self.hidden, self.inter),
-                "down_proj": (self.inter, self.hidden)}
-
-    @property
-    def linear_params(self) -> int:
-        """Parameters of every layer's projections (what a token's matmuls read)."""
-        return self.layers * sum(i * o for i, o in self.module_dims().values())
-
-    @property
-    def decoder_bytes(self) -> int:
-        return (self.linear_params + 2 * self.layers * self.hidden) * self.elt
-
-    @property
-    def head_bytes(self) -> int:
-        """LM head and the final norm."""
-        return (self.vocab + 1) * self.hidden * self.elt
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.elt
-
-    def adapter_bytes(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
-        dims = self.module_dims()
-        return self.layers * sum(rank * (dims[m][0] + dims[m][1]) for m in targets) * self.elt
-
-
-@dataclass(frozen=True)
-class VisionDims:
-    layers: int  # encoder layers that the feature layer needs
-    hidden: int
-    inter: int
-    image_size: int
-    patch: int
-    class_token: bool
-    feature_layers: int  # hidden states concatenated into the projector
-    text_hidden: int
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> "VisionDims":
-        v = cfg["vision_config"]
-        fl = cfg.get("vision_feature_layer", -2)
-        fls = fl if isinstance(fl, list) else [fl]
-        n = v["num_hidden_layers"]
-        needed = max((n + 1 + x) if x < 0 else x for x in fls)  # hidden_states[k]: the output of k layers
-        return cls(layers=needed, hidden=v["hidden_size"], inter=v["intermediate_size"], image_size=v["image_size"],
-                   patch=v["patch_size"], class_token=v.get("model_type", "clip_vision_model") == "clip_vision_model",
-                   feature_layers=len(fls), text_hidden=cfg["text_config"]["hidden_size"])
-
-    def flops_per_image(self) -> int:
-        patches = (self.image_size // self.patch) ** 2
-        t = patches + (1 if self.class_token else 0)
-        per_layer = 4 * self.hidden ** 2 + 2 * self.hidden * self.inter
-        enc = 2 * t * per_layer * self.layers + self.layers * 2 * 2 * self.hidden * t * t
-        embed = 2 * patches * 3 * self.patch ** 2 * self.hidden
-        proj = 2 * patches * (self.hidden * self.feature_layers * self.text_hidden + self.text_hidden ** 2)
-        return enc + embed + proj
-
-
-QWEN_TYPES = {"qwen2_vl": "qwen", "qwen2_5_vl": "qwen2.5"}  # model_type -> the results' name suffix
-QWEN_IMAGE_SIDE = 448  # px: a multiple of 28 within the processors' bounds, so 32 x 32 patches, 256 tokens
-
-
-@dataclass(frozen=True)
-class QwenVisionDims:
-    """Qwen2-VL / Qwen2.5-VL's vision tower: a Conv3d patch embedding over temporal_patch x patch x patch
-    pixels, ``depth`` ViT blocks, and the patch merger (merge x merge patches -> one text-width token
-    through two linear layers). Attention runs within each frame (temporal slice of the grid); Qwen2.5-VL's
-    blocks other than ``full_blocks`` attend within windows of ``window`` x ``window`` merged tokens."""
-
-    model_type: str
-    depth: int
-    hidden: int
-    mlp_params: int  # per token: Qwen2-VL fc1 + fc2 (2 x d x mlp_ratio d), Qwen2.5-VL gate/up/down (3 x d x I)
-    patch: int
-    temporal_patch: int
-    merge: int
-    in_channels: int
-    text_hidden: int
-    window: int  # merged tokens per window side (0: no windowed attention)
-    full_blocks: int  # blocks with attention over the whole frame
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> "QwenVisionDims":
-        v = cfg["vision_config"]
-        if cfg["model_type"] == "qwen2_5_vl":
-            d = v["hidden_size"]
-            return cls(model_type="qwen2_5_vl", depth=v["depth"], hidden=d, mlp_params=3 * d * v["intermediate_size"],
-                       patch=v["patch_size"], temporal_patch=v["temporal_patch_size"], merge=v["spatial_merge_size"],
-                       in_channels=v.get("in_channels", 3), text_hidden=v["out_hidden_size"],
-                       window=v["window_size"] // v["spatial_merge_size"] // v["patch_size"],
-                       full_blocks=len(v.get("fullatt_block_indexes") or ()))
-        d = v["embed_dim"]
-        return cls(model_type="qwen2_vl", depth=v["depth"], hidden=d, mlp_params=2 * d * int(d * v["mlp_ratio"]),
-                   patch=v["patch_size"], temporal_patch=v["temporal_patch_size"], merge=v["spatial_merge_size"],
-                   in_channels=v.get("in_channels", 3), text_hidden=v["hidden_size"], window=0, full_blocks=v["depth"])
-
-    def _windows_sq(self, h: int, w: int) -> int:
-        """Sum over one frame's windows of (patches in the window)^2; windows start at the top left corner."""
-        lh, lw, ws = h // self.merge, w // self.merge, self.window
-        rows = [min(ws, lh - i) for i in range(0, lh, ws)]
-        cols = [min(ws, lw - j) for j in range(0, lw, ws)]
-        return sum((r * c * self.merge ** 2) ** 2 for r in rows for c in cols)
-
-    def flops(self, grids: list) -> int:
-        """FLOPs of encoding items of grid (t, h, w) patches each (an image has t = 1)."""
-        d, total = self.hidden, 0
-        for t, h, w in grids:
-            n = t * h * w
-            embed = 2 * n * self.in_channels * self.temporal_patch * self.patch ** 2 * d
-            linear = 2 * n * (4 * d * d + self.mlp_params) * self.depth
-            full = 4 * d * t * (h * w) ** 2
-            windowed = 4 * d * t * self._windows_sq(h, w) if self.window else full
-            attn = self.full_blocks * full + (self.depth - self.full_blocks) * windowed
-            c = d * self.merge ** 2
-            merger = 2 * (n // self.merge ** 2) * (c * c + c * self.text_hidden)
-            total += embed + linear + attn + merger
-        return total
-
-    def flops_per_image(self, side: int = QWEN_IMAGE_SIDE) -> int:
-        return self.flops([(1, side // self.patch, side // self.patch)])
-
-
-def vision_dims(cfg: dict):
-    """The vision tower's dimensions of the checkpoint's family (LLaVA or Qwen2-VL)."""
-    return QwenVisionDims.from_config(cfg) if cfg.get("model_type") in QWEN_TYPES else VisionDims.from_config(cfg)
-
-
-def decode_floor(d: ModelDims, batch: int, context: int, bw_gbs: float, adapters: int = 0, rank: int = 0,
-                 targets: tuple[str, ...] = LORA_TARGETS) -> dict:
-    """The least time of one decode step: every byte it must move, at the measured copy rate."""
-    parts = {"weights": d.decoder_bytes + d.head_bytes, "kv_read": batch * context * d.kv_bytes_per_token,
-             "kv_write": batch * d.kv_bytes_per_token, "adapters": adapters * d.adapter_bytes(rank, targets) if adapters else 0}
-    total = sum(parts.values())
-    return {"floor_ms": total / (bw_gbs * 1e9) * 1e3, "bytes": total, "parts": parts}
-
-
-def prefill_floor(d: ModelDims, tokens: int, tflops: float) -> dict:
-    """The least time of one prompt's prefill: its FLOPs at the measured matmul rate."""
-    parts = {"projections": 2 * d.linear_params * tokens,
-             "attention": 2 * 2 * d.layers * d.heads * d.head_dim * tokens * tokens // 2,
-             "lm_head": 2 * d.vocab * d.hidden}
-    total = sum(parts.values())
-    return {"floor_ms": total / (tflops * 1e12) * 1e3, "flops": total, "parts": parts}
-
-
-def vision_floor(v: VisionDims, images: int, tflops: float) -> dict:
-    flops = images * v.flops_per_image()
-    return {"floor_ms": flops / (tflops * 1e12) * 1e3, "flops": flops}
-
-
-def plan_slots(want: int, total_bytes: int, fraction: float, weight_bytes: int, slot_bytes: int, reserve: int) -> int:
-    """Adapter slots that fit beside the weights and ``reserve`` in ``fraction`` of the device (>= 1)."""
-    room = fraction * total_bytes - weight_bytes - reserve
-    return max(1, min(want, int(room // max(slot_bytes, 1))))
-
-
-def evaluate_targets(decode: list[dict], prefill: list[dict], plain: dict) -> list[dict]:
-    """The issue's targets over the measured rows; ``passed`` None where a number is missing."""
-    out = []
-
-    def add(name: str, value: Optional[float], limit: float, note: str = "") -> None:
-        out.append({"target": name, "value": value, "limit": limit, "passed": None if value is None else bool(value <= limit),
-                    **({"note": note} if note else {})})
-
-    ok = {(r["variant"], r["batch"], r["context"]): r for r in decode if r.get("ms") is not None}
-    for (variant, b, c), r in sorted(ok.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
-        if variant not in ("base", "gemv"):
-            continue
-        what = "base decode" if variant == "base" else "base decode with gemv"  # gemv: the decode-row kernels on
-        add(f"{what} bs{b} ctx{c} <= {TARGETS['base_x_floor']}x floor", r["ms"] / r["floor_ms"], TARGETS["base_x_floor"])
-        p = plain.get("points", {}).get(f"{b}x{c}", {})
-        best = min((p[k] for k in ("masked_ms", "exact_ms") if p.get(k) is not None), default=None)
-        add(f"{what} bs{b} ctx{c} faster than plain graphed", None if best is None else r["ms"] / best, 1.0,
-            "" if best is not None else "plain not measured")
-    for r in decode:
-        if r["variant"] == "base" and r.get("ms") is None:
-            add(f"base decode bs{r['batch']} ctx{r['context']} <= {TARGETS['base_x_floor']}x floor", None,
-                TARGETS["base_x_floor"], r.get("skipped") or r.get("error") or "not measured")
-    for (variant, b, c), r in sorted(ok.items()):
-        base = ok.get(("base", b, c))
-        if variant == "lora" and b in (1, 32):
-            lim = TARGETS["lora_x_base_bs1"] if b == 1 else TARGETS["lora_x_base_bs32"]
-            note = "" if r.get("distinct_adapters") == b else f"only {r.get('distinct_adapters')} distinct adapters"
-            value = None if base is None else r["ms"] / base["ms"]
-            add(f"unmerged lora bs{b} ctx{c} ({r.get('distinct_adapters')} distinct) <= {lim}x base", value, lim, note)
-        if variant == "merged" and base is not None:
-            add(f"merged bs{b} ctx{c} within 3% of base", r["ms"] / base["ms"], TARGETS["merged_x_base"])
-    for r in prefill:
-        add(f"prefill {r['tokens']} tokens <= {TARGETS['prefill_x_floor']}x floor",
-            None if r.get("ms") is None else r["ms"] / r["floor_ms"], TARGETS["prefill_x_floor"],
-            "" if r.get("ms") is not None else (r.get("skipped") or r.get("error") or "not measured"))
-    return out
-
-
-# -- device helpers -------------------------------------------------------------------------------
-
-def sync_fn(device) -> Callable[[], None]:
-    import torch
-
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
-def free_memory(device) -> None:
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def measure_rates(device) -> dict:
-    """Copy rate (GB/s, read + written) and bf16 matmul rate (TFLOP/s) of this device. On a CPU, small
-    eager measurements (the smoke test's), so that the floor arithmetic runs end to end."""
-    import torch
-
-    if device.type == "cuda":
-        from vlora.atmm.timing import copy_bandwidth_gbs, matmul_tflops
-
-        with torch.cuda.device(device):
-            bw = copy_bandwidth_gbs(2 * GIB)  # a 1 GiB source copied into a 1 GiB destination
-            tf = matmul_tflops(8192, torch.bfloat16)
-        free_memory(device)
-        return {"copy_gbs": bw, "matmul_tflops": tf, "copy_bytes": 2 * GIB, "matmul": "8192^3 bf16"}
-    a = torch.ones(8 << 20, dtype=torch.float32)
-    b = torch.empty_like(a)
-    t = _best_of(lambda: b.copy_(a), 5)
-    m = torch.randn(256, 256)
-    tm = _best_of(lambda: m @ m, 5)
-    return {"copy_gbs": 2 * a.numel() * 4 / t / 1e9, "matmul_tflops": 2 * 256 ** 3 / tm / 1e12,
-            "copy_bytes": 2 * a.numel() * 4, "matmul": "256^3 fp32 (CPU)"}
-
-
-def _best_of(fn: Callable[[], Any], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return max(best, 1e-9)
-
-
 # -- the model folder -----------------------------------------------------------------------------
 
-def model_folder(args: argparse.Namespace, max_prompt: int, device) -> tuple[Path, float]:
+def make_model(args: argparse.Namespace, max_prompt: int, device) -> tuple[Path, float]:
     """The model folder and the seconds it took to make. A preset's folder is written on first use
     (``<work>/<preset stem>``, the one engine_decode.py uses: same seed, same weights); where the preset's
     context is shorter than the largest prompt, a sibling folder links to its files and carries a config
@@ -370,15 +80,13 @@ def model_folder(args: argparse.Namespace, max_prompt: int, device) -> tuple[Pat
     t0 = time.perf_counter()
     if args.model:
         return Path(args.model), 0.0
+    work = Path(args.work)
+    base = model_folder(args.preset or "tiny-llava", work, device.type == "cuda")
     if args.preset is None:
-        from vlora.models.tiny import ensure_tiny_model
-
-        return ensure_tiny_model(), time.perf_counter() - t0
-    from vlora.models.random_init import load_preset, make_random_model
+        return base, time.perf_counter() - t0
+    from vlora.models.random_init import load_preset
 
     preset = Path(args.preset) if Path(args.preset).is_absolute() else ROOT / args.preset
-    work = Path(args.work)
-    base = make_random_model(preset, work / preset.stem, device="cuda" if device.type == "cuda" else "cpu")
     free_memory(device)
     have = load_preset(preset).text.get("max_position_embeddings", 0)
     need = max_prompt + 64
@@ -448,7 +156,7 @@ def run_plain(model_dir: Path, device, dtype, dims: ModelDims, batches: list[int
             max_len = round_to * math.ceil((ctx + 1) / round_to)
             dec.resize(1, 16)
             free_memory(device)
-            per_batch = PlainDecoder.cache_bytes(dims.layers, dims.kv_heads, dims.head_dim, 1, max_len, dims.elt)
+            per_batch = max_len * dims.kv_bytes_per_token  # the static cache of one sequence
             if device.type == "cuda":
                 room = torch.cuda.mem_get_info(device)[0] - PLAIN_MARGIN
                 fits = [b for b in batches if b * per_batch <= room]
@@ -493,34 +201,23 @@ def run_plain(model_dir: Path, device, dtype, dims: ModelDims, batches: list[int
 
 # -- the engine -----------------------------------------------------------------------------------
 
-class Deadline:
-    def __init__(self, seconds: Optional[float]) -> None:
-        self.t0, self.seconds = time.monotonic(), seconds
-
-    def passed(self) -> bool:
-        return self.seconds is not None and time.monotonic() - self.t0 > self.seconds
-
-
-ATTENTION = "auto"  # engine.attention of the engine under test (--attention)
-PREFILL_GRAPHS = None  # engine.prefill_graph_tokens of the engine under test (--prefill-graph-tokens; None: the default)
-GEMV_ROWS = None  # engine.gemv_max_rows of the engine under test (--gemv-max-rows; None: the default)
-
-
-def build(model_dir: Path, device, dtype_name: str, slots: int, rank: int, max_batch: int, budget_tokens: int,
+def build(args: argparse.Namespace, model_dir: Path, device, dtype_name: str, slots: int, max_batch: int, budget_tokens: int,
           max_images: int = 8):
+    """The engine under test: unmerge-only, ``--attention``, and ``--prefill-graph-tokens`` / ``--gemv-max-rows``
+    where given (else the config's)."""
     from vlora.config import EngineConfig
     from vlora.engine.builder import build_engine
 
     cfg = EngineConfig().with_overrides({
         "model.path": str(model_dir), "model.device": str(device), "model.dtype": dtype_name, "lora.adapter_root": None,
-        "lora.max_gpu_adapters": slots, "lora.max_cpu_adapters": slots, "lora.max_rank": rank,
+        "lora.max_gpu_adapters": slots, "lora.max_cpu_adapters": slots, "lora.max_rank": args.rank,
         "lora.target_modules": list(LORA_TARGETS), "scheduler.max_batch_size": max_batch,
         "scheduler.max_num_batched_tokens": budget_tokens, "orchestrator.policy": "unmerge-only",
         "limits.max_images": max(8, max_images),  # a video's frames are its images
         "atmm.tune_at_load": "never",  # no tuner sidecar sharing the GPU while we time
-        "engine.attention": ATTENTION,
-        **({"engine.prefill_graph_tokens": PREFILL_GRAPHS} if PREFILL_GRAPHS is not None else {}),
-        **({"engine.gemv_max_rows": GEMV_ROWS} if GEMV_ROWS is not None else {})})
+        "engine.attention": args.attention,
+        **({"engine.prefill_graph_tokens": args.prefill_graph_tokens} if args.prefill_graph_tokens is not None else {}),
+        **({"engine.gemv_max_rows": args.gemv_max_rows} if args.gemv_max_rows is not None else {})})
     return build_engine(cfg)
 
 
@@ -729,17 +426,6 @@ def vision_point(engine, images: int, reps: int) -> dict:
             **({"grid": grid.tolist()} if grid is not None else {})}
 
 
-def noise_png(seed: int, side: int) -> bytes:
-    """A side x side RGB PNG of uniform noise (every repetition its own pixels: no encoder-cache hit)."""
-    import numpy as np
-    from PIL import Image
-
-    arr = np.random.default_rng(seed).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
-
-
 def parse_media(text: str) -> list[dict]:
     """``image:SIDE`` (one SIDE x SIDE image) and ``video:FRAMESxSIDE`` items, comma-separated."""
     out = []
@@ -821,48 +507,6 @@ def media_point(engine, m: dict, reps: int, seed0: int = 1) -> dict:
     return out
 
 
-def media_floor(dims: ModelDims, vdims, row: dict, tflops: float) -> dict:
-    """The vision tower's FLOPs on the row's pixels + the prefill's on its prompt, at the matmul rate."""
-    if isinstance(vdims, QwenVisionDims):
-        vision = vdims.flops([tuple(g) for g in row["grid"]])
-    else:
-        vision = row["images"] * vdims.flops_per_image()
-    pre = prefill_floor(dims, row["prompt_tokens"], tflops)
-    return {"vision_floor_ms": vision / (tflops * 1e12) * 1e3, "vision_flops": vision,
-            "prefill_floor_ms": pre["floor_ms"], "floor_ms": vision / (tflops * 1e12) * 1e3 + pre["floor_ms"]}
-
-
-def _kernel_table(prof, steps: int, top: int) -> dict:
-    """The top kernels by device time per step, kernels and launch calls per step, from a finished profile."""
-    kernels, launches, cpu = [], {}, []
-    launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch",
-                    "cudaMemcpyAsync", "cudaMemsetAsync")
-    for evt in prof.key_averages():
-        dev_us = getattr(evt, "self_device_time_total", None)
-        if dev_us is None:
-            dev_us = getattr(evt, "self_cuda_time_total", 0)
-        is_device = str(getattr(evt, "device_type", "")).endswith("CUDA")
-        if is_device and dev_us > 0:
-            kernels.append({"name": evt.key[:120], "calls_per_step": evt.count / steps, "us_per_step": dev_us / steps})
-        elif evt.key in launch_names:
-            launches[evt.key] = evt.count / steps
-        if not is_device and getattr(evt, "self_cpu_time_total", 0) > 0:
-            cpu.append({"name": evt.key[:120], "calls_per_step": evt.count / steps,
-                        "us_per_step": evt.self_cpu_time_total / steps})
-    kernels.sort(key=lambda k: -k["us_per_step"])
-    cpu.sort(key=lambda k: -k["us_per_step"])
-    return {"gpu_kernel_ms_per_step": sum(k["us_per_step"] for k in kernels) / 1e3,
-            "kernels_per_step": sum(k["calls_per_step"] for k in kernels), "launch_calls_per_step": launches,
-            "top_kernels": kernels[:top], "cpu_ms_per_step": sum(k["us_per_step"] for k in cpu) / 1e3,
-            "top_cpu_ops": cpu[:top]}
-
-
-def _activities(engine) -> list:
-    from torch.profiler import ProfilerActivity
-
-    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
-
-
 def profile_decode(engine, batch: int, context: int, steps: int = 5, top: int = 15) -> dict:
     """torch.profiler over ``steps`` base-model decode steps at ``batch``: the top kernels by device time,
     kernels and launch calls per step, wall (CPU) and kernel (GPU) time per step."""
@@ -874,7 +518,7 @@ def profile_decode(engine, batch: int, context: int, steps: int = 5, top: int = 
         run.steps(3)
         run.sync()
         plain_wall = statistics.mean(run.steps(steps))
-        with profile(activities=_activities(engine)) as prof:
+        with profile(activities=activities(engine.runner.device)) as prof:
             t0 = time.perf_counter()
             run.steps(steps)
             run.sync()
@@ -882,7 +526,7 @@ def profile_decode(engine, batch: int, context: int, steps: int = 5, top: int = 
     finally:
         run.close()
     return {"what": "decode", "batch": batch, "context": context, "steps": steps, "cpu_wall_ms_per_step": 1e3 * plain_wall,
-            "profiled_wall_ms_per_step": 1e3 * prof_wall, **_kernel_table(prof, steps, top)}
+            "profiled_wall_ms_per_step": 1e3 * prof_wall, **kernel_table(prof, steps, top)}
 
 
 def profile_prefill(engine, tokens: int, steps: int = 3, top: int = 15) -> dict:
@@ -892,7 +536,7 @@ def profile_prefill(engine, tokens: int, steps: int = 3, top: int = 15) -> dict:
 
     plain_wall = prefill_point(engine, tokens, steps)["ms"]
     walls = []
-    with profile(activities=_activities(engine)) as prof:
+    with profile(activities=activities(engine.runner.device)) as prof:
         for i in range(steps):
             run = BatchRun(engine, 1, tokens, [None], 1, f"profile-prefill-{tokens}-{i}", seed=next(_PREFILL_SEEDS))
             try:
@@ -905,49 +549,14 @@ def profile_prefill(engine, tokens: int, steps: int = 3, top: int = 15) -> dict:
             finally:
                 run.close()
     return {"what": "prefill", "batch": 1, "context": tokens, "steps": steps, "cpu_wall_ms_per_step": plain_wall,
-            "profiled_wall_ms_per_step": 1e3 * statistics.mean(walls), **_kernel_table(prof, steps, top),
-            "timeline": _gpu_timeline(prof), "python": _python_profile(engine, tokens, steps, top)}
-
-
-def _gpu_timeline(prof) -> dict:
-    """Where each ``vlora_step`` window of a finished profile leaves the GPU idle (ms per step, mean): before
-    its first kernel (the host's preparation), between kernels (the host behind the GPU), after its last
-    kernel (read-back and the host's bookkeeping). From the profile's Chrome trace."""
-    import os
-    import tempfile
-
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        events = json.loads(Path(path).read_text()).get("traceEvents", [])
-    finally:
-        os.unlink(path)
-    steps = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "vlora_step" and e.get("ph") == "X"
-             and e.get("cat") == "user_annotation"]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
-    rows = []
-    for a, b in steps:
-        ks = [(x, y) for x, y in kernels if a <= x < b]
-        if not ks:
-            continue
-        gaps, end = 0.0, ks[0][0]
-        for x, y in ks:
-            gaps += max(0.0, x - end)
-            end = max(end, y)
-        rows.append({"wall": b - a, "before_first": ks[0][0] - a, "between": gaps, "after_last": b - end,
-                     "busy": sum(y - x for x, y in ks)})
-    if not rows:
-        return {}
-    return {k: statistics.mean(r[k] for r in rows) / 1e3 for k in rows[0]} | {"steps": len(rows)}
+            "profiled_wall_ms_per_step": 1e3 * statistics.mean(walls), **kernel_table(prof, steps, top),
+            "timeline": gpu_timeline(prof), "python": _python_profile(engine, tokens, steps, top)}
 
 
 def _python_profile(engine, tokens: int, steps: int, top: int) -> list[dict]:
     """cProfile over ``steps`` prefill steps: the host's Python functions by own time per step (where an
     eager step's host time goes, which torch.profiler's op table does not show)."""
     import cProfile
-    import pstats
 
     prof = cProfile.Profile()
     for i in range(steps):
@@ -960,35 +569,7 @@ def _python_profile(engine, tokens: int, steps: int, top: int) -> list[dict]:
             prof.disable()
         finally:
             run.close()
-    st = pstats.Stats(prof)
-    rows = []
-    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
-        rows.append({"name": f"{Path(file).name}:{line}({fn})", "calls_per_step": nc / steps,
-                     "own_us_per_step": 1e6 * tt / steps, "cum_us_per_step": 1e6 * ct / steps})
-    rows.sort(key=lambda r: -r["own_us_per_step"])
-    return rows[:2 * top]
-
-
-def print_profile(p: dict) -> None:
-    print(f"\nprofile: base {p.get('what', 'decode')} bs{p['batch']} ctx{p['context']}, {p['steps']} steps: wall {p['cpu_wall_ms_per_step']:.2f} ms/step "
-          f"unprofiled ({p['profiled_wall_ms_per_step']:.2f} profiled), GPU kernels {p['gpu_kernel_ms_per_step']:.2f} ms/step, "
-          f"{p['kernels_per_step']:.0f} kernels/step; launch calls/step: "
-          + ", ".join(f"{k} {v:.0f}" for k, v in sorted(p["launch_calls_per_step"].items())), flush=True)
-    for k in p["top_kernels"]:
-        print(f"  {k['us_per_step']:9.1f} us/step  {k['calls_per_step']:6.1f} calls/step  {k['name']}", flush=True)
-    if p.get("timeline"):
-        t = p["timeline"]
-        print(f"  GPU timeline per step (profiled): wall {t['wall']:.2f} ms, kernels {t['busy']:.2f}; GPU idle "
-              f"{t['before_first']:.2f} before the first kernel, {t['between']:.2f} between kernels, "
-              f"{t['after_last']:.2f} after the last", flush=True)
-    if p.get("python"):
-        print("  host Python, own time (cumulative) per step:", flush=True)
-        for k in p["python"]:
-            print(f"  {k['own_us_per_step']:9.1f} us ({k['cum_us_per_step']:9.1f})  {k['calls_per_step']:7.1f} calls  {k['name']}", flush=True)
-    if p.get("top_cpu_ops"):
-        print(f"  host: {p['cpu_ms_per_step']:.2f} ms/step of self CPU time in profiled ops; the top ones:", flush=True)
-        for k in p["top_cpu_ops"]:
-            print(f"  {k['us_per_step']:9.1f} us/step  {k['calls_per_step']:6.1f} calls/step  {k['name']}", flush=True)
+    return python_rows(prof, steps, top)
 
 
 def gemv_status(engine) -> dict:
@@ -1018,18 +599,7 @@ def atmm_status() -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def lora_compute_path(probe) -> Optional[str]:
-    try:
-        return probe.summary()
-    except Exception as e:  # the probe belongs to benchmarks/orchestrator.py; its API may move
-        return f"unknown ({type(e).__name__})"
-
-
 # -- the run --------------------------------------------------------------------------------------
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in str(text).split(",") if x.strip()]
-
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1073,11 +643,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    global ATTENTION, PREFILL_GRAPHS, GEMV_ROWS
     args = parse_args(argv)
-    ATTENTION = args.attention
-    PREFILL_GRAPHS = args.prefill_graph_tokens
-    GEMV_ROWS = args.gemv_max_rows
     import torch
 
     from vlora.engine.builder import resolve_device
@@ -1093,10 +659,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.preset is None and not args.model and cuda:
         args.preset = "configs/models/llava-1.5-7b.yaml"
     grid = QUICK if args.quick else FULL
-    batches = ints(args.batches or grid["batches"])
-    contexts = ints(args.contexts or grid["contexts"])
-    prefills = ints(args.prefill or grid["prefill"])
-    images = ints(args.images or grid["images"])
+    batches = numbers(args.batches or grid["batches"], int)
+    contexts = numbers(args.contexts or grid["contexts"], int)
+    prefills = numbers(args.prefill or grid["prefill"], int)
+    images = numbers(args.images or grid["images"], int)
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in ("base", "lora", "merged", "sync", "gemv")]
     if bad:
@@ -1111,7 +677,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rates = measure_rates(device)
     print(f"rates: copy {rates['copy_gbs']:.4g} GB/s (read + written), matmul {rates['matmul_tflops']:.4g} TFLOP/s", flush=True)
     longest = max(prefills + [c + max(batches) + args.warmup + args.steps + 16 for c in contexts])
-    model_dir, make_s = model_folder(args, longest, device)
+    model_dir, make_s = make_model(args, longest, device)
     cfg = read_config(model_dir)
     elt = torch.empty((), dtype=dtype).element_size()
     dims = ModelDims.from_config(cfg["text_config"], elt)
@@ -1194,11 +760,9 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
             print("note:", notes[-1], flush=True)
     t0 = time.perf_counter()
     media = media or []
-    engine = build(model_dir, device, dtype_name, slots, args.rank, max(batches), max(16384, max(prefills) + 16),
+    engine = build(args, model_dir, device, dtype_name, slots, max(batches), max(16384, max(prefills) + 16),
                    max_images=max([m["images"] for m in media], default=1))
     build_s = time.perf_counter() - t0
-    from benchmarks.orchestrator import ensure_resident, register_adapters, set_policy
-
     probe = set_policy(engine, "unmerge-only")
     names = register_adapters(engine, slots, min(8, slots), args.rank, seed=0)
     ensure_resident(engine, names)
@@ -1213,7 +777,20 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
     print(f"engine: built in {build_s:.0f} s, {slots} adapter slots of rank {args.rank}, "
           f"KV pool {cap * block if cap else '?'} tokens", flush=True)
 
-    decode_rows: list[dict] = result["decode"]
+    def measure(row: dict, skipped: Optional[str], fn: Callable[[], Any]) -> dict:
+        """``row`` measured by ``fn`` unless it is skipped (or the deadline passed); a failure is recorded, the engine
+        emptied, and the run goes on."""
+        if skipped or deadline.passed():
+            row["skipped"] = skipped or "deadline"
+            return row
+        try:
+            fn()
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            engine.fail_all("cancelled", "benchmark point failed")
+            free_memory(device)
+        return row
+
     lora_path = None
     overlap = engine.overlap
     gemv_rows = engine.runner.gemv_max_rows
@@ -1231,251 +808,78 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
                   flush=True)
         if variant == "merged":
             set_policy(engine, "merge-only")
-        elif variant == "lora" and hasattr(probe, "reset"):
+        elif variant == "lora":
             probe.reset()
         for ctx in contexts:
             for b in batches:
-                row: dict[str, Any] = {"variant": variant, "batch": b, "context": ctx,
-                                       "gemv_max_rows": engine.runner.gemv_max_rows}
                 n_ad = min(b, slots) if variant == "lora" else 0
-                row.update(decode_floor(dims, b, ctx, rates["copy_gbs"], adapters=n_ad, rank=args.rank))
+                row: dict[str, Any] = {"variant": variant, "batch": b, "context": ctx, "gemv_max_rows": engine.runner.gemv_max_rows,
+                                       **decode_floor(dims, b, ctx, rates["copy_gbs"], adapters=n_ad, rank=args.rank)}
                 max_tokens = decode_max_tokens(b, args.warmup, args.steps)
                 need = b * -(-(ctx + max_tokens) // block)
-                if cap is not None and need > cap:
-                    row["skipped"] = (f"does not fit: {need * block * dims.kv_bytes_per_token / GIB:.1f} GiB of KV, "
-                                      f"the pool holds {cap * block * dims.kv_bytes_per_token / GIB:.1f} GiB")
-                elif ctx + max_tokens > engine.max_model_len:
-                    row["skipped"] = f"context {ctx} + {max_tokens} tokens > max_model_len {engine.max_model_len}"
-                elif deadline.passed():
-                    row["skipped"] = "deadline"
-                else:
-                    try:
-                        row.update(decode_point(engine, variant, b, ctx, names, args.steps, args.warmup))
-                        # The floor of the context the timed steps actually had (a few tokens past ctx).
-                        row.update(decode_floor(dims, b, round(row["context_mean"]), rates["copy_gbs"], adapters=n_ad, rank=args.rank))
-                    except Exception as e:  # recorded; the engine is emptied and the run goes on
-                        row["error"] = f"{type(e).__name__}: {e}"
-                        engine.fail_all("cancelled", "benchmark point failed")
-                        free_memory(device)
-                decode_rows.append(row)
+                skipped = (f"does not fit: {need * block * dims.kv_bytes_per_token / GIB:.1f} GiB of KV, the pool holds "
+                           f"{cap * block * dims.kv_bytes_per_token / GIB:.1f} GiB" if cap is not None and need > cap else
+                           f"context {ctx} + {max_tokens} tokens > max_model_len {engine.max_model_len}"
+                           if ctx + max_tokens > engine.max_model_len else None)
+
+                def point(row=row, variant=variant, b=b, ctx=ctx, n_ad=n_ad) -> None:
+                    row.update(decode_point(engine, variant, b, ctx, names, args.steps, args.warmup))
+                    # The floor of the context the timed steps actually had (a few tokens past ctx).
+                    row.update(decode_floor(dims, b, round(row["context_mean"]), rates["copy_gbs"], adapters=n_ad, rank=args.rank))
+
+                result["decode"].append(measure(row, skipped, point))
                 print_decode_row(row, plain)
         if variant == "lora":
-            lora_path = lora_compute_path(probe)
+            lora_path = probe.summary()
         if variant == "merged":
             probe = set_policy(engine, "unmerge-only")  # the adapter is taken out of the weights again
         if variant == "gemv":
             set_gemv_rows(engine, gemv_rows)
     engine.flush()
     engine.overlap = overlap
-    result["engine"]["step_overlap"] = overlap
-    result["engine"]["lora_compute_path"] = lora_path
-    result["engine"]["atmm"] = atmm_status()
+    result["engine"].update(step_overlap=overlap, lora_compute_path=lora_path, atmm=atmm_status())
 
-    if args.profile:
-        pb = args.profile_batch if args.profile_batch in batches else max(batches)
+    profiles = {"profile": (args.profile, "", lambda: profile_decode(
+                    engine, args.profile_batch if args.profile_batch in batches else max(batches), contexts[0])),
+                "profile_prefill": (args.profile_prefill, "prefill ", lambda: profile_prefill(engine, args.profile_prefill))}
+    for key, (wanted, what, run) in profiles.items():
+        if not wanted:
+            continue
         try:
-            result["profile"] = profile_decode(engine, pb, contexts[0])
-            print_profile(result["profile"])
+            result[key] = run()
+            print_profile(result[key])
         except Exception as e:
-            result["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            result[key] = {"error": f"{type(e).__name__}: {e}"}
             engine.fail_all("cancelled", "profile failed")
-            print(f"profile failed: {result['profile']['error']}", flush=True)
-    if args.profile_prefill:
-        try:
-            result["profile_prefill"] = profile_prefill(engine, args.profile_prefill)
-            print_profile(result["profile_prefill"])
-        except Exception as e:
-            result["profile_prefill"] = {"error": f"{type(e).__name__}: {e}"}
-            engine.fail_all("cancelled", "profile failed")
-            print(f"prefill profile failed: {result['profile_prefill']['error']}", flush=True)
+            print(f"{what}profile failed: {result[key]['error']}", flush=True)
 
-    prefill_rows = result["prefill"]
     for t in prefills:
         row = {"tokens": t, **prefill_floor(dims, t, rates["matmul_tflops"])}
-        if t + 1 > engine.max_model_len:
-            row["skipped"] = f"{t} + 1 tokens > max_model_len {engine.max_model_len}"
-        elif deadline.passed():
-            row["skipped"] = "deadline"
-        else:
-            try:
-                row.update(prefill_point(engine, t, args.prefill_reps))
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"
-                engine.fail_all("cancelled", "benchmark point failed")
-                free_memory(device)
-        prefill_rows.append(row)
-        print(f"prefill {t} tokens: " + (f"{row['ms']:.2f} ms (floor {row['floor_ms']:.2f}, {row['ms'] / row['floor_ms']:.2f}x)"
-                                         if "ms" in row else row.get("skipped") or row.get("error")), flush=True)
+        too_long = f"{t} + 1 tokens > max_model_len {engine.max_model_len}" if t + 1 > engine.max_model_len else None
+        result["prefill"].append(measure(row, too_long, lambda row=row, t=t: row.update(prefill_point(engine, t, args.prefill_reps))))
+        print(f"prefill {t} tokens: {floor_text(row)}", flush=True)
 
     for m in media:
         row = dict(m)
-        if deadline.passed():
-            row["skipped"] = "deadline"
-        else:
-            try:
-                row.update(media_point(engine, m, args.media_reps))
-                row.update(media_floor(dims, vdims, row, rates["matmul_tflops"]))
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"
-                engine.fail_all("cancelled", "benchmark point failed")
-                free_memory(device)
-        result["media"].append(row)
+
+        def media_request(row=row, m=m) -> None:
+            row.update(media_point(engine, m, args.media_reps))
+            row.update(media_floor(dims, vdims, row, rates["matmul_tflops"]))
+
+        result["media"].append(measure(row, None, media_request))
         print_media_row(row)
 
-    vision_rows = result["vision"]
     for n in images:
         row = {"images": n, **vision_floor(vdims, n, rates["matmul_tflops"])}
-        if deadline.passed():
-            row["skipped"] = "deadline"
-            vision_rows.append(row)
-            print(f"vision {n} images: skipped (deadline)", flush=True)
-            continue
-        try:
+
+        def vision(row=row, n=n) -> None:
             row.update(vision_point(engine, n, 5))
             if "grid" in row:  # Qwen: the floor of the grids the processor made (its pixel bounds may resize)
                 flops = vdims.flops([tuple(g) for g in row["grid"]])
                 row.update(floor_ms=flops / (rates["matmul_tflops"] * 1e12) * 1e3, flops=flops)
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"
-            free_memory(device)
-        vision_rows.append(row)
-        print(f"vision {n} images: " + (f"{row['ms']:.2f} ms (floor {row['floor_ms']:.2f}, {row['ms'] / row['floor_ms']:.2f}x)"
-                                        if "ms" in row else row["error"]), flush=True)
 
-
-# -- output ---------------------------------------------------------------------------------------
-
-def _f(x: Optional[float], spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def plain_best(plain: dict, b: int, c: int) -> Optional[float]:
-    p = plain.get("points", {}).get(f"{b}x{c}", {})
-    return min((p[k] for k in ("masked_ms", "exact_ms") if p.get(k) is not None), default=None)
-
-
-def media_label(r: dict) -> str:
-    return f"{r['side']}x{r['side']} image" if r["kind"] == "image" else f"{r['images']}-frame {r['side']}x{r['side']} video"
-
-
-def print_media_row(r: dict) -> None:
-    head = f"media {media_label(r)}:"
-    if r.get("ttft_ms") is None:
-        print(f"{head} {r.get('skipped') or r.get('error')}", flush=True)
-        return
-    print(f"{head} {r['prompt_tokens']} prompt tokens ({r['visual_tokens']} visual, grid {r.get('grid')}): "
-          f"TTFT {r['ttft_ms']:.1f} ms = prepare {r['prepare_ms']:.1f} + step {r['step_ms']:.1f} "
-          f"(vision {r['vision_ms']:.1f}, floor {r['vision_floor_ms']:.2f}; step - vision {r['step_minus_vision_ms']:.1f}, "
-          f"prefill floor {r['prefill_floor_ms']:.2f}); step {r['step_ms'] / r['floor_ms']:.2f}x its floor "
-          f"{r['floor_ms']:.2f} ms", flush=True)
-
-
-def print_decode_row(r: dict, plain: dict) -> None:
-    head = f"decode {r['variant']:6s} bs{r['batch']:<3d} ctx{r['context']:<5d}"
-    if r.get("ms") is None:
-        print(f"{head} {r.get('skipped') or r.get('error')}", flush=True)
-        return
-    best = plain_best(plain, r["batch"], r["context"])
-    print(f"{head} {r['ms']:8.2f} ms/step (median {r['median_step_ms']:.2f}), floor {r['floor_ms']:.2f} "
-          f"({r['ms'] / r['floor_ms']:.2f}x), plain {_f(best)}, mode {r.get('mode')}, "
-          f"{r.get('distinct_adapters', 0)} adapters", flush=True)
-
-
-def print_tables(res: dict) -> None:
-    rows = {(r["variant"], r["batch"], r["context"]): r for r in res["decode"]}
-    plain = res.get("plain", {})
-    print("\ndecode, ms per step (x floor); lora and merged also x base", flush=True)
-    print(f"{'ctx':>5} {'bs':>4} | {'base':>8} {'floor':>7} {'x':>5} | {'plain':>8} {'masked':>8} | "
-          f"{'lora':>8} {'floor':>7} {'x base':>6} | {'merged':>8} {'x base':>6}", flush=True)
-    for c in res["settings"]["contexts"]:
-        for b in res["settings"]["batches"]:
-            base, lora, merged, sync, gv = (rows.get((v, b, c), {}) for v in ("base", "lora", "merged", "sync", "gemv"))
-            p = plain.get("points", {}).get(f"{b}x{c}", {})
-            bm = base.get("ms")
-            print(f"{c:>5} {b:>4} | {_f(bm):>8} {_f(base.get('floor_ms')):>7} "
-                  f"{_f(bm / base['floor_ms'] if bm else None):>5} | {_f(p.get('exact_ms')):>8} {_f(p.get('masked_ms')):>8} | "
-                  f"{_f(lora.get('ms')):>8} {_f(lora.get('floor_ms')):>7} "
-                  f"{_f(lora['ms'] / bm if bm and lora.get('ms') else None):>6} | {_f(merged.get('ms')):>8} "
-                  f"{_f(merged['ms'] / bm if bm and merged.get('ms') else None, '.3f'):>6}"
-                  + (f" | no overlap {_f(sync.get('ms'))}" if sync else "")
-                  + (f" | gemv {_f(gv.get('ms'))} ({_f(gv['ms'] / gv['floor_ms'] if gv.get('ms') else None)}x floor, "
-                     f"{_f(gv['ms'] / bm if bm and gv.get('ms') else None, '.3f')}x base)" if gv else ""), flush=True)
-    print("\nprefill, one prompt", flush=True)
-    for r in res["prefill"]:
-        print(f"  {r['tokens']:>6} tokens: {_f(r.get('ms')):>8} ms, floor {r['floor_ms']:.2f} ms "
-              f"({_f(r['ms'] / r['floor_ms'] if r.get('ms') else None)}x) {r.get('skipped') or r.get('error') or ''}", flush=True)
-    if res.get("media"):
-        print("image / video requests to their first token", flush=True)
-        for r in res["media"]:
-            print_media_row(r)
-    print("vision tower", flush=True)
-    for r in res["vision"]:
-        print(f"  {r['images']:>6} images: {_f(r.get('ms')):>8} ms, floor {r['floor_ms']:.2f} ms "
-              f"({_f(r['ms'] / r['floor_ms'] if r.get('ms') else None)}x) {r.get('error') or ''}", flush=True)
-    print("\ntargets", flush=True)
-    for t in res["targets"]:
-        verdict = "SKIP" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
-        print(f"  {verdict}  {t['target']}: {_f(t['value'], '.3f')} (limit {t['limit']}) {t.get('note', '')}", flush=True)
-    if res.get("notes"):
-        print("notes: " + "; ".join(res["notes"]), flush=True)
-
-
-def summary_line(res: dict) -> str:
-    d = {(r["variant"], r["batch"], r["context"]): r for r in res["decode"] if r.get("ms") is not None}
-    parts = [f"{res['preset']} {res['dtype']}, copy {res['rates']['copy_gbs']:.0f} GB/s, matmul {res['rates']['matmul_tflops']:.0f} TFLOP/s"]
-    base = [f"bs{b}/ctx{c} {r['ms']:.1f} ({r['ms'] / r['floor_ms']:.2f}x)" for (v, b, c), r in sorted(d.items(), key=lambda kv: (kv[0][2], kv[0][1]))
-            if v == "base"]
-    if base:
-        parts.append("base decode ms (x floor): " + ", ".join(base))
-    gv = [f"bs{b}/ctx{c} {r['ms']:.1f} ({r['ms'] / r['floor_ms']:.2f}x)" for (v, b, c), r in sorted(d.items(), key=lambda kv: (kv[0][2], kv[0][1]))
-          if v == "gemv"]
-    if gv:
-        parts.append(f"with gemv (engine.gemv_max_rows {res.get('settings', {}).get('gemv_rows')}) ms (x floor): " + ", ".join(gv))
-    plain = res.get("plain", {})
-    pl = [f"bs{b}/ctx{c} {plain_best(plain, b, c):.1f}" for (v, b, c) in sorted(d, key=lambda k: (k[2], k[1]))
-          if v == "base" and plain_best(plain, b, c) is not None]
-    if pl:
-        parts.append("plain graphed ms: " + ", ".join(pl))
-    for v in ("lora", "merged"):
-        xs = [f"bs{b}/ctx{c} {r['ms'] / d[('base', b, c)]['ms']:.2f}" for (vv, b, c), r in sorted(d.items(), key=lambda kv: (kv[0][2], kv[0][1]))
-              if vv == v and ("base", b, c) in d]
-        if xs:
-            parts.append(f"{v} x base: " + ", ".join(xs))
-    pf = [f"{r['tokens']} {r['ms']:.1f} ms ({r['ms'] / r['floor_ms']:.2f}x)" for r in res["prefill"] if r.get("ms") is not None]
-    if pf:
-        parts.append("prefill: " + ", ".join(pf))
-    vi = [f"{r['images']} img {r['ms']:.1f} ms" for r in res["vision"] if r.get("ms") is not None]
-    if vi:
-        parts.append("vision: " + ", ".join(vi))
-    me = [f"{media_label(r)} ({r['prompt_tokens']} tokens) TTFT {r['ttft_ms']:.1f} ms (prepare {r['prepare_ms']:.1f}, "
-          f"vision {r['vision_ms']:.1f}, step {r['step_ms']:.1f} = {r['step_ms'] / r['floor_ms']:.2f}x floor)"
-          for r in res.get("media", []) if r.get("ttft_ms") is not None]
-    if me:
-        parts.append("media: " + ", ".join(me))
-    t = res["targets"]
-    parts.append(f"targets {sum(1 for x in t if x['passed'])} pass / {sum(1 for x in t if x['passed'] is False)} fail / "
-                 f"{sum(1 for x in t if x['passed'] is None)} skipped")
-    if res.get("plain", {}).get("check") and not res["plain"]["check"]["passed"]:
-        parts.append("PLAIN CHECK FAILED")
-    return "; ".join(parts)
-
-
-def write_outputs(res: dict, out: Path, no_record: bool) -> Path:
-    dev = res["device"]
-    name = res.get("benchmark", NAME)  # engine-floor, or engine-floor-qwen (-qwen2.5) for that family
-    line = summary_line(res)
-    res["summary"] = line
-    if not no_record:
-        path = record_result(name, dev, res, line)
-        if out.resolve() == path.parent.resolve():
-            return path
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}-{dev}.json"
-    path.write_text(json.dumps(res, indent=2) + "\n")
-    (out / f"{name}-{dev}.results-line.md").write_text(
-        f"| {time.strftime('%Y-%m-%d')} | {name} | {dev} | {res['commit']} | {line} |\n")
-    print(f"wrote {path}", flush=True)
-    return path
+        result["vision"].append(measure(row, None, vision))
+        print(f"vision {n} images: {floor_text(row)}", flush=True)
 
 
 if __name__ == "__main__":

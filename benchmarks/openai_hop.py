@@ -21,13 +21,11 @@ import http.client
 import json
 import os
 import queue
-import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

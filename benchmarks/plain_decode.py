@@ -111,15 +111,6 @@ class PlainDecoder:
         self.k = self.v = None
         self.resize(max_batch, max_len)
 
-    # -- memory ------------------------------------------------------------------------------------
-    def fused_bytes(self) -> int:
-        """Bytes of the fused copies this decoder made (q/k/v and gate/up of every layer)."""
-        return sum(w["qkv"].numel() * w["qkv"].element_size() + w["gu"].numel() * w["gu"].element_size() for w in self.layers)
-
-    @staticmethod
-    def cache_bytes(n_layers: int, n_kv: int, head_dim: int, max_batch: int, max_len: int, elt: int) -> int:
-        return 2 * n_layers * max_batch * n_kv * max_len * head_dim * elt
-
     def resize(self, max_batch: int, max_len: int) -> None:
         """A new static cache (the old one and every captured graph are dropped first)."""
         self._graphs: dict[tuple, tuple] = {}

@@ -32,25 +32,16 @@ benchmarks/RESULTS.md. The harness's raw files (requests.csv, the server timelin
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.common import ROOT, RESULTS, device_name, git_commit, record_result
+from benchmarks import soak
+from benchmarks.common import RESULTS, device_name, git_commit, record_result
 
-
-def _soak_module():
-    """benchmarks/soak.py, imported by path (it is a script, not a package module)."""
-    if "soak_benchmark" in sys.modules:
-        return sys.modules["soak_benchmark"]
-    spec = importlib.util.spec_from_file_location("soak_benchmark", ROOT / "benchmarks" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from vlora_load.server import health_check, log_offset, served_adapters, server_error_lines, start_server, target_of
 
 
 # Seconds the overload phase takes beyond its capacity and overload windows (two locust starts, the requests
@@ -77,13 +68,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                         "CPU 8)")
     ap.add_argument("--budget-s", type=float, help="the whole run in this many seconds from its start: the soak is "
                                                    "shortened to fit (never below 0.25 min)")
-    soak = ap.add_argument_group("soak")
-    soak.add_argument("--soak-minutes", type=float, default=4.0, help="minutes of soak traffic (at most, with --budget-s)")
-    soak.add_argument("--load", type=float, default=0.8, help="soak rate as a fraction of the mix's measured capacity")
-    soak.add_argument("--probe-s", type=float, default=15.0, help="seconds of the closed-loop capacity probe of the mix")
-    soak.add_argument("--probe-concurrency", type=int, help="clients of that probe (default: MaxBS)")
-    soak.add_argument("--workers", type=int, default=64, help="client threads of the open-loop soak")
-    soak.add_argument("--request-timeout", type=float, default=90.0, help="seconds before a soak request counts as lost")
+    sk = ap.add_argument_group("soak")
+    sk.add_argument("--soak-minutes", type=float, default=4.0, help="minutes of soak traffic (at most, with --budget-s)")
+    sk.add_argument("--load", type=float, default=0.8, help="soak rate as a fraction of the mix's measured capacity")
+    sk.add_argument("--probe-s", type=float, default=15.0, help="seconds of the closed-loop capacity probe of the mix")
+    sk.add_argument("--probe-concurrency", type=int, help="clients of that probe (default: MaxBS)")
+    sk.add_argument("--workers", type=int, default=64, help="client threads of the open-loop soak")
+    sk.add_argument("--request-timeout", type=float, default=90.0, help="seconds before a soak request counts as lost")
     over = ap.add_argument_group("overload (load harness)")
     over.add_argument("--workload", default="mixed", help="harness workload (configs/workloads) for the overload")
     over.add_argument("--length-scale", type=float, help="scale its prompt and answer lengths (GPU default 0.25, CPU 0.05)")
@@ -112,7 +103,7 @@ def prepare(args, work: Path) -> tuple[Optional[Path], Optional[Path]]:
     root = Path(args.adapters) if args.adapters else None
     if root is None and model_dir is not None:
         t0 = time.perf_counter()
-        root = _soak_module().write_soak_adapters(model_dir, work / f"adapters-{model_dir.name}")
+        root = soak.write_soak_adapters(model_dir, work / f"adapters-{model_dir.name}")
         print(f"soak adapters at {root} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return model_dir, root
 
@@ -186,7 +177,6 @@ def _point(s: dict) -> dict:
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
-    soak = _soak_module()
     gpu = args.device.startswith("cuda") or (args.device == "auto" and _cuda())
     out_dir = Path(args.out) if args.out else RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,15 +192,13 @@ def main(argv=None) -> int:
     if root is not None:
         serve_args.append(f"--adapters {root}")
     try:
-        server, token = soak.start_server(work, None if args.device == "auto" else args.device, serve_args)
+        server, token = start_server(work / "soak-server", None if args.device == "auto" else args.device, serve_args)
     except Exception as e:
         print(f"reliability: the server did not start: {e}", flush=True)
         return 2
     code, written = 1, []
     try:
-        from vlora_load.runner import Target
-
-        target = Target(server.http_url.replace("http://", ""), server.grpc_url, server.metrics_url)
+        target = target_of(server)
         max_batch = server.engine_config.scheduler.max_batch_size
         minutes = soak_minutes(args, time.perf_counter() - t_start)
         print(f"reliability: server ready after {time.perf_counter() - t_start:.0f} s; soak {minutes:g} min "
@@ -225,16 +213,16 @@ def main(argv=None) -> int:
         # The overload goes to the generation adapters the soak used (not the cycled one, perhaps unloaded now)
         # and the head adapters; the harness's video requests use their heads where they declare one.
         names = [a for a in soak.DEMO_ADAPTERS if a != soak.CYCLE_ADAPTER] + sorted(soak.DEMO_HEADS)
-        served = {a["name"] for a in soak.served_adapters(_ctx(soak, target, token))}
+        served = {a["name"] for a in served_adapters(target)}
         names = [n for n in names if n in served] or sorted(served - {soak.CYCLE_ADAPTER})
         t0 = time.perf_counter()
         log_path = server.log_path
-        log_offset = log_path.stat().st_size if log_path is not None and log_path.exists() else 0
+        offset = log_offset(log_path)
         overload = harness_overload(args, target, names, server.adapter_root, gpu, max_batch, out_dir / "harness")
-        healthy, health = soak.health_check(_ctx(soak, target, token))
+        healthy, health = health_check(target)
         overload["checks"]["a normal request answered after it"] = healthy
         overload["passed"] = all(overload["checks"].values())
-        n_errors, error_lines = soak.server_error_lines(log_path, log_offset)
+        n_errors, error_lines = server_error_lines(log_path, offset)
         result = {"benchmark": "overload", "device": dev, "commit": git_commit(), "adapters": names,
                   "max_queue_size": args.max_queue_size, "max_batch_size": max_batch, **overload,
                   "health_after": health, "wall_s": round(time.perf_counter() - t0, 1),
@@ -276,11 +264,6 @@ def overload_line(r: dict) -> str:
             f"{o['ok']} answered, {o['rejected']} rejected (max {o.get('rejection_latency_max_s') or 0:.3f} s), "
             f"{o['timeout']} timed out, {o['error'] + o['incomplete']} other failures, {o.get('lost')} lost; "
             f"Triton queue {r['max_queue_size']}; checks {'pass' if r['passed'] else 'FAIL'}")
-
-
-def _ctx(soak, target, token):
-    return soak.SoakContext(target=target, admin_token=token, adapters=(), cycle_adapter=None, heads={},
-                            request_timeout_s=60.0)
 
 
 def _cuda() -> bool:

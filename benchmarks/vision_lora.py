@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.common import (PRESETS, TINY, build_model_engine, device_name, git_commit, model_folder,
-                    model_parser, write_result)
+                               model_parser, sync_fn, write_result)
 
 NAME = "vision-lora"
 IMAGE_PX = 448  # square test images: LLaVA resizes them to its 336; Qwen2-VL keeps 448 (256 tokens each)
@@ -126,7 +126,7 @@ def measure(engine, n_images: int, slots: list[int], reps: int, px: int = IMAGE_
     per_item = [x.to(runner.device, runner.dtype) for x in per_item]  # on the device already, as engine_floor's vision point
     pv = family.join(per_item)
     grid = torch.stack(grids) if grids is not None else None
-    sync = (lambda: torch.cuda.synchronize(runner.device)) if runner.device.type == "cuda" else (lambda: None)
+    sync = sync_fn(runner.device)
     one = [slots[0]] * n_images
     mixed = sorted(slots[i * len(slots) // n_images] for i in range(n_images))  # contiguous runs: one segment each
     out: dict[str, Any] = {"images": n_images, "adapters": len(slots), "rows": family.vision_lora_rows(runner.loaded, pv, grid)}

@@ -172,6 +172,7 @@ class ApplicationGenerator:
         app_seed = workload.seed * 7_919 + sum(ord(c) for c in app.name)
         self.images = ImagePool(app_seed, workload.image_size, workload.image_pool)
         self.rate = workload.arrivals.rate * workload.shares()[app.name]
+        self.tasks = dict(self.params["tasks"])  # task -> weight: every kind draws its requests' tasks
 
     def draw(self, rng: random.Random, index: int, stream_id: Optional[int] = None,
              send_at: Optional[float] = None) -> RequestSpec:
@@ -193,7 +194,6 @@ class VisualRetrieval(VisualRetrievalKind, ApplicationGenerator):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.tasks = dict(self.params["tasks"])
         self.input_len = length_from(self.params["input_tokens"], f"{self.app.name}.input_tokens")
         self.output_len = length_from(self.params["output_tokens"], f"{self.app.name}.output_tokens")
 
@@ -228,7 +228,6 @@ class VideoAnalytics(VideoAnalyticsKind, ApplicationGenerator):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.frames = int(self.params["frames_per_chunk"])
-        self.tasks = dict(self.params["tasks"])
         self.output_tokens = {**self.PARAMS["output_tokens"], **dict(self.params["output_tokens"])}
         # The offered rate decides the number of streams: each stream sends one chunk per period.
         period = float(self.params["chunk_period_s"])
@@ -322,3 +321,18 @@ class WorkloadGenerator:
 def expected_length(dist: LengthDistribution) -> float:
     """Mean of the clipped, scaled distribution (approximate: ignores clipping)."""
     return math.exp(dist.mu + dist.sigma ** 2 / 2) * dist.scale
+
+
+def task_images(task: str, n: int = 6, seed: int = 7) -> list[str]:
+    """``n`` base64 PNGs of a generated vision task (``vlora.fusion.datasets``: e.g. 1 to 6 circles for
+    ``count-circles``), for requests to the task's head; [] for a task it does not generate."""
+    from vlora.fusion.datasets import TASKS, generate
+
+    if task not in TASKS:
+        return []
+    out = []
+    for sample in generate(task, seed=seed, sizes={"train": 0, "val": 0, "test": n}).split("test"):
+        buf = io.BytesIO()
+        sample.images[0].save(buf, format="PNG")
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    return out

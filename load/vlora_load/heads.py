@@ -85,3 +85,21 @@ def declared_heads(adapter_dir: Path) -> dict[str, str]:
     except (OSError, ValueError, KeyError, TypeError) as e:  # the server reports a broken head file
         log.warning("%s: cannot read its task heads (%s); treating the adapter as head-less", adapter_dir, e)
         return {}
+
+
+def head_prompts(adapter_root: Optional[str | Path]) -> dict[str, dict[str, tuple[tuple[str, ...], str]]]:
+    """adapter -> head task -> (labels, the prompt it was trained with), from the heads files of the adapter folders
+    under ``adapter_root``; {} when it is unknown or none can be read."""
+    from vlora.heads import HEADS_CONFIG
+
+    found: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {}
+    root = Path(adapter_root) if adapter_root else None
+    for path in sorted(root.glob(f"*/{HEADS_CONFIG}")) if root is not None and root.is_dir() else ():
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+            tasks = {str(h["task"]): (tuple(str(x) for x in h["labels"]), str(h["prompt"])) for h in config["heads"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if tasks:
+            found[path.parent.name] = tasks
+    return found

@@ -220,3 +220,26 @@ def current_mode(samples, previous) -> str:
 
 def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not (isinstance(x, float) and math.isnan(x))
+
+
+GAUGES = ("vlora_running_requests", "vlora_waiting_requests", "nv_inference_pending_request_count")
+
+
+def gauges(metrics_url: str, names: tuple[str, ...] = GAUGES) -> dict[str, float]:
+    """One scrape: each of ``names`` summed over its label sets; {} when the endpoint does not answer."""
+    samples = MetricsScraper(metrics_url).scrape_once()
+    if samples is None:
+        return {}
+    return {n: sum(v for m, _l, v in samples if m == n) for n in names}
+
+
+def totals_by_label(metrics_url: str, name: str, label: str) -> dict[str, float]:
+    """One scrape: the samples of ``name`` summed per value of ``label`` ("?" where it is missing); {} when the
+    endpoint does not answer."""
+    samples = MetricsScraper(metrics_url).scrape_once()
+    out: dict[str, float] = {}
+    for metric, labels, value in samples or ():
+        if metric == name:
+            key = labels.get(label, "?")
+            out[key] = out.get(key, 0.0) + value
+    return out

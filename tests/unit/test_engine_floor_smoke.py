@@ -132,7 +132,8 @@ def test_results_line_is_recorded(ef, tmp_path, monkeypatch):
 
 def test_qwen_vision_floor_arithmetic(ef):
     """The Qwen2-VL-7B and Qwen2.5-VL-7B vision towers (configs/models/qwen2*-vl-7b.yaml) at 448x448."""
-    v2 = ef.QwenVisionDims.from_config({"model_type": "qwen2_vl", "vision_config": dict(
+    floors = importlib.import_module("benchmarks.floors")
+    v2 = floors.QwenVisionDims.from_config({"model_type": "qwen2_vl", "vision_config": dict(
         depth=32, embed_dim=1280, mlp_ratio=4, hidden_size=3584, patch_size=14, temporal_patch_size=2,
         spatial_merge_size=2, in_channels=3)})
     n, d, c = 32 * 32, 1280, 4 * 1280  # patches of a 448x448 image, the ViT width, the merger's width
@@ -141,7 +142,7 @@ def test_qwen_vision_floor_arithmetic(ef):
     merger = 2 * (n // 4) * (c * c + c * 3584)
     assert v2.flops_per_image() == embed + linear + 32 * 4 * d * n * n + merger
     assert v2.flops([(8, 32, 32)]) == 8 * (embed + linear + merger) + 32 * 4 * d * 8 * n * n  # attention per frame
-    v25 = ef.QwenVisionDims.from_config({"model_type": "qwen2_5_vl", "vision_config": dict(
+    v25 = floors.QwenVisionDims.from_config({"model_type": "qwen2_5_vl", "vision_config": dict(
         depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=3584, patch_size=14, temporal_patch_size=2,
         spatial_merge_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])})
     assert v25.window == 4 and v25.full_blocks == 4  # 112 px windows: 4 x 4 merged tokens, 64 patches

@@ -18,6 +18,11 @@ def bench():
     return importlib.import_module("benchmarks.orchestrator")
 
 
+@pytest.fixture(scope="module")
+def report():
+    return importlib.import_module("benchmarks.orchestrator_report")
+
+
 def common_args(model_dir: Path) -> list[str]:
     # A drain limit far beyond what the cells need: nothing may be cancelled.
     return ["--device", "cpu", "--model", str(model_dir), "--skewness", "0.9", "--adapters", "3", "--rate", "25",
@@ -59,11 +64,11 @@ def test_tiny_grid_in_two_runs(bench, tiny_model_dir, tmp_path):
     assert len(result["runs"]) == 2
 
 
-def test_merge_refuses_other_settings(bench):
+def test_merge_refuses_other_settings(report):
     old = {"settings": {"rank": 8, "output_tokens": 4}, "cells": []}
     new = {"settings": {"rank": 64, "output_tokens": 4}, "cells": []}
     with pytest.raises(SystemExit, match="rank"):
-        bench.merge_results(old, new, force=False)
+        report.merge_results(old, new, force=False)
 
 
 def test_fit_to_budget_fits_every_cell_at_its_worst(bench):
@@ -81,7 +86,7 @@ def test_fit_to_budget_fits_every_cell_at_its_worst(bench):
     assert tight["window_s"] == 2.5 and not tight["fits"]
 
 
-def test_budget_run_interleaves_policies_and_reports(bench, tiny_model_dir, tmp_path):
+def test_budget_run_interleaves_policies_and_reports(bench, report, tiny_model_dir, tmp_path):
     out = tmp_path / "budget.json"
     args = common_args(tiny_model_dir)
     args[args.index("--skewness") + 1] = "0.9,0.5"
@@ -97,8 +102,8 @@ def test_budget_run_interleaves_policies_and_reports(bench, tiny_model_dir, tmp_
         assert c["token_latency_p99_ms"] >= c["token_latency_p50_ms"] > 0
     by = {(c["skewness"], c["policy"]): c for c in result["cells"]}
     assert by[(0.9, "vlora")]["requests"] == by[(0.9, "unmerge-only")]["requests"]
-    md = bench.markdown_section(result)
+    md = report.markdown_section(result)
     assert "| skewness | adapters | requests | vlora | unmerge-only | cut vs unmerge-only |" in md
     v, u = by[(0.9, "vlora")], by[(0.9, "unmerge-only")]
     assert f"| 0.9 | 3 | {v['requests']} | {v['avg_token_latency_ms']:.1f} ({v['token_latency_p99_ms']:.1f})" in md
-    assert bench.fmt_cut(1.0 - v["avg_token_latency_ms"] / u["avg_token_latency_ms"]) in md
+    assert report.fmt_cut(1.0 - v["avg_token_latency_ms"] / u["avg_token_latency_ms"]) in md

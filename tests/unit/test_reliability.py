@@ -34,7 +34,7 @@ def test_soak_minutes_fit_the_budget(rel):
 
 
 def test_soak_adapters_for_another_model(rel, tiny_model_dir, tmp_path):
-    soak = rel._soak_module()
+    soak = rel.soak
     from vlora.heads import load_heads
     from vlora_load.heads import HeadPolicy
 

@@ -35,7 +35,7 @@ from vlora.engine.plan import PlanBuilder, StepPlan
 from vlora.lora.adapter import VisionSites
 from vlora.engine.vision import EncoderCache, VisionLora  # noqa: F401  (importable from here too)
 from vlora.engine.weight_groups import WeightGroup
-from vlora.lora.layers import GroupSlots, LoraContext, LoraLinear  # noqa: F401  (GroupSlots: switch_probe)
+from vlora.lora.layers import GroupSlots, LoraContext, LoraLinear
 
 log = logging.getLogger(__name__)
 
