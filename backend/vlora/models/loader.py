@@ -247,10 +247,22 @@ class LlavaFamily(ModelFamily):
         return load_llava(path, dtype, device)
 
     def prompt(self, loaded, text, images, apply_chat_template) -> Prompt:
-        from vlora.models.images import pixel_values
-
         ids = build_prompt_ids(loaded, text, len(images), apply_chat_template)
-        return Prompt(ids=ids, pixel_values=pixel_values(images, loaded.image_processor) if images else None)
+        return Prompt(ids=ids, pixel_values=self.pixel_values(loaded, images) if images else None)
+
+    def pixel_values(self, loaded, images) -> torch.Tensor:
+        """[n, 3, H, W] float32 on the model's device (:mod:`vlora.models.pixels`: Pillow's resize, bit for
+        bit, then the processor's crop, rescale and normalisation there); the processor itself on the CPU for
+        settings that module does not reproduce."""
+        from vlora.models import pixels
+
+        layout = pixels.clip_layout(loaded.image_processor)
+        if layout is None:
+            from vlora.models.images import pixel_values
+
+            return pixel_values(images, loaded.image_processor)
+        with pixels.DeviceWork(next(loaded.model.parameters()).device) as work:
+            return work.done(pixels.clip_pixel_values(images, layout, work.device))
 
     def fixed_pixels(self, loaded) -> Optional[tuple[int, int]]:
         size = loaded.model.config.vision_config.image_size

@@ -99,7 +99,7 @@ class Qwen2VLFamily(ModelFamily):
                                                  add_generation_prompt=True)
         elif not placeholders:
             text = VISION_PLACEHOLDER * len(images) + text
-        out = processor(text=[text], images=list(images) or None, return_tensors="pt")
+        out = self._image_inputs(loaded, text, list(images))
         ids = out["input_ids"][0]
         grid = out.get("image_grid_thw")
         pv = out.get("pixel_values")
@@ -111,6 +111,56 @@ class Qwen2VLFamily(ModelFamily):
             positions, delta = None, 0  # text only: 1-D positions, as the model infers them
         return Prompt(ids=ids.tolist(), pixel_values=None if pv is None else pv.to(torch.float32),
                       image_grid_thw=grid, mrope_positions=positions, rope_delta=delta)
+
+    def _image_inputs(self, loaded: LoadedModel, text: str, images: list) -> dict:
+        """What the processor gives for ``text`` and ``images`` (input_ids [1, T], mm_token_type_ids, pixel_values,
+        image_grid_thw), the pixels made on the model's device (:mod:`vlora.models.pixels`: Pillow's resize bit
+        for bit, then the processor's rescale, normalisation and patches there) and the text expanded as the
+        processor does (each image's pad token repeated once per merged patch). The processor itself for
+        settings that module does not reproduce, or no image."""
+        from vlora.models import pixels
+
+        processor = loaded.image_processor
+        layout = pixels.qwen_layout(processor.image_processor) if images else None
+        if layout is None:
+            return processor(text=[text], images=images or None, return_tensors="pt")
+        with pixels.DeviceWork(next(loaded.model.parameters()).device) as work:
+            pv, grid = pixels.qwen_image_patches(images, layout, work.device)
+            work.done(pv)
+        return {**self._expand(loaded, text, processor.image_token, grid, layout["merge"], 1), "pixel_values": pv,
+                "image_grid_thw": grid}
+
+    def _video_inputs(self, loaded: LoadedModel, text: str, frames: list) -> dict:
+        """As :meth:`_image_inputs`, for one video's frames (pixel_values_videos, video_grid_thw, and Qwen2.5-VL's
+        second_per_grid_ts as this processor computes it)."""
+        from vlora.models import pixels
+
+        processor = loaded.image_processor
+        layout = pixels.qwen_layout(processor.video_processor)
+        if layout is None:
+            return processor(text=[text], videos=[frames], return_tensors="pt")
+        with pixels.DeviceWork(next(loaded.model.parameters()).device) as work:
+            pv, grid = pixels.qwen_video_patches(frames, layout, work.device)
+            work.done(pv)
+        out = {**self._expand(loaded, text, getattr(processor, "video_token", "<|video_pad|>"), grid, layout["merge"], 2),
+               "pixel_values_videos": pv, "video_grid_thw": grid}
+        seconds = _seconds_per_grid(processor)
+        if seconds is not None:
+            out["second_per_grid_ts"] = torch.tensor([seconds])
+        return out
+
+    @staticmethod
+    def _expand(loaded: LoadedModel, text: str, pad: str, grid: torch.Tensor, merge: int, kind: int) -> dict:
+        """input_ids [1, T] and mm_token_type_ids (``kind`` at the pad tokens) of ``text`` with each ``pad``
+        repeated once per merged patch of its item, as the processor expands and tokenizes it."""
+        pieces = text.split(pad)
+        if len(pieces) - 1 != len(grid):
+            raise InvalidRequest(f"the prompt holds {len(pieces) - 1} {pad} tokens for {len(grid)} item(s)")
+        expanded = pieces[0] + "".join(pad * (int(g.prod()) // merge ** 2) + rest for g, rest in zip(grid, pieces[1:]))
+        ids = loaded.image_processor.tokenizer([expanded], return_tensors="pt")["input_ids"]
+        types = torch.zeros_like(ids)
+        types[ids == loaded.image_processor.tokenizer.convert_tokens_to_ids(pad)] = kind
+        return {"input_ids": ids, "mm_token_type_ids": types}
 
     def _video_prompt(self, loaded: LoadedModel, text: str, frames, apply_chat_template: bool) -> Prompt:
         processor = loaded.image_processor
@@ -128,7 +178,7 @@ class Qwen2VLFamily(ModelFamily):
             text = text.replace(VIDEO_PLACEHOLDER, "")
             text = processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}],
                                                  tokenize=False, add_generation_prompt=True)
-        out = processor(text=[text], videos=[list(frames)], return_tensors="pt")
+        out = self._video_inputs(loaded, text, list(frames))
         ids = out["input_ids"][0]
         grid = out["video_grid_thw"]
         extra = {"second_per_grid_ts": out["second_per_grid_ts"]} if "second_per_grid_ts" in out else {}
@@ -165,3 +215,19 @@ class Qwen2VLFamily(ModelFamily):
 
     def join(self, per_image: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(per_image)
+
+
+def _seconds_per_grid(processor) -> "float | None":
+    """Qwen2.5-VL's seconds per temporal grid step for a video given as frames, as this processor computes it
+    (its default frame rate differs across transformers releases), found once with a two-frame clip; None
+    where the processor gives none (Qwen2-VL)."""
+    cached = processor.__dict__.get("_vlora_seconds_per_grid", False)
+    if cached is False:
+        import numpy as np
+
+        tiny = [np.zeros((28, 28, 3), dtype=np.uint8)] * 2
+        out = processor(text=[VIDEO_PLACEHOLDER], videos=[tiny], return_tensors="pt")
+        value = out.get("second_per_grid_ts")
+        cached = None if value is None else float(torch.as_tensor(value).reshape(-1)[0])
+        processor.__dict__["_vlora_seconds_per_grid"] = cached
+    return cached
