@@ -71,6 +71,24 @@ def test_m_rope_positions_are_written_on_three_axes(kv):
     assert plan.positions.tolist() == [[0, 1, 2, 3, 7], [0, 1, 1, 3, 7], [0, 2, 2, 3, 7]]
 
 
+def test_an_m_rope_prefill_graph_pads_its_three_axes(kv):
+    """A Qwen2-VL prefill graph's layout holds positions on three axes: a prompt's M-RoPE positions, a text
+    prompt's one position on all three, zeros for the padding tokens; the same views every step."""
+    from vlora.engine.plan import PREFILL_GRAPH
+
+    builder = PlanBuilder(torch.device("cpu"), kv)
+    (lay,) = builder.graph_layouts([(8, 4, 6)], mrope=True)
+    shape = PlanShape(PREFILL_GRAPH, lay)
+    m = torch.tensor([[0, 1, 2, 3], [0, 1, 1, 3], [0, 2, 2, 3]])
+    prompt = SeqInput(token_ids=[1, 2, 3, 4], start_pos=0, blocks=SequenceBlocks([0]), mrope_positions=m, rope_delta=-1)
+    text = SeqInput(token_ids=[7, 8], start_pos=0, blocks=SequenceBlocks([1]))
+    dummy_pos = lay.d_pos.data_ptr()
+    builder.dummy(PREFILL_GRAPH, lay, 8)
+    plan = builder.build([prompt, text], shape)
+    assert plan.positions.shape == (3, 8) and plan.positions.data_ptr() == dummy_pos
+    assert plan.positions.tolist() == [[0, 1, 2, 3, 0, 1, 0, 0], [0, 1, 1, 3, 0, 1, 0, 0], [0, 2, 2, 3, 0, 1, 0, 0]]
+
+
 def test_a_decode_graph_step_pads_its_bucket_at_fixed_addresses(kv):
     builder = PlanBuilder(torch.device("cpu"), kv)
     lay4, lay8 = builder.graph_layouts([(4, 4, 6), (8, 8, 6)])

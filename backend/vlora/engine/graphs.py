@@ -201,8 +201,9 @@ class PrefillGraphs:
     belong to no sequence: their KV slot is -1 (not written), attention leaves them alone, and every
     other kernel works row by row, so they touch no real row. Padding sequences have no tokens.
 
-    Served: steps with no LoRA work (base requests, merged mode) and 1-D positions (no M-RoPE prompt
-    with images), at most ``max_seqs`` sequences, ``max_tokens`` tokens. Everything else runs eagerly.
+    Served: steps with no LoRA work (base requests, merged mode), at most ``max_seqs`` sequences,
+    ``max_tokens`` tokens; an M-RoPE model's graphs read positions on three axes (prompts with images and
+    videos replay too). Everything else runs eagerly.
     Attention inside the graphs is the Triton kernel (fresh prompts' cuDNN path reads host lengths).
     The graphs share the decode graphs' memory pool."""
 
@@ -216,7 +217,10 @@ class PrefillGraphs:
         self.max_blocks = -(-max_model_len // kv.block_size)
         dev = runner.device
         # Each bucket's view of the step plan: its tokens, every sequence the graphs take, the longest context's blocks
-        self.layouts = dict(zip(self.sizes, runner.plans.graph_layouts([(b, max_seqs, self.max_blocks) for b in self.sizes])))
+        # M-RoPE models (Qwen2-VL) lay their positions out on three axes, so that prompts with images replay too
+        self.mrope = hasattr(runner.lm.rotary_emb, "mrope_section")
+        self.layouts = dict(zip(self.sizes, runner.plans.graph_layouts(
+            [(b, max_seqs, self.max_blocks) for b in self.sizes], mrope=self.mrope)))
         self.shapes = {b: PlanShape(PREFILL_GRAPH, lay) for b, lay in self.layouts.items()}
         self.hidden = torch.zeros(self.max_tokens, runner.lm.embed_tokens.weight.shape[1], dtype=runner.dtype, device=dev)
         self.pool = pool
@@ -236,7 +240,7 @@ class PrefillGraphs:
         for s in seqs:
             if s.slot >= 0 or s.delora_slot >= 0 or s.start_pos + len(s.token_ids) > limit:
                 return False
-            if s.mrope_positions is not None and s.start_pos < s.mrope_positions.shape[1]:
+            if not self.mrope and s.mrope_positions is not None and s.start_pos < s.mrope_positions.shape[1]:
                 return False
             total += len(s.token_ids)
         return 0 < total <= self.max_tokens

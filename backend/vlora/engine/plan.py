@@ -192,10 +192,11 @@ class PlanBuilder:
     def capacity(self) -> int:
         return self.dev.numel()
 
-    def graph_layouts(self, shapes: Sequence[tuple[int, int, int]]) -> list[Layout]:
+    def graph_layouts(self, shapes: Sequence[tuple[int, int, int]], mrope: bool = False) -> list[Layout]:
         """Layouts of a graph family's buckets (T, S, W), bound to one buffer that holds the largest (grown
-        first where needed): made once, before capture."""
-        lays = [Layout(T, S, W) for T, S, W in shapes]
+        first where needed): made once, before capture. ``mrope``: positions on M-RoPE's three axes (a
+        prefill graph of a Qwen2-VL model; its text-only prompts write one position on all three)."""
+        lays = [Layout(T, S, W, mrope) for T, S, W in shapes]
         most = max((S for _, S, _ in shapes), default=0) + 1
         if most > len(self._arange):
             self._arange = np.arange(most, dtype=np.int32)
@@ -247,7 +248,7 @@ class PlanBuilder:
         T, S, W = lay.T, lay.S, lay.W
         h64[lay.ids:lay.ids + T] = 0
         h64[lay.src:lay.src + T] = -1
-        h64[lay.pos:lay.pos + T] = 0
+        h64[lay.pos:lay.pos + (3 * T if lay.mrope else T)] = 0
         h64[lay.last:lay.last + S] = 0
         h32[lay.tables:lay.tables + S * W] = 0
         if kind == DECODE_GRAPH:
@@ -325,8 +326,8 @@ class PlanBuilder:
         n, ns = sum(lengths), len(seqs)
         ends = [s.start_pos + m for s, m in zip(seqs, lengths)]
         graph = shape.kind == PREFILL_GRAPH
-        mrope = not graph and any(s.mrope_positions is not None and s.start_pos < s.mrope_positions.shape[1]
-                                  for s in seqs)
+        mrope = shape.layout.mrope if graph else any(
+            s.mrope_positions is not None and s.start_pos < s.mrope_positions.shape[1] for s in seqs)
         if graph:
             lay = shape.layout
             if n > lay.T or ns > lay.S:
@@ -365,7 +366,10 @@ class PlanBuilder:
         h32[lay.cu:lay.cu + S + 1] = cu
         h32[lay.lens:lay.lens + ns] = ends
         if graph:
-            h64[lay.pos + n:lay.pos + T] = 0
+            if mrope:
+                pos_axes[:, n:] = 0
+            else:
+                h64[lay.pos + n:lay.pos + T] = 0
             h64[lay.slot + n:lay.slot + T] = -1  # padding tokens write no KV
             h64[lay.last + ns:lay.last + S] = 0
             h32[lay.lens + ns:lay.lens + S] = 0
