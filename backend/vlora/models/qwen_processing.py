@@ -146,11 +146,6 @@ class QwenVideoProcessorPil(_video_processor_base()):
 
     def _patchify(self, frames: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """As ``Qwen2VLVideoProcessor.patchify``, for one clip."""
-        p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
-        if pad := -frames.shape[0] % tp:
-            frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
-        t, c, h, w = frames.shape
-        gt, gh, gw = t // tp, h // p, w // p
-        x = frames.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p)
-        x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return x.reshape(gt * gh * gw, c * tp * p * p).contiguous(), [gt, gh, gw]
+        from vlora.models.pixels import patchify
+
+        return patchify(frames, self.patch_size, self.merge_size, self.temporal_patch_size)
