@@ -1,26 +1,36 @@
-"""V-LoRA's applications as a user of a vision application waits for them: the first token of a **new** image.
+"""V-LoRA's two applications as a user of a vision application waits for them: new images, through the server.
 
-This is the first part of issue 35's benchmark; the part through the real server (visual retrieval and video
-analytics under open-loop Poisson arrivals, adapters drawn from a Zipf distribution) is still to come, and
-``--help`` says so. What it times now, in this process, per model (``--presets``; each in a child process of
-its own so that one model's memory is gone before the next):
+Two parts, per model (``--presets``; each in a child process of its own so that one model's memory is gone
+before the next):
 
-- ``image``: one request with one new image (every repetition its own pixels: no encoder-cache or prefix
-  hit; JPEG, 640x480 for LLaVA, 448x448 for Qwen2-VL), one output token: ms of ``inputs.prepare`` (decode,
-  preprocessing, tokens, M-RoPE positions) and of the engine step (vision tower, prefill, the token), p50;
-- ``video16`` (families that take a video): 16 new 448x448 frames, the same;
-- ``first``: the first such request after the engine is built (what the warm start is for);
-- ``vision_ms``: the vision tower and projector/merger alone on the last request's pixels (the engine's own
-  encode: the graphed tower where one is captured).
-The floors of the same requests (vision + prefill FLOPs over the measured matmul rate) are
+**In process** (``--part engine``): one request with one new image (every repetition its own pixels: no
+encoder-cache or prefix hit; JPEG, 640x480 for LLaVA, 448x448 for Qwen2-VL) asking for one token: ms of
+``inputs.prepare`` (decode, preprocessing, tokens, M-RoPE positions) and of the engine step (vision tower,
+prefill, the token), p50; ``video16`` (families that take a video): 16 new 448x448 frames; ``first``: the first
+such request after the engine is built (what the warm start is for); ``vision_ms``: the vision tower and
+projector/merger alone (the engine's own encode: the graphed tower where one is captured).
+
+**Through the real server** (``--part server``): ``vlora serve`` on the model with ``--adapters N`` random
+rank-``--rank`` adapters, then
+- the time to ready and the first request after it, and the idle time to the whole one-token answer of a new
+  image over HTTP ``/generate``, with and without an adapter (p50 of ``--reps``);
+- visual retrieval (one new image per request, the trace-shaped question and answer lengths of
+  ``configs/workloads/visual_retrieval.yaml``, adapters drawn from Zipf(1) over the N) and video analytics
+  (``--frames`` new frames per chunk, one chunk per stream per second, 5-10 output tokens or a task head;
+  Qwen2-VL takes them as one video) under open-loop Poisson arrivals at each of ``--rates``, through the load
+  harness (``load/vlora_load``): requests/s, TTFT p50/p99, V-LoRA's average token latency (end-to-end latency
+  over output tokens) and the SLO attainment of the workload's SLO.
+Not yet here (issue 35): the per-stage times from the engine's own timers and each workload's roofline.
+The floors of the in-process requests (vision + prefill FLOPs over the measured matmul rate) are
 ``benchmarks/engine_floor.py``'s media rows.
 
-Usage (a GPU machine): ``python -m benchmarks.vision_apps`` (both 7B presets); ``--tiny`` on a CPU.
+Usage (a GPU machine): ``python -m benchmarks.vision_apps`` (both 7B presets, both parts); ``--tiny`` on a CPU.
 """
 from __future__ import annotations
 
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -116,6 +126,104 @@ def measure(preset: str, work: Path, device: str, reps: int) -> dict:
     return out
 
 
+# -- through the server ----------------------------------------------------------------------------------------
+
+def _marks(model_dir: Path) -> tuple[str, str]:
+    """(image placeholder, video placeholder or "") of the model folder's family."""
+    from vlora.models.family import family_for
+
+    family = family_for(model_dir)
+    return family.image_placeholder, family.video_placeholder
+
+
+def _generate(http_url: str, prompt: str, images: list[str], params: dict) -> float:
+    """Seconds to the whole answer of one ``/generate`` request; RuntimeError with the server's message."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"text_input": prompt, "image": images, "sampling_parameters": json.dumps(params)}).encode()
+    req = urllib.request.Request(f"{http_url}/v2/models/vlora/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"/generate answered {e.code}: {e.read()[:300]!r}") from None
+    return time.perf_counter() - t0
+
+
+def serve_apps(preset: str, work: Path, device: str, args) -> dict:
+    """The server part for one model (see the module docstring)."""
+    import argparse
+    import base64
+    import dataclasses
+
+    from vlora_load import cli
+    from vlora_load.heads import HeadPolicy
+    from vlora_load.runner import Target, run_sweep, sweep_points, wait_idle
+
+    cuda = device.startswith("cuda")
+    model_dir = model_folder(preset, work, cuda)
+    image_mark, video_mark = _marks(model_dir)
+    side = (448, 448) if video_mark else (640, 480)
+    extra = [] if cuda else ["--length-scale", "0.05", "--image-size", "64",
+                             "--serve-arg=--max-batch-size 8 --set scheduler.max_waiting=64"]
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    common = ["--model", str(model_dir), "--device", device, "--num-adapters", str(args.adapters),
+              "--adapter-rank", str(args.rank), "--zipf", "1.0", "--duration", str(args.duration), *extra]
+    lt = parser.parse_args(["--workload", "visual_retrieval", *common])
+    new_images = {"image_pool": 1 << 20, "image_placeholder": image_mark, "video_placeholder": video_mark}
+    retrieval = dataclasses.replace(cli.workload_from_args(lt), **new_images)
+    video = dataclasses.replace(cli.workload_from_args(parser.parse_args(
+        ["--workload", "video", "--frames-per-chunk", str(args.frames), *common])), **new_images)
+    out_dir = work / f"serve-{Path(preset).stem}"
+    t0 = time.perf_counter()
+    server, root, names = cli.start_server(lt, retrieval, out_dir, sys.stdout)
+    result: dict = {"preset": preset, "ready_s": round(time.perf_counter() - t0, 2), "adapters": len(names)}
+    try:
+        http = server.http_url if server.http_url.startswith("http") else f"http://{server.http_url}"
+        seed = 0
+
+        def new_image() -> str:
+            nonlocal seed
+            seed += 1
+            return base64.b64encode(jpeg(7_000_003 + seed, *side)).decode()
+
+        prompt = f"{image_mark}What is in this picture?"
+        result["first_request_ms"] = round(1e3 * _generate(http, prompt, [new_image()], {"max_tokens": 1}), 1)
+        for label, adapter in (("base", None), ("adapter", names[0])):
+            params = {"max_tokens": 1, **({"lora_name": adapter} if adapter else {})}
+            _generate(http, prompt, [new_image()], params)  # the adapter's first use: its load
+            times = [1e3 * _generate(http, prompt, [new_image()], params) for _ in range(args.reps)]
+            result[f"idle_image_ms_{label}"] = {"p50": round(statistics.median(times), 1), "min": round(min(times), 1),
+                                                "max": round(max(times), 1), "reps": len(times)}
+        target = Target(http.replace("http://", ""), server.grpc_url, server.metrics_url)
+        heads = HeadPolicy.from_adapter_root(root, tuple(names))
+        settings = {"benchmark": "python -m benchmarks.vision_apps", "device": device_name(), "commit": git_commit()}
+        for name, workload in (("visual_retrieval", retrieval), ("video_analytics", video)):
+            wait_idle(target.metrics_url, 120, sys.stdout)
+            points = run_sweep(workload, sweep_points(args.rates, []), target, out_dir / name, names, heads,
+                               out=sys.stdout, settings=settings, title=f"vision-apps {name} ({Path(preset).stem})")
+            result[name] = [_point(p) for p in points]
+    finally:
+        server.stop()
+    return result
+
+
+def _point(s: dict) -> dict:
+    """One rate point's figures from the harness's summary."""
+    keep = ("offered_rate_rps", "requests", "ok", "rejected", "error", "timeout", "throughput_rps",
+            "output_tokens_per_s", "avg_token_latency_s")
+    out = {k: s.get(k) for k in keep}
+    for k in ("ttft", "e2e"):
+        out[f"{k}_s"] = {q: s.get(f"{k}_{q}_s") for q in ("p50", "p99")}
+    apps = s.get("applications") or {}
+    out["slo_attainment"] = {a: v.get("slo_attainment") for a, v in apps.items()} if isinstance(apps, dict) else None
+    return out
+
+
 def summary(result: dict) -> str:
     parts = []
     for m in result["models"]:
@@ -128,36 +236,63 @@ def summary(result: dict) -> str:
                              f"{c['first_prepare_ms'] + c['first_step_ms']:.0f} ms")
         if m.get("warmup"):
             parts.append(f"{name} warm-up {m['warmup']['seconds']:.2f} s")
-    return "; ".join(parts) + " (in process, new images; the server part of the benchmark is still to come)"
+    for m in result.get("served", []):
+        name = Path(m["preset"]).stem
+        parts.append(f"{name} through the server: ready in {m['ready_s']:.0f} s, first request {m['first_request_ms']:.0f} ms, "
+                     f"idle new image {m['idle_image_ms_base']['p50']:.1f} ms ({m['idle_image_ms_adapter']['p50']:.1f} "
+                     f"with an adapter)")
+        for app in ("visual_retrieval", "video_analytics"):
+            pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> {p['throughput_rps']:.2f}/s TTFT p50 "
+                            f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms" for p in m.get(app, []))
+            parts.append(f"{name} {app}: {pts}")
+    return "; ".join(parts) + " (new images)"
 
 
 def main() -> None:
     p = model_parser(__doc__, f"comma-separated model presets (default {PRESETS})",
                      "where the random model folders are written", tiny_help=f"the tiny models ({TINY}) instead")
     p.add_argument("--reps", type=int, default=REPS)
+    p.add_argument("--part", choices=("engine", "server", "both"), default="both")
+    p.add_argument("--adapters", type=int, default=8, help="server part: random adapters (Zipf(1) popularity)")
+    p.add_argument("--rank", type=int, default=64, help="server part: their rank")
+    p.add_argument("--rates", default="1,2,4,8", help="server part: offered requests/s of each application")
+    p.add_argument("--duration", type=float, default=20.0, help="server part: seconds per rate point")
+    p.add_argument("--frames", type=int, default=8, help="server part: frames per video chunk")
     p.add_argument("--no-record", action="store_true", help="no line in RESULTS.md, no copy in benchmarks/results")
     p.add_argument("--child", help=argparse_hidden())
+    p.add_argument("--result-file", help=argparse_hidden())
     args = p.parse_args()
     device = args.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.rates = [float(x) for x in str(args.rates).split(",") if x.strip()]
     if args.child:
-        print("RESULT " + json.dumps(measure(args.child, Path(args.work), device, args.reps)), flush=True)
+        part, _, preset = args.child.partition(":")
+        work = Path(args.work)
+        got = measure(preset, work, device, args.reps) if part == "engine" else serve_apps(preset, work, device, args)
+        Path(args.result_file).write_text(json.dumps(got))
         return
     presets = [x for x in (args.presets or (TINY if args.tiny else PRESETS)).split(",") if x]
-    models = []
-    for preset in presets:
-        cmd = [sys.executable, "-m", "benchmarks.vision_apps", "--child", preset, "--device", device,
-               "--work", args.work, "--reps", str(args.reps)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if proc.returncode or line is None:
-            raise SystemExit(f"{preset}: the measurement failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        models.append(json.loads(line[len("RESULT "):]))
-        print(json.dumps(models[-1], indent=1), flush=True)
-    result = {"device": device_name() if device.startswith("cuda") else "cpu", "commit": git_commit(), "models": models}
+    parts = ("engine", "server") if args.part == "both" else (args.part,)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    result_file = Path(args.work) / f"vision-apps-child-{os.getpid()}.json"
+    found: dict[str, list] = {"engine": [], "server": []}
+    for part in parts:
+        for preset in presets:
+            cmd = [sys.executable, "-m", "benchmarks.vision_apps", "--child", f"{part}:{preset}", "--device", device,
+                   "--work", args.work, "--reps", str(args.reps), "--adapters", str(args.adapters), "--rank",
+                   str(args.rank), "--rates", ",".join(f"{r:g}" for r in args.rates), "--duration", str(args.duration),
+                   "--frames", str(args.frames), "--result-file", str(result_file)]
+            result_file.unlink(missing_ok=True)
+            proc = subprocess.run(cmd)
+            if proc.returncode or not result_file.is_file():
+                raise SystemExit(f"{part} {preset}: the measurement failed (exit {proc.returncode}); its log is above")
+            found[part].append(json.loads(result_file.read_text()))
+            print(json.dumps(found[part][-1], indent=1), flush=True)
+    result = {"device": device_name() if device.startswith("cuda") else "cpu", "commit": git_commit(),
+              "models": found["engine"], "served": found["server"]}
     write_result("vision-apps", args.out, result, summary(result), record=not args.no_record and device != "cpu")
 
 

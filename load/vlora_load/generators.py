@@ -204,6 +204,7 @@ class VisualRetrieval(VisualRetrievalKind, ApplicationGenerator):
         fixed_words = len(template.split()) + 4
         words = int(round(n_in / self.workload.tokens_per_word)) - fixed_words
         prompt = template.format(context=_filler(rng, words), colour=rng.choice(_COLOURS), obj=rng.choice(_OBJECTS))
+        prompt = prompt.replace("<image>", self.workload.image_placeholder)
         adapter = self.adapters.pick(rng)
         image = self.images.image(rng.randrange(1 << 30))
         return RequestSpec(index, self.app.name, task, adapter, prompt, (image,), n_out,
@@ -246,13 +247,14 @@ class VideoAnalytics(VideoAnalyticsKind, ApplicationGenerator):
         chunk = self._chunk[stream_id]
         self._chunk[stream_id] += 1
         clip = self.images.clip(stream_id * 1009 + chunk, self.frames)
+        wl = self.workload
         if task == "detection":
             images = clip[-1:]
-            prompt = self.PROMPTS["detection"].format(obj=rng.choice(_OBJECTS))
+            prompt = self.PROMPTS["detection"].format(obj=rng.choice(_OBJECTS)).replace("<image>", wl.image_placeholder)
         else:
-            images = clip
-            prompt = self.PROMPTS["action"].format(images="<image>" * len(clip), frames=len(clip),
-                                                    actions=", ".join(_ACTIONS))
+            images = clip  # one video where the family takes one, else the frames as images
+            marks = wl.video_placeholder or wl.image_placeholder * len(clip)
+            prompt = self.PROMPTS["action"].format(images=marks, frames=len(clip), actions=", ".join(_ACTIONS))
         head = self.heads.head_task(adapter, task)
         max_tokens = 1 if head else int(self.output_tokens[task])
         return RequestSpec(index, self.app.name, task, adapter, prompt, tuple(images), max_tokens,

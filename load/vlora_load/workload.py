@@ -293,6 +293,10 @@ class Workload:
     stream: bool = True  # ask the server to stream tokens (needed for TTFT on gRPC and http-stream)
     image_size: int = 336  # side of the generated images, in pixels
     image_pool: int = 32  # distinct images per application (so the server cannot cache one)
+    # How the model family's prompts mark an image and a video ("": frames are images); LLaVA's by default.
+    # Qwen2-VL: "<|vision_start|><|image_pad|><|vision_end|>" and "<|vision_start|><|video_pad|><|vision_end|>".
+    image_placeholder: str = "<image>"
+    video_placeholder: str = ""
     tokens_per_word: float = 1.3  # filler words per prompt token (LLaMA's tokenizer: about 1.3)
     request_timeout_s: float = 300.0
     adapter_names: tuple[str, ...] = ()  # () : the server's adapters (or the demo adapters)

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_vision_apps_tiny(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.vision_apps", "--tiny", "--reps", "1", "--no-record",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.vision_apps", "--tiny", "--part", "engine", "--reps", "1", "--no-record",
                            "--out", str(tmp_path), "--work", str(tmp_path / "work")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -19,3 +19,19 @@ def test_vision_apps_tiny(tmp_path):
     llava, qwen = result["models"]
     assert llava["image"]["prompt_tokens"] > 0 and llava["image"]["ttft_ms_p50"] > 0 and "video16" not in llava
     assert qwen["video16"]["images"] == 16 and qwen["image"]["grid"]
+
+
+def test_vision_apps_through_the_server_tiny(tmp_path):
+    """The server part: a real `vlora serve` on the tiny LLaVA, idle new-image requests over HTTP with and without
+    an adapter, and both applications at one Poisson rate through the load harness, every request answered."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.vision_apps", "--tiny", "--part", "server", "--presets",
+                           "tiny-llava", "--reps", "2", "--rates", "2", "--duration", "4", "--adapters", "2", "--rank", "8",
+                           "--no-record", "--out", str(tmp_path), "--work", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (served,) = json.loads((tmp_path / "vision-apps-cpu.json").read_text())["served"]
+    assert served["first_request_ms"] > 0 and served["idle_image_ms_adapter"]["reps"] == 2
+    for app in ("visual_retrieval", "video_analytics"):
+        (point,) = served[app]
+        assert point["requests"] > 0 and point["ok"] == point["requests"], point
+        assert point["ttft_s"]["p50"] is not None
