@@ -345,6 +345,22 @@ def test_video_request_as_readme_sends_it(qwen_server, reference):
     assert as_images.num_input_tokens > payload["num_input_tokens"], (as_images, payload)
 
 
+@pytest.mark.parametrize("case_id", ["frames-of-two-sizes", "video-pad-beside-images"])
+def test_bad_video_requests_are_a_400_naming_the_problem(qwen_server, case_id):
+    """A video's frames of different sizes, or a stray <|video_pad|> in an image prompt: 400 naming it, through
+    the real server (they reached the processor and came back as an internal error), and the server still serves."""
+    if case_id == "frames-of-two-sizes":
+        body = {"text_input": f"{VIDEO}What happens?",
+                "image": [b64(qwen_png(60, 64, 64)), b64(qwen_png(61, 56, 84))]}
+        words = ["same size", "frame 1"]
+    else:
+        body = {"text_input": f"{VP}What is it? <|video_pad|>", "image": [b64(qwen_png(62, 56, 56))]}
+        words = ["video_pad"]
+    message = assert_refused(qwen_server, {**body, "sampling_parameters": json.dumps({"max_tokens": 2})}, words)
+    assert "internal" not in message.lower() and "traceback" not in message.lower(), message
+    healthy(qwen_server)
+
+
 Q25_CASES = [
     ("q25-text-r32", "qwen-r32-mlp", "Count to ten, slowly, please.", []),
     ("q25-two-img-r16", "qwen-r16-attn", f"Left {VP} and right {VP}: which is brighter?", [(2, 112, 56), (3, 56, 84)]),
