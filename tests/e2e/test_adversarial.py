@@ -846,9 +846,12 @@ def test_h35_bad_input_overload_and_a_dead_engine_carry_their_codes_on_every_tra
     engine are UNAVAILABLE (on HTTP the [UNAVAILABLE] code or 503), on HTTP, the gRPC stream and the client
     library; Triton's own queue-full rejection is a real 503."""
     stall = 40.0
+    # admission_timeout_s=1.0: an image job holds the one image worker for that long (it waits for room in the
+    # wedged engine), longer than Triton's 0.5 s wake-up between deliveries, so the image queue fills; at 0.3 s
+    # a fast preprocess let the worker drain it and every image request met the full engine queue instead.
     srv = start_server(tmp_path, vlora_cache, [
         "--max-batch-size", "1", "--max-queue-size", "4",
-        "--set", "scheduler.max_waiting=1", "--set", "scheduler.admission_timeout_s=0.3",
+        "--set", "scheduler.max_waiting=1", "--set", "scheduler.admission_timeout_s=1.0",
         "--set", "scheduler.fault_injection=true", "--set", f"scheduler.stall_timeout_s={stall}",
         "--set", "limits.inline_image_pixels=0", "--set", "limits.image_workers=1", "--set", "limits.image_queue_size=1"])
     try:
