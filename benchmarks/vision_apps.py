@@ -20,7 +20,9 @@ rank-``--rank`` adapters, then
   Qwen2-VL takes them as one video) under open-loop Poisson arrivals at each of ``--rates``, through the load
   harness (``load/vlora_load``): requests/s, TTFT p50/p99, V-LoRA's average token latency (end-to-end latency
   over output tokens) and the SLO attainment of the workload's SLO.
-Not yet here (issue 35): the per-stage times from the engine's own timers and each workload's roofline.
+and, per application over its whole sweep, the mean time per stage from the engine's own timers
+(``vlora_stage_seconds``: queue, image_decode, preprocess, vision, prefill_step, decode_step).
+Not yet here (issue 35): each workload's roofline.
 The floors of the in-process requests (vision + prefill FLOPs over the measured matmul rate) are
 ``benchmarks/engine_floor.py``'s media rows.
 
@@ -153,6 +155,33 @@ def _generate(http_url: str, prompt: str, images: list[str], params: dict) -> fl
     return time.perf_counter() - t0
 
 
+def stage_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """stage -> (sum of seconds, count) of the engine's stage timers (``vlora_stage_seconds``), summed over
+    the server's instances."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, list[float]] = {}
+    for m in re.finditer(r'^vlora_stage_seconds_(sum|count)\{([^}]*)\} ([0-9.eE+-]+)$', text, re.MULTILINE):
+        stage = re.search(r'stage="([^"]+)"', m.group(2))
+        if stage:
+            pair = out.setdefault(stage.group(1), [0.0, 0.0])
+            pair[0 if m.group(1) == "sum" else 1] += float(m.group(3))
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def stage_means(before: dict, after: dict) -> dict[str, dict]:
+    """Per stage: the mean ms and the count of what was timed between two :func:`stage_totals`."""
+    out = {}
+    for stage, (s1, c1) in after.items():
+        s0, c0 = before.get(stage, (0.0, 0.0))
+        if c1 > c0:
+            out[stage] = {"mean_ms": round(1e3 * (s1 - s0) / (c1 - c0), 2), "count": int(c1 - c0)}
+    return out
+
+
 def serve_apps(preset: str, work: Path, device: str, args) -> dict:
     """The server part for one model (see the module docstring)."""
     import argparse
@@ -204,9 +233,12 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
         settings = {"benchmark": "python -m benchmarks.vision_apps", "device": device_name(), "commit": git_commit()}
         for name, workload in (("visual_retrieval", retrieval), ("video_analytics", video)):
             wait_idle(target.metrics_url, 120, sys.stdout)
+            before = stage_totals(target.metrics_url)
             points = run_sweep(workload, sweep_points(args.rates, []), target, out_dir / name, names, heads,
                                out=sys.stdout, settings=settings, title=f"vision-apps {name} ({Path(preset).stem})")
+            time.sleep(0.5)  # the model applies its metrics every 0.2 s
             result[name] = [_point(p) for p in points]
+            result[f"{name}_stages"] = stage_means(before, stage_totals(target.metrics_url))
     finally:
         server.stop()
     return result

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Protocol
 
+# What a request's time goes to, as the engine's own timers see it (``EngineMetrics.stage``): queue (submitted
+# to its first step), image_decode (PNG/JPEG to pixels), preprocess (the rest of preparing it: pixels on the
+# device, tokens, positions), vision (the vision tower and projector of a step's images: CUDA events on a GPU,
+# read once the step's tokens are), prefill_step and decode_step (steps with and without a prefill).
+STAGES = ("queue", "image_decode", "preprocess", "vision", "prefill_step", "decode_step")
+
 
 class EngineMetrics(Protocol):
     def request_admitted(self, lora_name: Optional[str]) -> None: ...
@@ -15,6 +21,8 @@ class EngineMetrics(Protocol):
     def request_finished(self, lora_name: Optional[str], finish_reason: str, num_output_tokens: int) -> None: ...
 
     def step(self, batch_size: int, num_prefill_tokens: int, num_decode_tokens: int, duration_s: float) -> None: ...
+
+    def stage(self, name: str, seconds: float) -> None: ...
 
     def queue_depth(self, running: int, waiting: int) -> None: ...
 
@@ -49,6 +57,9 @@ class NullMetrics:
         pass
 
     def request_finished(self, lora_name: Optional[str], finish_reason: str, num_output_tokens: int) -> None:
+        pass
+
+    def stage(self, name: str, seconds: float) -> None:
         pass
 
     def step(self, batch_size: int, num_prefill_tokens: int, num_decode_tokens: int, duration_s: float) -> None:

@@ -40,3 +40,40 @@ def test_engine_on_a_gpu_other_than_the_current_one(tiny_model_dir, demo_adapter
     with torch.cuda.device(dev):
         check_mixed_batch(engine, reference, rtol=1e-4, exact_tokens=True)
     assert torch.cuda.current_device() == 0
+
+
+def test_stage_timers_on_cuda(tiny_model_dir):
+    """The vision stage is timed with CUDA events (no sync) and read once the step's tokens are back: every stage
+    of an image request is reported once, positive, on CUDA with the graphs and the step overlap on."""
+    import io
+
+    from PIL import Image
+
+    from vlora.config import EngineConfig
+    from vlora.engine.api import GenerationRequest, SamplingParams
+    from vlora.engine.builder import build_engine
+    from vlora.metrics import STAGES, NullMetrics
+
+    class StageRecorder(NullMetrics):
+        def __init__(self):
+            self.stages = []
+
+        def stage(self, name, seconds):
+            self.stages.append((name, seconds))
+
+    metrics = StageRecorder()
+    engine = build_engine(EngineConfig().with_overrides({
+        "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cuda", "model.dtype": "bfloat16",
+        "cache.num_blocks": "128", "engine.warmup": "off"}), metrics)
+    buf = io.BytesIO()
+    Image.new("RGB", (90, 60), (200, 40, 90)).save(buf, format="PNG")
+    done = []
+    req = GenerationRequest("img", "<image>What is it?", images=[buf.getvalue()], sampling=SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request(engine.inputs.prepare(req), lambda out: done.append(out) if out.finished else None)
+    while not done:
+        engine.step()
+    engine.flush()
+    engine.step()  # a last call reads the timers of steps completed by the flush
+    names = [n for n, _ in metrics.stages]
+    assert set(names) == set(STAGES) and names.count("vision") == 1, names
+    assert all(s > 0 for _, s in metrics.stages), metrics.stages

@@ -84,6 +84,24 @@ def test_steps_modes_and_caches(pb, metrics):
     assert value("vlora_adapter_gpu_loads_total", lora_name="a") == 1
 
 
+def test_stage_times_are_one_histogram_per_stage(pb, metrics):
+    """vlora_stage_seconds{stage=...}: one series per stage of vlora.metrics.STAGES, an observation per report;
+    a stage name not in the list is dropped rather than creating a series."""
+    from vlora.metrics import STAGES
+
+    metrics.stage("vision", 0.004)
+    metrics.stage("queue", 0.02)
+    metrics.stage("vision", 0.006)
+    metrics.stage("no-such-stage", 1.0)
+    metrics.close()
+    family = pb.families["vlora_stage_seconds"]
+    assert family.kind == MetricFamily.HISTOGRAM
+    assert sorted(m.labels["stage"] for m in family.metrics) == sorted(STAGES)
+    assert family.find(stage="vision").observations == [0.004, 0.006]
+    assert family.find(stage="queue").observations == [0.02]
+    assert family.find(stage="decode_step").observations == []
+
+
 def test_per_adapter_gauges_go_back_to_zero(pb, metrics):
     metrics.adapter_requests({"a": 2, None: 1}, {"b": 4})
     metrics.adapter_requests({}, {"b": 1})

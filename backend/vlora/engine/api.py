@@ -227,6 +227,7 @@ class PreparedRequest:
     mrope_positions: Optional[torch.Tensor] = None  # [3, len(prompt_ids)] (M-RoPE), None: 1-D positions
     rope_delta: int = 0  # generated tokens sit at their index plus this (M-RoPE)
     video: bool = False  # pixel_values are one video's frames (Qwen2-VL's video path)
+    timings: dict = field(default_factory=dict)  # stage -> seconds spent preparing it (vlora.metrics.STAGES)
     latency_target: Optional[float] = None  # seconds: this application's target, for the scheduler's credits
     arrival: float = field(default_factory=time.monotonic)
 

@@ -168,6 +168,7 @@ class LLMEngine:
         A decode sequence whose last token is still in flight (the previous step, not read back yet)
         reads it on the device, from that step's sampled ids."""
         t0 = time.perf_counter()
+        now = time.monotonic()
         orch = self.orchestrator
         inputs = []
         prev = self._inflight
@@ -182,6 +183,9 @@ class LLMEngine:
                 inputs.append(SeqInput([token], s.num_tokens - 1, s.blocks, plus, delora_slot=minus,
                                        rope_delta=req.rope_delta, pending_row=row))
             else:  # the prompt past its cached prefix; the runner takes the images' features that fall there
+                self.metrics.stage("queue", now - req.arrival)
+                for name, seconds in req.timings.items():
+                    self.metrics.stage(name, seconds)
                 c = s.cached_tokens
                 # The vision side is never merged: the images go through the adapter's own slot, whatever the mode.
                 vision_slot, vision_identity = self.loras.vision_side(s.slot)
@@ -269,6 +273,9 @@ class LLMEngine:
             elif event is not None:
                 self._emit(s, event)
         self.metrics.step(len(batch), step.n_prefill, len(batch) - step.n_prefill_reqs, elapsed)
+        self.metrics.stage("prefill_step" if step.n_prefill_reqs else "decode_step", elapsed)
+        for seconds in self.runner.vision_times():  # the encodes of this step and those before it, now measured
+            self.metrics.stage("vision", seconds)
         self.metrics.mode_step(orch.mode, orch.merged, elapsed)
         self.metrics.queue_depth(len(self.running), len(self.waiting))
 

@@ -83,8 +83,10 @@ class InputProcessor:
         images = decode_images(checked.images, limits, started)
         if images:
             check_decode_budget(limits, started, done=len(images), total=len(images))
+        decoded = time.monotonic()
         # The model family tokenizes as the model's own processor does and preprocesses the images.
         prompt = self.loaded.family.prompt(self.loaded, req.prompt, images, req.apply_chat_template)
+        timings = {"image_decode": decoded - started, "preprocess": time.monotonic() - decoded} if images else {}
         ids = prompt.ids
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"prompt is {len(ids)} tokens (images included); the model's context is "
@@ -95,5 +97,5 @@ class InputProcessor:
         return PreparedRequest(request_id=req.request_id, prompt_ids=ids, sampling=req.sampling, lora_name=req.lora_name,
                                stream=req.stream, pixel_values=prompt.pixel_values, image_keys=keys, task=req.task,
                                image_grid_thw=prompt.image_grid_thw, mrope_positions=prompt.mrope_positions,
-                               rope_delta=prompt.rope_delta, video=prompt.video,
+                               rope_delta=prompt.rope_delta, video=prompt.video, timings=timings,
                                latency_target=req.sampling.latency_target)

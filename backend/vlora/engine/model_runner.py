@@ -124,6 +124,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
         self.prefill_graphs = None  # PrefillGraphs (vlora.engine.graphs) once captured
         self.vision_graphs = None  # VisionGraphs (vlora.engine.vision_graphs) once captured
+        self._vision_timers: list = []  # (start, end) of each step's image encodes: CUDA events, or seconds on a CPU
         self.encoder_cache: Optional[EncoderCache] = None  # set_encoder_cache()
         # The family's vision-side projections that adapters may target; wrapped for LoRA with ``vision_lora``.
         self.vision_sites = loaded.family.vision_lora_sites(loaded) if loaded is not None else []
@@ -438,6 +439,7 @@ class ModelRunner:
                     cacheable.add(item)
             items.append(mine)
         encoded = 0
+        timer = self._vision_timer_start(hidden) if any(todo.values()) else None
         for video, work in todo.items():
             if not work:
                 continue
@@ -450,6 +452,10 @@ class ModelRunner:
                 feature_of[item] = f
                 if cache is not None and item in cacheable:
                     cache.put(item, f)
+        if timer is not None:
+            if len(self._vision_timers) >= 1024:  # nobody reads them (a runner driven without the engine)
+                self._vision_timers.pop(0)
+            self._vision_timers.append((timer, self._vision_timer_start(hidden)))
         # Placeholders are looked for only in the prompts that bring their images in this step: a decode
         # token that happens to be the image token id (a random model samples it now and then) is text,
         # and must neither take an image's features nor fail the whole step. A prompt that continues a
@@ -480,6 +486,32 @@ class ModelRunner:
                 at = at.pin_memory().to(hidden.device, non_blocking=True)
             hidden.index_copy_(0, at, feats.to(hidden.device))
         return encoded
+
+    @staticmethod
+    def _vision_timer_start(like: torch.Tensor):
+        """A point in time on ``like``'s device: a recorded CUDA event (no sync), or the host clock."""
+        if like.is_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        import time
+
+        return time.perf_counter()
+
+    def vision_times(self) -> list[float]:
+        """Seconds of each image encode whose end the device has reached (CUDA: an event query, no sync), oldest
+        first; those are forgotten. The engine reads them once a step's tokens are back."""
+        done = []
+        while self._vision_timers:
+            start, end = self._vision_timers[0]
+            if isinstance(end, float):
+                done.append(end - start)
+            elif end.query():
+                done.append(start.elapsed_time(end) / 1e3)
+            else:
+                break
+            self._vision_timers.pop(0)
+        return done
 
     def _first_item_in_step(self, s: SeqInput, here: int) -> int:
         """The first of ``s``'s images (or videos) with a placeholder among the step's tokens (``here`` of

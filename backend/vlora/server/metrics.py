@@ -17,6 +17,8 @@ import threading
 import traceback
 from typing import Any, Optional
 
+from vlora.metrics import STAGES
+
 BASE_LABEL = "__base__"  # the lora_name label of requests without an adapter
 FLUSH_INTERVAL_S = 0.2  # how often the metrics thread applies the engine's reports to Triton's metrics
 
@@ -77,6 +79,8 @@ class TritonModelMetrics:
             "encoder_misses": fam("vlora_encoder_cache_misses_total", "Images encoded (not in the encoder cache)", fam.COUNTER),
             "encoder_evictions": fam("vlora_encoder_cache_evictions_total", "Features evicted from the encoder cache", fam.COUNTER),
             "encoder_bytes": fam("vlora_encoder_cache_bytes", "Bytes of features in the encoder cache", fam.GAUGE),
+            "stage": fam("vlora_stage_seconds", "Time per request stage, by the engine's own timers (queue, image_decode, "
+                         "preprocess, vision, prefill_step, decode_step)", fam.HISTOGRAM),
         }
         f = self._families
         self._steps = f["steps"].Metric(labels=self._labels)
@@ -100,12 +104,14 @@ class TritonModelMetrics:
         # The counters without per-request labels, by the first element of their accumulation key.
         self._fixed = {"steps": self._steps, "prefill": self._prefill, "decode": self._decode, "switches": self._switches,
                        **self._prefix, **{k: v for k, v in self._encoder.items() if k != "encoder_bytes"}}
-        self._histograms = {"batch_hist": self._batch_hist, "step_hist": self._step_hist, "switch_hist": self._switch_hist}
+        self._histograms = {"batch_hist": self._batch_hist, "step_hist": self._step_hist, "switch_hist": self._switch_hist,
+                            **{f"stage:{s}": f["stage"].Metric(labels={**self._labels, "stage": s}, buckets=self.STEP_BUCKETS)
+                               for s in STAGES}}
         # Engine-side accumulation: plain Python values under one short lock, taken by flush().
         self._lock = threading.Lock()
         self._counts: dict[tuple, float] = {}  # counter key (family, label values...) -> increment since the last flush
         self._gauges: dict[str, Any] = {}  # gauge -> latest value reported since the last flush
-        self._observed: dict[str, list[float]] = {"batch_hist": [], "step_hist": [], "switch_hist": []}
+        self._observed: dict[str, list[float]] = {name: [] for name in self._histograms}
         # What the flushing thread last applied (touched only under _flush_lock).
         self._flush_lock = threading.Lock()
         self._applied: dict[str, Any] = {}  # gauge -> value last set on Triton
@@ -148,6 +154,12 @@ class TritonModelMetrics:
             self._gauges["batch_last"] = batch_size
             self._observed["batch_hist"].append(batch_size)
             self._observed["step_hist"].append(duration_s)
+
+    def stage(self, name: str, seconds: float) -> None:
+        with self._lock:
+            values = self._observed.get(f"stage:{name}")
+            if values is not None:
+                values.append(seconds)
 
     def queue_depth(self, running: int, waiting: int) -> None:
         with self._lock:
