@@ -22,7 +22,10 @@ rank-``--rank`` adapters, then
   over output tokens) and the SLO attainment of the workload's SLO.
 and, per application over its whole sweep, the mean time per stage from the engine's own timers
 (``vlora_stage_seconds``: queue, image_decode, preprocess, vision, prefill_step, decode_step).
-Not yet here (issue 35): each workload's roofline.
+Each rate point carries its workload's roofline: requests/s at the floor (the images' vision FLOPs and the
+prompt's prefill FLOPs at the measured matmul rate, plus the output tokens' decode bytes (their share of the
+weights at 32 rows a step, and their context's keys and values) at the measured copy rate, from the lengths the
+harness saw) and the measured requests/s as a fraction of it.
 The floors of the in-process requests (vision + prefill FLOPs over the measured matmul rate) are
 ``benchmarks/engine_floor.py``'s media rows.
 
@@ -182,6 +185,31 @@ def stage_means(before: dict, after: dict) -> dict[str, dict]:
     return out
 
 
+def roofline(model_dir: Path, rates: dict, point: dict, images: float, image_side: int, batch: int) -> dict:
+    """Requests/s this workload could reach at its floor: per request, the FLOPs of its images' vision tower
+    and of its prompt's prefill at the measured matmul rate, plus the bytes of its output tokens' decode
+    (each token's share of the weights at ``batch`` rows a step, and its context's keys and values) at the
+    measured copy rate; ``point`` gives the mean prompt and output lengths the harness saw."""
+    from benchmarks.floors import ModelDims, QwenVisionDims, prefill_floor, vision_dims
+    from benchmarks.engine_floor import read_config
+
+    cfg = read_config(model_dir)
+    text = cfg.get("text_config") or cfg
+    dims = ModelDims.from_config(text, elt=2)
+    vdims = vision_dims(cfg)
+    prompt = float(point.get("mean_input_tokens") or 0)
+    out = float(point.get("mean_output_tokens") or 0)
+    per_image = vdims.flops_per_image(image_side) if isinstance(vdims, QwenVisionDims) else vdims.flops_per_image()
+    tflops, gbs = rates["matmul_tflops"], rates["copy_gbs"]
+    compute_s = (images * per_image + prefill_floor(dims, int(prompt), tflops)["flops"]) / (tflops * 1e12)
+    per_token = (dims.decoder_bytes + dims.head_bytes) / batch + (prompt + out / 2) * dims.kv_bytes_per_token
+    decode_s = out * per_token / (gbs * 1e9)
+    floor_s = compute_s + decode_s
+    return {"floor_ms_per_request": round(1e3 * floor_s, 3), "compute_ms": round(1e3 * compute_s, 3),
+            "decode_ms": round(1e3 * decode_s, 3), "roofline_rps": round(1 / floor_s, 2) if floor_s > 0 else None,
+            "images_per_request": images, "batch": batch}
+
+
 def serve_apps(preset: str, work: Path, device: str, args) -> dict:
     """The server part for one model (see the module docstring)."""
     import argparse
@@ -208,9 +236,15 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
     video = dataclasses.replace(cli.workload_from_args(parser.parse_args(
         ["--workload", "video", "--frames-per-chunk", str(args.frames), *common])), **new_images)
     out_dir = work / f"serve-{Path(preset).stem}"
+    import torch
+
+    from benchmarks.floors import measure_rates
+
+    rates = measure_rates(torch.device(device))  # before the server holds the GPU
     t0 = time.perf_counter()
     server, root, names = cli.start_server(lt, retrieval, out_dir, sys.stdout)
-    result: dict = {"preset": preset, "ready_s": round(time.perf_counter() - t0, 2), "adapters": len(names)}
+    result: dict = {"preset": preset, "ready_s": round(time.perf_counter() - t0, 2), "adapters": len(names),
+                    "rates": rates}
     try:
         http = server.http_url if server.http_url.startswith("http") else f"http://{server.http_url}"
         seed = 0
@@ -239,6 +273,14 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
             time.sleep(0.5)  # the model applies its metrics every 0.2 s
             result[name] = [_point(p) for p in points]
             result[f"{name}_stages"] = stage_means(before, stage_totals(target.metrics_url))
+            # images per request: one (retrieval; a detection chunk's newest frame), or a chunk's frames (action)
+            images = 1.0 if name == "visual_retrieval" else 0.5 * (1 + args.frames)
+            batch = 32  # scheduler.max_batch_size's default
+            for p, row in zip(points, result[name]):
+                roof = roofline(model_dir, rates, p, images, workload.image_size, batch)
+                row["roofline"] = roof
+                if roof["roofline_rps"]:
+                    row["fraction_of_roofline"] = round(row["throughput_rps"] / roof["roofline_rps"], 3)
     finally:
         server.stop()
     return result
@@ -276,6 +318,10 @@ def summary(result: dict) -> str:
         for app in ("visual_retrieval", "video_analytics"):
             pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> {p['throughput_rps']:.2f}/s TTFT p50 "
                             f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms" for p in m.get(app, []))
+            best = max(m.get(app, []), key=lambda p: p["throughput_rps"], default=None)
+            if best is not None and best.get("roofline", {}).get("roofline_rps"):
+                pts += (f"; best {best['throughput_rps']:.2f} req/s = {best.get('fraction_of_roofline', 0):.2f} of its "
+                        f"roofline {best['roofline']['roofline_rps']:.1f} req/s")
             parts.append(f"{name} {app}: {pts}")
     return "; ".join(parts) + " (new images)"
 

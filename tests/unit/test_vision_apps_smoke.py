@@ -35,6 +35,8 @@ def test_vision_apps_through_the_server_tiny(tmp_path):
         (point,) = served[app]
         assert point["requests"] > 0 and point["ok"] == point["requests"], point
         assert point["ttft_s"]["p50"] is not None
+        roof = point["roofline"]  # the workload's floor per request, from the lengths the harness saw
+        assert roof["compute_ms"] > 0 and roof["decode_ms"] > 0 and point["fraction_of_roofline"] > 0, roof
         stages = served[f"{app}_stages"]  # the engine's own timers, read from the server's metrics
         assert {"queue", "image_decode", "preprocess", "vision", "prefill_step"} <= set(stages), stages
         assert all(v["mean_ms"] > 0 and v["count"] > 0 for v in stages.values()), stages
