@@ -492,7 +492,7 @@ class ModelRunner:
         """A point in time on ``like``'s device: a recorded CUDA event (no sync), or the host clock."""
         if like.is_cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(like.device))  # that device's stream, whichever device is current
             return ev
         import time
 
