@@ -20,6 +20,7 @@ work), which give a row the same bits in any such step: the eager step and its g
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -494,8 +495,6 @@ class ModelRunner:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(torch.cuda.current_stream(like.device))  # that device's stream, whichever device is current
             return ev
-        import time
-
         return time.perf_counter()
 
     def vision_times(self) -> list[float]:

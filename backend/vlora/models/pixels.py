@@ -18,6 +18,7 @@ everything after runs there:
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 from typing import Sequence
 
@@ -264,7 +265,7 @@ def qwen_video_patches(frames: Sequence, layout: dict, device: torch.device) -> 
     return flat, torch.tensor([grid], dtype=torch.int64)
 
 
-_streams = __import__("threading").local()
+_streams = threading.local()  # each thread's preprocessing stream (DeviceWork)
 
 
 class DeviceWork:
