@@ -202,9 +202,12 @@ def test_adapter_swaps_and_evictions_are_counted(small_server):
             assert _labelled(text, "vlora_adapter_gpu_loads_total", second) >= 1
             assert _labelled(text, "vlora_adapter_host_loads_total", first) >= 2
             assert _labelled(text, "vlora_adapter_host_evictions_total", first) >= 1
+            # Retried with the counters: one CI run scraped the fourth load's counters beside a residency
+            # gauge still at 0 (not reproduced in 9 runs here; the gauge is reported after the step, the
+            # counters inside it).
+            assert _tier(text, "gpu") == 1
             break
         except AssertionError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-    assert _tier(text, "gpu") == 1
