@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -166,11 +167,50 @@ def test_host_tier_miss_is_read_off_the_engine_thread(tiny_model_dir, root):
     assert [e["tier"] for e in engine.loras.describe([A])] == ["disk"]
     _add(engine, _req("base", max_tokens=12), outs)
     engine.step()
+    loras, read, readers = engine.loras, engine.loras._read, []
+    release = threading.Event()
+
+    def held_read(name):  # the disk read, held until the test lets it finish
+        readers.append(threading.current_thread().name)
+        assert release.wait(30)
+        return read(name)
+
+    loras._read = held_read
     engine.add_request(prepared, lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
-    ran = engine.step()  # A's read started on the loader thread; the step went on without it
+    ran = engine.step()  # A's read started on the loader thread when "a" arrived; the step went on without it
     assert ran.request_ids == ["base"]
+    release.set()
     _drain(engine, outs, 2)
     assert outs["a"].finish_reason == "length" and not outs["a"].error
+    assert len(readers) == 1 and readers[0].startswith("vlora-adapter-loader"), readers
+
+
+def test_adapters_of_arriving_requests_are_read_before_their_admission(tiny_model_dir, root):
+    """A request is validated (its adapter read into the host tier) when it is prepared; one whose adapter
+    the host tier dropped meanwhile has it read again when it reaches the engine, not when a batch place
+    frees up for it. The answers are the same."""
+    engine = build_engine(_cfg(tiny_model_dir, root, **{"scheduler.max_batch_size": 1}))
+    loras = engine.loras
+    outs = {}
+    _add(engine, _req("base", max_tokens=8), outs)
+    engine.step()
+    prepared = [engine.inputs.prepare(_req(rid, lora=name)) for rid, name in (("a", A), ("b", B), ("c", C))]
+    assert [e["tier"] for e in loras.describe([A])] == ["disk"]  # the host tier holds 2: A was dropped
+    before = loras.read_bytes
+    for p in prepared:
+        engine.add_request(p, lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
+    deadline = time.monotonic() + 30
+    while [e["tier"] for e in loras.describe([A])] != ["cpu"]:
+        assert time.monotonic() < deadline, loras.describe([A, B, C])
+        time.sleep(0.01)
+    assert loras.read_bytes > before and loras.read_seconds > 0
+    assert not any(s.req.lora_name for s in engine.scheduler.running), "an adapter request was admitted"
+    _drain(engine, outs, 4)
+    assert all(o.finish_reason == "length" and not o.error for o in outs.values())
+    again = {}
+    _add(engine, _req("a2", lora=A), again)
+    _drain(engine, again, 1)
+    assert again["a2"].text == outs["a"].text
 
 
 def test_ids_are_stable_across_unload_and_load(tiny_model_dir, root):

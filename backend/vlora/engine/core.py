@@ -108,6 +108,7 @@ class LLMEngine:
 
     def add_request(self, req: PreparedRequest, callback: OutputCallback) -> None:
         self.scheduler.add(req, callback)
+        self.loras.prefetch(req.lora_name)  # its adapter's read overlaps the steps before its admission
         self.metrics.request_admitted(req.lora_name)
 
     def abort(self, request_id: str) -> None:

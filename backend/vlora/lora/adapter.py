@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
@@ -159,8 +160,13 @@ def load_adapter(
     max_rank: int,
     supported_modules: Iterable[str],
     vision: Optional[VisionSites] = None,
+    dtype: torch.dtype = torch.float32,
+    pin_memory: bool = False,
 ) -> AdapterWeights:
     """Read and check adapter ``name`` under ``root`` against the served model.
+
+    The LoRA weights come back in ``dtype`` (the slots' dtype, so staging them is one copy from the parsed
+    file), in pinned host memory when ``pin_memory`` (on CUDA: the copy into a slot is then async).
 
     ``module_dims`` maps each target (decoder projections "q_proj", ...; vision-side targets of
     ``vision``) to its (d_in, d_out); ``supported_modules`` are the targets the server can apply LoRA
@@ -233,17 +239,21 @@ def load_adapter(
             plan.append((layer, module, module_name, key_a, key_b, scale))
         # Every key is a checked LoRA weight now: the data holds at most 8 bytes per element of their shapes.
         weights_bytes = _whole_file(f, header, header_bytes, where)
-    version.add(WEIGHTS_FILE, weights_bytes)
-    tensors = _parse_safetensors(weights_bytes, where)
+    # The version's hash of the weights (hashlib releases the GIL) runs beside the parse and the checks.
+    hashing = threading.Thread(target=version.add, args=(WEIGHTS_FILE, weights_bytes), name="vlora-adapter-hash")
+    hashing.start()
+    try:
+        tensors = _parse_safetensors(weights_bytes, where)
+        pairs: dict[tuple[int, str], LoraPair] = {}
+        for layer, module, module_name, key_a, key_b, scale in plan:
+            a, norm_a = _tensor(tensors, header, key_a, where, dtype, pin_memory)
+            b, norm_b = _tensor(tensors, header, key_b, where, dtype, pin_memory)
+            _check_magnitude(where, module_name, scale, norm_a, norm_b)
+            pairs[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
+        del tensors
+    finally:
+        hashing.join()
     del weights_bytes
-
-    pairs: dict[tuple[int, str], LoraPair] = {}
-    for layer, module, module_name, key_a, key_b, scale in plan:
-        a = _tensor(tensors, header, key_a, where)
-        b = _tensor(tensors, header, key_b, where)
-        _check_magnitude(where, module_name, scale, a, b)
-        pairs[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
-    del tensors
 
     ranks: dict[str, int] = {}
     for (_, module), pair in pairs.items():
@@ -314,12 +324,12 @@ def _parse_config(raw: bytes, where: str) -> dict[str, Any]:
 
 
 
-def _check_magnitude(where: str, module_name: str, scale: float, a: torch.Tensor, b: torch.Tensor) -> None:
+def _check_magnitude(where: str, module_name: str, scale: float, norm_a: float, norm_b: float) -> None:
     """Refuse a module whose delta could overflow activations (see the module docstring)."""
     if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
         raise AdapterError(f"{where}: module {module_name}: scale {scale:g} (lora_alpha over r) is outside "
                            f"[-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]")
-    gain = abs(scale) * float(torch.linalg.vector_norm(b)) * float(torch.linalg.vector_norm(a))
+    gain = abs(scale) * norm_b * norm_a
     if not gain <= MAX_LORA_GAIN:
         raise AdapterError(f"{where}: module {module_name}: |scale| * ||B|| * ||A|| = {gain:g} exceeds "
                            f"{MAX_LORA_GAIN:g}: the adapter's weights or lora_alpha are far too large")

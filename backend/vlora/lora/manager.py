@@ -137,6 +137,8 @@ class LoraManager:
         self._heads_in: list[dict] = [{} for _ in range(cfg.max_gpu_adapters)]  # slot -> task -> TaskHead on the device
         self._vision_in = [False] * cfg.max_gpu_adapters  # whether each slot's adapter has vision-side weights
         self.swaps_in = 0
+        self.read_seconds = 0.0
+        self.read_bytes = 0
 
         self._loader = AdapterLoader()
         with self._lock:
@@ -278,6 +280,21 @@ class LoraManager:
         self._pins[slot] += 1
         self._slot_lru.move_to_end(slot)
         return slot
+
+    def prefetch(self, name: Optional[str]) -> None:
+        """Start reading ``name`` into host memory now (a request for it arrived), so that its read
+        overlaps the steps before it is admitted. Nothing when it is in a slot, in host memory or being
+        read, or when as many reads are in flight as the host tier holds (admission starts the rest).
+        Errors wait for admission, which answers the request with them."""
+        if name is None or name in self._slot_of:
+            return
+        with self._lock:
+            if name in self._host or name in self._pending or len(self._pending) >= max(1, self.cfg.max_cpu_adapters):
+                return
+        try:
+            self._host_copy(name, take=False)
+        except AdapterError:
+            pass
 
     def release(self, slot: int) -> None:
         if slot >= 0:
@@ -462,13 +479,19 @@ class LoraManager:
         t0 = time.perf_counter()
         path = resolve_adapter_dir(self.root, name)  # refuses traversal and unknown names
         try:
+            # Staged as it is parsed: in the slots' dtype, pinned on CUDA (one copy from the file's bytes).
             w = load_adapter(self.root, name, num_layers=self.num_layers, module_dims=self.module_dims,
-                             max_rank=self.cfg.max_rank, supported_modules=self.supported_modules, vision=self.vision)
+                             max_rank=self.cfg.max_rank, supported_modules=self.supported_modules, vision=self.vision,
+                             dtype=self.dtype if self._pin else torch.float32, pin_memory=self._pin)
         except OSError as e:
             raise AdapterError(f"adapter {name!r}: cannot be read ({e})") from None
-        w = self._stage(w)
-        log.info("loaded adapter %s from %s (rank %d) in %.0f ms", name, path, w.max_rank,
-                 (time.perf_counter() - t0) * 1e3)
+        seconds = time.perf_counter() - t0
+        nbytes = sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in w.pairs.values())
+        with self._lock:
+            self.read_seconds += seconds  # adapters read from disk, for the GB/s a benchmark reports
+            self.read_bytes += nbytes
+        log.info("loaded adapter %s from %s (rank %d, %.1f MB) in %.0f ms (%.2f GB/s)", name, path, w.max_rank,
+                 nbytes / 1e6, seconds * 1e3, nbytes / max(seconds, 1e-9) / 1e9)
         return w
 
     def _stage(self, w: AdapterWeights) -> AdapterWeights:

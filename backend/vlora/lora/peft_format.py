@@ -180,14 +180,30 @@ def _parse_safetensors(data: bytes, where: str) -> dict[str, torch.Tensor]:
         raise _invalid_weights(where, str(e)) from None
 
 
-def _tensor(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], key: str, where: str) -> torch.Tensor:
+def _tensor(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], key: str, where: str,
+            dtype: torch.dtype = torch.float32, pin_memory: bool = False) -> tuple[torch.Tensor, float]:
+    """Tensor ``key`` in ``dtype`` (in pinned memory if asked: one copy from the parsed file), and its
+    L2 norm, taken in fp32 on the file's values. A non-finite value is refused by name.
+
+    The norm is the one pass over the values: it is finite exactly when every value is finite and the
+    squares do not overflow fp32; only then is ``isfinite`` (four times the cost) run, to tell the two
+    apart. The magnitude check refuses the second."""
     t = tensors.get(key)
     if t is None or list(t.shape) != header[key]["shape"]:  # parsed from the bytes the header was read from
         raise _invalid_weights(where, f"tensor {key!r} does not match its header")
     if not t.is_floating_point():
         raise AdapterError(f"{where}: {key!r} has dtype {t.dtype}; expected a floating-point tensor")
-    t = t.to(torch.float32).contiguous()
-    if not torch.isfinite(t).all():
+    norm = float(torch.linalg.vector_norm(t, dtype=_norm_dtype(t)))
+    if not math.isfinite(norm) and not bool(torch.isfinite(t).all()):
         raise AdapterError(f"{where}: {key!r} holds non-finite values")
-    return t
+    if pin_memory:
+        out = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+        out.copy_(t)
+        return out, norm
+    return t.to(dtype).contiguous(), norm
+
+
+def _norm_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 accumulation for half types and fp32; fp64 stays fp64 (a norm cannot be taken in a narrower type)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
