@@ -134,8 +134,9 @@ class SoakContext:
     def __post_init__(self) -> None:
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._unloads: list[tuple[float, float]] = []  # (start, end) monotonic, of the latest unload calls
-        self._unloads_running = 0
+        # (start, end) monotonic of the latest unload and load calls, and how many of each are running now
+        self._calls: dict[str, list[tuple[float, float]]] = {"unload": [], "load": []}
+        self._running: dict[str, int] = {"unload": 0, "load": 0}
         self.grpc = GrpcSender(self.target.grpc_url, self.target.model)  # one client per thread inside
 
     @property
@@ -143,20 +144,20 @@ class SoakContext:
         """Kinds this server cannot take: heads without any adapter that has them."""
         return () if self.heads else ("head",)
 
-    def unload_started(self) -> float:
+    def admin_started(self, action: str) -> float:
         with self._lock:
-            self._unloads_running += 1
+            self._running[action] += 1
         return time.monotonic()
 
-    def unload_ended(self, start: float) -> None:
+    def admin_ended(self, action: str, start: float) -> None:
         with self._lock:
-            self._unloads_running -= 1
-            self._unloads = self._unloads[-63:] + [(start, time.monotonic())]
+            self._running[action] -= 1
+            self._calls[action] = self._calls[action][-63:] + [(start, time.monotonic())]
 
-    def unload_overlapped(self, start: float, end: float) -> bool:
-        """Whether an unload call ran at some moment of [start, end]."""
+    def overlapped(self, action: str, start: float, end: float) -> bool:
+        """Whether an ``action`` (unload or load) call ran at some moment of [start, end]."""
         with self._lock:
-            return self._unloads_running > 0 or any(s <= end and e >= start for s, e in self._unloads)
+            return self._running[action] > 0 or any(s <= end and e >= start for s, e in self._calls[action])
 
     def http(self) -> HttpTransport:
         if getattr(self._local, "http", None) is None:
@@ -269,12 +270,12 @@ def send_admin(ctx: SoakContext, rng: random.Random, index: int) -> RequestRecor
     body: dict = {"text_input": "", "adapter_action": action}
     if action != "list":
         body |= {"lora_name": ctx.cycle_adapter, "admin_token": ctx.admin_token}
-    t0 = ctx.unload_started() if action == "unload" else time.monotonic()
+    t0 = ctx.admin_started(action) if action != "list" else time.monotonic()
     try:  # an unload waits up to lora.unload_timeout_s (30 s by default) for the adapter's requests
         answer = _post_timed(ctx, record, body, f"admin {action}", ctx.request_timeout_s + 60)
     finally:
-        if action == "unload":
-            ctx.unload_ended(t0)
+        if action != "list":
+            ctx.admin_ended(action, t0)
     if answer is None:
         return record
     status, payload = answer
@@ -290,7 +291,8 @@ def send_admin(ctx: SoakContext, rng: random.Random, index: int) -> RequestRecor
         if action == "list":
             good = isinstance(answer["adapters"], list) and len(answer["adapters"]) >= len(ctx.adapters)
         elif action == "unload":
-            good = answer["unloaded"].get("state") in ("unloaded", "unloading")
+            state = str(answer["unloaded"].get("state", ""))
+            good = state in ("unloaded", "unloading")
         else:
             good, state = bool(answer["loaded"].get("loaded")), str(answer["loaded"].get("state", ""))
         record.text = json.dumps(answer)[:200]
@@ -298,12 +300,16 @@ def send_admin(ctx: SoakContext, rng: random.Random, index: int) -> RequestRecor
         good, record.text = False, f"{type(e).__name__}: {e}: {str(payload)[:200]}"
     if good:
         record.outcome = "ok"
-    elif action == "load" and ctx.unload_overlapped(t0, time.monotonic()) and state.startswith("unload"):
+    elif action == "load" and ctx.overlapped("unload", t0, time.monotonic()) and state.startswith("unload"):
         # The load succeeded, but another client's unload of the same adapter completed before the answer was
         # written: the answer shows the adapter as it is then (the load and its answer are two steps in the engine).
         record.outcome, record.error = "expected", f"admin load raced an unload: answered {record.text}"
+    elif action == "unload" and ctx.overlapped("load", t0, time.monotonic()) and state == "loaded":
+        # The mirror case: the unload completed, then another client's load (on its own thread) read the adapter
+        # back before the unload's answer was written, which shows the adapter as it is then.
+        record.outcome, record.error = "expected", f"admin unload raced a load: answered {record.text}"
     else:
-        record.error = f"admin {action}: unexpected answer {record.text}"
+        record.error = f"admin {action}: unexpected answer (state {state!r}) {record.text}"
     return record
 
 
