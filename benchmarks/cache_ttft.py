@@ -21,7 +21,7 @@ Rounds alternate between the caches off and on on the same engine (one model loa
 engine's ``cache.prefix_caching`` is off and the runner has no encoder cache; on, the one encoder cache
 and the prefix cache accumulate over the on rounds only (the off rounds neither read nor fill them). The scheduler's token budget is the serve default
 (``--budget``: ``scheduler.max_num_batched_tokens``, 2048): a 4-frame LLaVA prompt (about 2,400 tokens) runs
-alone in its step, 3 retrieval prompts fit in one. Round 0 with the caches on is cold; the figures are the mean over the later ("steady") rounds of each round's
+in two chunks (``scheduler.chunked_prefill``, on by default), 3 retrieval prompts fit in one step. Round 0 with the caches on is cold; the figures are the mean over the later ("steady") rounds of each round's
 mean TTFT over its requests. TTFT: from the round's start (before ``inputs.prepare``: image decoding, the
 processor, content hashes) to the engine reporting the request's token. The check that the caches took
 part: hits, misses and reused tokens of each phase (off: none).

@@ -84,6 +84,10 @@ class SchedulerConfig:
 
     max_batch_size: int = 32  # MaxBS: running requests per step
     max_num_batched_tokens: int = 2048  # prefill + decode tokens per step
+    # Sarathi-style chunked prefill: each step carries the running decodes first (one token each), and the
+    # prompts take chunks of the budget left, a long prompt over several steps (its decoders keep running)
+    # and many short ones in one. Off: a prompt runs whole in one step (alone when it exceeds the budget).
+    chunked_prefill: bool = True
     max_waiting: int = 64  # admitted but not yet running; beyond this execute() waits (back-pressure)
     admission_timeout_s: float = 30.0  # how long execute() waits for room before rejecting
     # The engine watchdog: a loop iteration (one step or one adapter action) running longer than this
@@ -96,6 +100,7 @@ class SchedulerConfig:
         _require(self.max_batch_size >= 1, "scheduler.max_batch_size must be >= 1")
         _require(self.stall_timeout_s >= 0, "scheduler.stall_timeout_s must be >= 0 (0: no stall detection)")
         _require(self.max_num_batched_tokens >= 16, "scheduler.max_num_batched_tokens must be >= 16")
+        _require(isinstance(self.chunked_prefill, bool), "scheduler.chunked_prefill must be on or off")
         _require(self.max_waiting >= 1, "scheduler.max_waiting must be >= 1")
         _require(self.admission_timeout_s > 0, "scheduler.admission_timeout_s must be > 0")
 

@@ -291,7 +291,9 @@ class StepResult:
     """What one engine step ran (``LLMEngine.step()`` returns it; tests and benchmarks read it): the batch's
     requests in row order, how many were prefills and decodes, their adapter slots, the waiting requests it
     admitted, the inference mode and merged adapter, the running requests it left out (paused), and the
-    forward's last-token logits [rows, vocab] and hidden states [rows, hidden] (on the device)."""
+    forward's last-token logits [rows, vocab] and hidden states [rows, hidden] (on the device). A prefill row is
+    one chunk of its prompt (``scheduler.chunked_prefill``): ``num_prefill_tokens`` counts the prompt tokens the
+    step ran, and ``partial_prefills`` names the prompts that go on in a later step (their rows sample nothing)."""
 
     request_ids: list[str]
     num_prefill: int
@@ -304,3 +306,5 @@ class StepResult:
     logits: "torch.Tensor"
     hidden: "torch.Tensor"
     num_images_encoded: int = 0
+    num_prefill_tokens: int = 0
+    partial_prefills: list[str] = field(default_factory=list)

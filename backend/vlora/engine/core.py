@@ -6,11 +6,13 @@ drives it; tests drive it directly). Each ``step()``:
 2. asks the orchestrator's policy for the next batch and inference mode (merge, unmerge, mixture),
    switches modes between steps, and admits picked waiting requests while the batch (MaxBS), the
    token budget, the KV cache and the adapter slots allow;
-3. runs one packed forward over the batch's new tokens, ordered by adapter slot so that LoRA
-   segments are contiguous;
+3. runs one packed forward over the batch's new tokens (a decode's one token, a prompt's next chunk: see
+   :mod:`vlora.engine.scheduler` on chunked prefill), ordered by adapter slot so that LoRA segments are contiguous;
 4. samples, applies stop conditions, and reports each request's new text through its callback. A request
    with a ``task`` is answered by its adapter's task head from the prefill's hidden state, and finishes.
-   A request whose logits are not finite fails alone; the others of the step go on.
+   A request whose logits are not finite fails alone; the others of the step go on. A prompt's chunk that
+   stops before the prompt's end samples nothing (its row is discarded) and registers the prefix-cache blocks it
+   completed; the request's first token, stop conditions and task head come after its last chunk.
 
 With the step overlap (``engine.overlap``, on for CUDA), a step's forward and sampling are launched
 (``_launch``) before the previous step's tokens are read back and processed (``_complete``): step 4 of
@@ -23,6 +25,7 @@ whose adapter is being loaded waits for it while the others keep decoding.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -183,18 +186,25 @@ class LLMEngine:
                     token, row = s.output_ids[-1], -1
                 inputs.append(SeqInput([token], s.num_tokens - 1, s.blocks, plus, delora_slot=minus,
                                        rope_delta=req.rope_delta, pending_row=row))
-            else:  # the prompt past its cached prefix; the runner takes the images' features that fall there
-                self.metrics.stage("queue", now - req.arrival)
-                for name, seconds in req.timings.items():
-                    self.metrics.stage(name, seconds)
-                c = s.cached_tokens
+            else:  # the prompt's next chunk past what is computed; the runner takes the images' features there
+                c, end = s.computed, s.computed + s.chunk
+                if c == s.cached_tokens:  # its first chunk
+                    self.metrics.stage("queue", now - req.arrival)
+                    for name, seconds in req.timings.items():
+                        self.metrics.stage(name, seconds)
                 # The vision side is never merged: the images go through the adapter's own slot, whatever the mode.
                 vision_slot, vision_identity = self.loras.vision_side(s.slot)
-                inputs.append(SeqInput(req.prompt_ids[c:], c, s.blocks, plus, delora_slot=minus,
+                before = None
+                if req.pixel_values is not None and len(req.pixel_values) and end < len(req.prompt_ids):
+                    before = self._placeholders_before(s, c)
+                    if s.held_features is None:
+                        s.held_features = {}
+                inputs.append(SeqInput(req.prompt_ids[c:end], c, s.blocks, plus, delora_slot=minus,
                                        pixel_values=req.pixel_values, image_keys=req.image_keys,
                                        image_grid_thw=req.image_grid_thw, mrope_positions=req.mrope_positions,
                                        rope_delta=req.rope_delta, video=req.video, vision_slot=vision_slot,
-                                       vision_identity=vision_identity))
+                                       vision_identity=vision_identity, placeholders_before=before,
+                                       held_features=s.held_features))
         try:
             # The copies into the slots this step reads were issued on the side stream: order them first.
             self.loras.wait_ready([s.slot for s in batch] + [orch.merged_slot if orch.merged_slot is not None else -1])
@@ -207,13 +217,23 @@ class LLMEngine:
                 self._finish(s, "error", error=f"internal error during inference: {e}")
             return None
         n_prefill_reqs = sum(1 for s in batch if not s.prefilled)
-        n_prefill = sum(s.step_tokens for s in batch if not s.prefilled)
+        n_prefill = sum(s.chunk for s in batch if not s.prefilled)
         alloc = self.runner.kv.allocator
+        bs = self.runner.kv.block_size
         heads = {}
+        partial: set[int] = set()  # rows whose prompt goes on in a later chunk: nothing is sampled for them
         for i, s in enumerate(batch):
             if not s.prefilled:
-                for block, h in zip(s.blocks.blocks, s.prefix_hashes):  # the prompt's full blocks now hold its KV
-                    alloc.register(block, h)
+                c, end = s.computed, s.computed + s.chunk
+                # The prompt's blocks this chunk completes now hold their KV (launched: later steps read it in
+                # stream order), so later requests may share them.
+                for j in range(c // bs, min(end // bs, len(s.prefix_hashes))):
+                    alloc.register(s.blocks.blocks[j], s.prefix_hashes[j])
+                s.computed = end
+                if end < len(s.req.prompt_ids):
+                    partial.add(i)
+                    continue
+                s.held_features = None
                 if s.req.task is not None:
                     heads[i] = result.hidden[i]
             s.prefilled = True
@@ -224,7 +244,8 @@ class LLMEngine:
             num_decode=len(batch) - n_prefill_reqs, slots=[s.slot for s in batch],
             admitted=[s.req.request_id for s in new], mode=orch.mode, merged=orch.merged,
             paused=[s.req.request_id for s in self.running if s not in batch],
-            logits=result.logits, hidden=result.hidden, num_images_encoded=result.num_images_encoded)
+            logits=result.logits, hidden=result.hidden, num_images_encoded=result.num_images_encoded,
+            num_prefill_tokens=n_prefill, partial_prefills=[batch[i].req.request_id for i in sorted(partial)])
         cache = self.runner.encoder_cache
         if cache is not None and n_prefill_reqs:
             now_stats = cache.stats()
@@ -232,7 +253,16 @@ class LLMEngine:
             self.metrics.encoder_cache(*(now_stats[k] - last.get(k, 0) for k in ("hits", "misses", "evictions")),
                                        now_stats["bytes"])
             self._encoder_reported = now_stats
-        return _Launched(batch, inputs, step, sampled, heads, t0, n_prefill_reqs, n_prefill)
+        return _Launched(batch, inputs, step, sampled, heads, t0, n_prefill_reqs, n_prefill, partial)
+
+    def _placeholders_before(self, s: Sequence, pos: int) -> int:
+        """How many of ``s``'s image placeholder tokens lie before prompt position ``pos`` (a chunk's start):
+        the runner places the features that follow them."""
+        if s.placeholder_marks is None:
+            loaded = self.runner.loaded
+            marker = loaded.family.placeholder_id(loaded, s.req.video)
+            s.placeholder_marks = [i for i, t in enumerate(s.req.prompt_ids) if t == marker]
+        return bisect.bisect_left(s.placeholder_marks, pos)
 
     def _complete(self, step: "_Launched") -> None:
         """Read a launched step's tokens back; stop, detokenize and report. A sequence that finished
@@ -255,6 +285,9 @@ class LLMEngine:
         bad = set(sampled.bad_rows)
         for i, (s, tok) in enumerate(zip(batch, sampled.tokens)):
             if s.finished:
+                continue
+            if i in step.partial:  # a chunk of a prompt that goes on: its row's sample is discarded
+                s.candidate.last_served = now
                 continue
             s.inflight -= 1
             s.candidate.last_served = now
@@ -296,6 +329,7 @@ class LLMEngine:
 
     def _finish(self, s: Sequence, reason: str, error: Optional[str] = None) -> None:
         s.finished = True
+        s.held_features = None
         self.scheduler.remove(s)
         if s.blocks.blocks:
             self.runner.kv.allocator.free(s.blocks.blocks)
@@ -348,3 +382,4 @@ class _Launched:
     t0: float
     n_prefill_reqs: int
     n_prefill: int
+    partial: set  # rows of prefill chunks that did not reach their prompt's end (no token)

@@ -67,6 +67,11 @@ class SeqInput:
     # A decode token still on the device: row ``pending_row`` of the previous step's sampled ids (the
     # ``prev_tokens`` that :meth:`ModelRunner.forward` takes), read there instead of token_ids[0].
     pending_row: int = -1
+    # A chunk of a prompt with images (chunked prefill): how many of the prompt's placeholder tokens lie before
+    # start_pos (None: the step runs to the prompt's end, so all those not among token_ids), and the request's
+    # features of images whose placeholders go on past this chunk, kept between its chunks (None: not chunked).
+    placeholders_before: Optional[int] = None
+    held_features: Optional[dict] = None
 
 
 @dataclass
@@ -409,7 +414,7 @@ class ModelRunner:
         cache = self.encoder_cache
         # An item is (vision-side weights, video, content hash): the encoder-cache key. One image asked about
         # through two vision-side adapters is two items; through language-only adapters, the base one.
-        items: list[list[tuple[str, bool, bytes]]] = []  # per sequence: its items, in order
+        items: list[list[tuple]] = []  # per sequence: (item, its first and end feature row in the step), in order
         feature_of: dict[tuple[str, bool, bytes], torch.Tensor] = {}
         todo: dict[bool, list[tuple[tuple[str, bool, bytes], torch.Tensor, Optional[torch.Tensor], int]]] = {False: [], True: []}
         queued: set[tuple[str, bool, bytes]] = set()
@@ -421,14 +426,29 @@ class ModelRunner:
             keys = s.image_keys or tuple(bytes([i]) + id(s).to_bytes(8, "little") for i in range(len(per_item)))
             if len(keys) != len(per_item):
                 raise RuntimeError(f"{len(keys)} image keys for {len(per_item)} images")
-            first = self._first_item_in_step(s, len(at))
+            # The prompt's placeholders this step holds: [lo, hi) in the order of all the prompt's placeholders.
+            # Items wholly before lo have their keys and values in the cache (a cached prefix, earlier chunks);
+            # items from hi on come in a later chunk.
+            counts = family.item_tokens(loaded, s.pixel_values, s.image_grid_thw, s.video)
+            total = sum(counts)
+            lo = total - len(at) if s.placeholders_before is None else s.placeholders_before
+            hi = lo + len(at)
+            if lo < 0 or hi > total:
+                raise RuntimeError(f"image placeholders ({len(at)} tokens after {lo}) do not match image "
+                                   f"features ({total})")
             mine = []
-            for i, (key, pv) in enumerate(zip(keys, per_item)):
-                if i < first:
-                    continue  # its placeholders are all in the cached prefix: its keys and values are there
+            first = 0
+            held = s.held_features
+            for i, (key, pv, n) in enumerate(zip(keys, per_item, counts)):
+                a, first = first, first + n
+                if max(a, lo) >= min(a + n, hi):
+                    continue  # none of its placeholders is among this step's tokens
                 item = (s.vision_identity, s.video, key)
-                mine.append(item)
+                mine.append((item, max(lo - a, 0), min(hi - a, n)))
                 if item in feature_of or item in queued:
+                    continue
+                if held is not None and item in held:  # encoded at the chunk where its placeholders began
+                    feature_of[item] = held[item]
                     continue
                 hit = cache.get(item) if cache is not None and s.image_keys else None
                 if hit is not None:
@@ -460,7 +480,8 @@ class ModelRunner:
         # Placeholders are looked for only in the prompts that bring their images in this step: a decode
         # token that happens to be the image token id (a random model samples it now and then) is text,
         # and must neither take an image's features nor fail the whole step. A prompt that continues a
-        # cached prefix holds only the last placeholders of its images: it takes their last features.
+        # cached prefix, or a chunk of a prompt, takes the features of the placeholders it holds: an image
+        # whose placeholders straddle chunks is encoded at the first and held for the next (``held_features``).
         # Found in the prompts' host token ids, so that nothing here waits for the device (a boolean mask
         # or a count read back would sync the step); the rows go in with one index_copy_.
         index: list[np.ndarray] = []
@@ -473,8 +494,15 @@ class ModelRunner:
                     raise RuntimeError("a prompt with images reads its token from the previous step")
                 at = marks[k]
                 if len(at):
-                    rows.append(torch.cat([feature_of[item] for item in items[k]])[-len(at):])
+                    rows.append(torch.cat([feature_of[item][a:e] for item, a, e in items[k]]))
                     index.append(at + off)
+                held = s.held_features
+                if held is not None:  # keep the items that go on into the next chunk, forget those done
+                    for item, _, e in items[k]:
+                        if e < len(feature_of[item]):
+                            held[item] = feature_of[item]
+                        else:
+                            held.pop(item, None)
                 k += 1
             off += n
         feats = torch.cat(rows).to(hidden.dtype) if rows else hidden.new_zeros(0, hidden.shape[-1])
@@ -511,20 +539,6 @@ class ModelRunner:
                 break
             self._vision_timers.pop(0)
         return done
-
-    def _first_item_in_step(self, s: SeqInput, here: int) -> int:
-        """The first of ``s``'s images (or videos) with a placeholder among the step's tokens (``here`` of
-        them): a prompt that continues a cached prefix holds only the last placeholders, those of its last
-        items; the items before lie wholly in the prefix and need no encoding. 0 for a fresh prompt."""
-        if s.start_pos == 0:
-            return 0
-        family, loaded = self.loaded.family, self.loaded
-        counts = family.item_tokens(loaded, s.pixel_values, s.image_grid_thw, s.video)
-        first, tail = len(counts), 0
-        while first > 0 and tail < here:
-            first -= 1
-            tail += counts[first]
-        return first
 
     def _layer_params(self) -> tuple:
         """Per layer, what :meth:`_layer` reads from the modules, looked up once: (input norm weight, eps,

@@ -11,7 +11,14 @@ still being read or copied is not admitted and waits while the others run.
 
 The batch comes back ordered by adapter slot, so that LoRA segments are contiguous. Requests that can
 never run (more KV than the cache holds, an adapter unloaded since they were checked) come back in
-``failed``, for the engine to answer. This is where chunked prefill will live.
+``failed``, for the engine to answer.
+
+Chunked prefill (``scheduler.chunked_prefill``, on by default; Sarathi-Serve's stall-free batching): each
+step takes the running decodes first, one token each, and gives the prompts chunks of the budget left, so a
+prompt longer than the budget runs over several steps while the decoders keep producing a token every step,
+and many short prompts share one step. Each sequence keeps its prefill position (``Sequence.computed``); the
+scheduler writes each step's ``Sequence.chunk``. Off, a prompt runs whole in one step, alone when it is
+larger than the budget.
 """
 from __future__ import annotations
 
@@ -102,6 +109,8 @@ class Scheduler:
         return Decision(UNMERGE, None, sorted((s.candidate for s in cands), key=lambda c: c.last_served))
 
     def _fill(self, picked, cands: list[Sequence], out: ScheduledBatch) -> list[Sequence]:
+        if self.config.scheduler.chunked_prefill:
+            return self._fill_chunked(picked, cands, out)
         sch = self.config.scheduler
         by_id = {s.req.request_id: s for s in cands}
         budget = sch.max_num_batched_tokens
@@ -126,6 +135,7 @@ class Scheduler:
                     continue  # admitted (its blocks and slot held): it runs in a later step
             elif n > budget and batch:
                 continue  # a prompt larger than the whole budget still runs, alone
+            s.chunk = 0 if s.prefilled else n
             batch.append(s)
             budget -= n
         # Top up with running requests the mode can serve, so a request that could run never idles
@@ -137,7 +147,50 @@ class Scheduler:
             n = s.step_tokens
             if s in batch or not s.schedulable or (n > budget and batch) or not orch.mode_impl.accepts(s.slot, orch.merged_slot):
                 continue
+            s.chunk = 0 if s.prefilled else n
             batch.append(s)
+            budget -= n
+        return batch
+
+    def _fill_chunked(self, picked, cands: list[Sequence], out: ScheduledBatch) -> list[Sequence]:
+        """Sarathi's batch: the decodes first, one token each (the policy's picks, then the running requests the
+        mode serves), then the prompts, each a chunk of the budget left (``Sequence.chunk``): those already
+        running (mid-prefill) before those admitted now, each in the policy's order. A prompt longer than what
+        is left runs its first chunk now and the rest in later steps, beside the decodes of those steps."""
+        sch = self.config.scheduler
+        by_id = {s.req.request_id: s for s in cands}
+        orch = self.orchestrator
+        picks = [by_id[c.request_id] for c in picked if c.request_id in by_id]
+        served = [s for s in sorted(self.running, key=lambda s: s.candidate.last_served)
+                  if s.schedulable and orch.mode_impl.accepts(s.slot, orch.merged_slot)]
+        budget = sch.max_num_batched_tokens
+        batch: list[Sequence] = []
+        taken: set[int] = set()
+
+        def take(s: Sequence, n: int) -> None:
+            s.chunk = 0 if s.prefilled else n
+            batch.append(s)
+            taken.add(id(s))
+
+        for s in picks + served:  # decodes
+            if len(batch) >= sch.max_batch_size or budget <= 0:
+                break
+            if s.prefilled and id(s) not in taken and not s.finished:
+                take(s, 1)
+                budget -= 1
+        running = [s for s in picks + served if s in self.running]
+        waiting = [s for s in picks if s not in self.running]
+        for s in running + waiting:  # prompts, a chunk each
+            if len(batch) >= sch.max_batch_size or budget <= 0:
+                break
+            if s.prefilled or s.finished or id(s) in taken:  # finished: failed at admission earlier in this call
+                continue
+            if s not in self.running:
+                if not self._admit_one(s, out):
+                    continue
+                out.admitted.append(s)
+            n = min(s.step_tokens, budget)
+            take(s, n)
             budget -= n
         return batch
 
@@ -173,7 +226,7 @@ class Scheduler:
         self.waiting.remove(s)
         s.slot = slot
         s.blocks = SequenceBlocks(hit + alloc.allocate(need - len(hit)))
-        s.cached_tokens = len(hit) * self.kv.block_size
+        s.cached_tokens = s.computed = len(hit) * self.kv.block_size
         stats = self.prefix_stats
         stats["queried_tokens"] += len(s.req.prompt_ids)
         stats["reused_tokens"] += s.cached_tokens

@@ -51,8 +51,18 @@ class Sequence:
     prefix_hashes: list = field(default_factory=list)  # the prefix cache's hash of each full prompt block
     prefix_identity: Optional[str] = None  # the adapter weights prefix_hashes were made for
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (a whole number of blocks)
+    # Chunked prefill: ``computed`` prompt tokens have their KV in the cache or written by a launched step (the
+    # cached prefix from admission, then each chunk as it is launched; the engine writes it), and the next step
+    # runs ``chunk`` more (the scheduler writes it each step). ``prefilled`` once ``computed`` reaches the prompt.
+    computed: int = 0
+    chunk: int = 0
+    # The encoded features of this request's images whose placeholders run on into a later chunk, by encoder
+    # item (the runner writes it while a prefill is chunked; None otherwise): each image is encoded once.
+    held_features: Optional[dict] = None
+    placeholder_marks: Optional[list] = None  # positions of the prompt's image placeholders, found once
 
     @property
     def step_tokens(self) -> int:
-        """Tokens this request puts into its next step: the prompt (less its cached prefix), then one at a time."""
-        return 1 if self.prefilled else len(self.req.prompt_ids) - self.cached_tokens
+        """Tokens this request still has to run before its next token: the prompt past what is computed (its
+        cached prefix and the chunks run), then one at a time."""
+        return 1 if self.prefilled else len(self.req.prompt_ids) - self.computed
