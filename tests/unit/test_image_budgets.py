@@ -135,6 +135,27 @@ def test_a_failing_job_does_not_end_its_worker():
     pool.shutdown(5)
 
 
+def test_a_worker_keeps_no_finished_job():
+    """A job holds its request's images: an idle worker must not keep the last one (it kept 28 MB of base64 and
+    decoded bytes after every image request, until the next one came)."""
+    import weakref
+
+    class Images:
+        pass
+
+    pool = PreprocessPool(workers=1, max_queued=4)
+    images, ran = Images(), threading.Event()
+    gone = weakref.ref(images)
+    pool.submit(lambda held=images: ran.set(), lambda reason: None)
+    del images
+    assert ran.wait(5)
+    deadline = time.monotonic() + 5
+    while gone() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone() is None, "the idle worker still holds its last job"
+    pool.shutdown(5)
+
+
 def test_frames_are_decoded_side_by_side_in_order(monkeypatch):
     """With several decode workers, a request's images come back in their order, equal to one-by-one
     decoding, and the first bad image (in the request's order) is the error raised."""
@@ -151,3 +172,40 @@ def test_frames_are_decoded_side_by_side_in_order(monkeypatch):
     bad = probe_images(frames[:2] + [_png_header_only(100, 100)] * 2 + frames[2:], limits)
     with pytest.raises(InvalidRequest, match="^image 2: corrupt or truncated PNG"):
         decode_images(bad, limits)
+
+
+def test_the_in_flight_budget_charges_refuses_and_trims_after_a_burst(monkeypatch):
+    """limits.max_inflight_image_bytes: a request that would pass the budget is refused unless nothing else is
+    charged; once nothing is charged after a burst (admitted or refused bytes alike), the garbage collector
+    (with ``collect``) and glibc's malloc_trim run on a timer, and once more a little later."""
+    from vlora.engine import preprocess
+
+    calls: list[str] = []
+    monkeypatch.setattr(preprocess, "malloc_trim", lambda: calls.append("trim"))
+    monkeypatch.setattr(preprocess.gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(preprocess.ImageBudget, "TRIM_DELAY_S", 0.01)
+    monkeypatch.setattr(preprocess.ImageBudget, "TRIM_AGAIN_S", 0.05)
+    mib = 1 << 20
+    budget = preprocess.ImageBudget(40 * mib, collect=True)
+    first = budget.take(30 * mib)
+    with pytest.raises(EngineOverloaded, match="limits.max_inflight_image_bytes"):
+        budget.take(20 * mib)
+    budget.refused(20 * mib)
+    time.sleep(0.2)
+    assert calls == [] and budget.used == 30 * mib  # still charged: no trim inside a burst
+    first.release()
+    first.release()  # idempotent
+
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 5
+        while len(calls) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+
+    wait_for(4)
+    assert budget.used == 0 and calls == ["collect", "trim"] * 2
+    alone = budget.take(100 * mib)  # over the budget, but nothing else in flight: taken
+    assert budget.used == 100 * mib
+    alone.release()  # trimmed again, at most once a second
+    wait_for(8)
+    assert calls == ["collect", "trim"] * 4

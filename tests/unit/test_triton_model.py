@@ -68,3 +68,58 @@ def test_streams_and_metrics_through_the_model(triton_model):
     assert steps >= max_tokens and len(f["vlora_step_duration_seconds"].find().observations) == steps
     assert f["vlora_decode_tokens_total"].find().value() == 5 * (max_tokens - 1)
     assert (f["vlora_running_requests"].find().value(), f["vlora_waiting_requests"].find().value()) == (0, 0)
+
+
+def test_refused_requests_leave_no_reference_cycle(triton_model):
+    """Issue 37 hole 6: a request refused inside execute() (by the image budget, the engine's checks or the
+    wire's parse) is freed by reference counting as soon as it is answered. The answer once kept the error,
+    whose traceback holds execute()'s frame, which holds the deferred answers: a cycle that kept each refused
+    request's images until Python's cyclic collector ran (after a flood: 160 MiB of the stub, for minutes)."""
+    import base64
+    import gc
+    import io
+    import threading
+    import types
+
+    from PIL import Image
+
+    from vlora.engine.preprocess import ImageBudget
+
+    model, _ = triton_model
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, "PNG")
+    image = base64.b64encode(buf.getvalue()).decode()
+    budget = ImageBudget(1 << 20)
+    held = budget.take(1 << 20)  # another request's images in flight: the budget refuses the next one
+    model._engine.image_budget = budget
+
+    def refused() -> list:
+        return [FakeRequest({"text_input": "USER: <image>\nWhat? ASSISTANT:", "image": [image]}),  # the budget
+                FakeRequest({"text_input": "hi", "sampling_parameters": json.dumps({"lora_name": "nope"})}),  # check
+                FakeRequest({"text_input": "hi", "sampling_parameters": "{"})]  # the wire's parse
+
+    gc.collect()
+    gc.disable()
+    try:
+        batches = [refused(), refused()]  # the second: what the response thread last ran is not the first's
+        for requests in batches:
+            model.execute(requests)
+            deadline = time.monotonic() + 30
+            while not all(r.sender.sent for r in requests):
+                assert time.monotonic() < deadline, "not every request was answered"
+                time.sleep(0.02)
+        flushed = threading.Event()  # the response thread has moved past the answers it ran
+        model._post(("flushed", flushed))
+        assert flushed.wait(30)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        frames = [f"{o.f_code.co_name} ({Path(o.f_code.co_filename).name})" for o in gc.garbage
+                  if isinstance(o, types.FrameType)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        held.release()
+    errors = [r.sender.final.error().message() for r in batches[0]]
+    assert "limits.max_inflight_image_bytes" in errors[0] and "nope" in errors[1], errors
+    assert not frames, f"a refusal left frames in a reference cycle: {frames}"

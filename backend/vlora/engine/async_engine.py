@@ -181,6 +181,8 @@ class AsyncEngine:
             # or its refusal (whichever path: every refusal below goes through refuse_released).
             charge = self.image_budget.take(image_bytes(req.images, checked.images))
         except Exception as e:  # every refusal goes to the caller's refuse()
+            if req.images:  # what came in counts toward the heap's trim after a burst, refused or not
+                self.image_budget.refused(image_bytes(req.images, ()))
             refuse(e)
             return
 

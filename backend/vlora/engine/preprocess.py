@@ -16,6 +16,7 @@ joins the workers, which finish the job they hold.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -91,6 +92,7 @@ class PreprocessPool:
             except Exception:  # a job answers its own client; what escapes it must not end the worker
                 log.exception("an image request's job failed")
             finally:
+                run = None  # the job holds its request's images: not kept while this worker waits for the next
                 with self._cond:
                     self._busy -= 1
 
@@ -109,14 +111,20 @@ class ImageBudget:
     :class:`ImageCharge` it returns gives them back once (``release``).
 
     After a burst, once nothing is charged, glibc is asked to return freed memory to the system
-    (``malloc_trim``; at most once a second, on a timer thread): the decoded images of a flood are freed into
-    the allocator's arenas, which otherwise keep the process's resident memory at its peak."""
+    (``malloc_trim``, which trims every arena, the image workers' too; on a timer thread, at most once a
+    second, and once more ``TRIM_AGAIN_S`` later for what the last requests' threads let go of after their
+    final answer): the decoded images of a flood are freed into the allocator's arenas, which otherwise keep
+    the process's resident memory at its peak. With ``collect`` (the Triton model sets it once it has frozen its
+    startup objects out of the collector, so a full collection is cheap) Python's cyclic garbage collector
+    runs first: memory that only it can free (objects in reference cycles) is then trimmed too."""
 
     TRIM_AFTER_BYTES = 32 << 20  # released since the last trim
     TRIM_DELAY_S = 0.2
+    TRIM_AGAIN_S = 2.0
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, collect: bool = False) -> None:
         self.limit = limit
+        self.collect = collect
         self._lock = threading.Lock()
         self._used = 0
         self._released = 0  # since the last trim
@@ -139,9 +147,16 @@ class ImageBudget:
             self._used += n
         return ImageCharge(self, n)
 
-    def _give_back(self, n: int) -> None:
+    def refused(self, n: int) -> None:
+        """``n`` bytes of a request's images that were never charged (the request was refused before it was
+        admitted: a bad request, or the budget was full): freed all the same, they count toward the trim."""
+        if n > 0:
+            self._give_back(n, charged=False)
+
+    def _give_back(self, n: int, charged: bool = True) -> None:
         with self._lock:
-            self._used -= n
+            if charged:
+                self._used -= n
             self._released += n
             trim = (not self._used and self._released >= self.TRIM_AFTER_BYTES and not self._trim_pending)
             if trim:
@@ -152,14 +167,23 @@ class ImageBudget:
             timer.daemon = True
             timer.start()
 
-    def _trim(self) -> None:
+    def _trim(self, again: bool = True) -> None:
         with self._lock:
-            self._trim_pending = False
+            if again:
+                self._trim_pending = False
+            elif self._trim_pending:  # another burst has ended meanwhile: its own trim follows
+                return
             if self._used:  # another burst began: trim after it
                 return
             self._released = 0
             self._last_trim = time.monotonic()
+        if self.collect:
+            gc.collect()
         malloc_trim()
+        if again:
+            timer = threading.Timer(self.TRIM_AGAIN_S, self._trim, kwargs={"again": False})
+            timer.daemon = True
+            timer.start()
 
 
 class ImageCharge:

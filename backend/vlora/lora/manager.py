@@ -462,6 +462,11 @@ class LoraManager:
             return fut.result(timeout)
         except FutureTimeout:
             raise AdapterError(f"adapter {name!r}: loading timed out after {timeout:g} s") from None
+        finally:
+            # A failed read's error, raised again here, holds this frame (and its callers', with the request
+            # and its images) in its traceback, and the future holds the error: without this, a cycle that
+            # only the cyclic garbage collector frees (an unknown adapter's requests kept their images).
+            fut = None
 
     def _forget_read(self, key: tuple[str, int], fut: Future) -> None:
         with self._lock:
