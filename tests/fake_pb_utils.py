@@ -198,7 +198,10 @@ def fake_pb_utils() -> types.ModuleType:
 
     class _Family(MetricFamily):
         def __init__(self, name: str, description: str, kind: str) -> None:
-            if name in families:
+            # Triton merges families of one name, kind and description (a fresh one replaces a dropped one:
+            # vlora.server.metrics's LoRA info gauge); anything else under a taken name is a mistake.
+            old = families.get(name)
+            if old is not None and (old.kind, old.description) != (kind, description):
                 raise ValueError(f"metric family {name} registered twice")
             super().__init__(name, description, kind)
             families[name] = self

@@ -42,6 +42,10 @@ class EngineMetrics(Protocol):
     def adapters_resident(self, gpu: int, host: int) -> None:
         """How many adapters are in device slots and in host memory, sent when it changes."""
 
+    def kv_cache_usage(self, used_blocks: int, total_blocks: int) -> None:
+        """The KV cache's blocks held by requests (reserved for their whole budget at admission; cached
+        prefix blocks no request holds count as free) and the pool's size, sent when it changes."""
+
     def prefix_cache(self, prompt_tokens: int, reused_tokens: int, evictions: int) -> None:
         """One admitted request: its prompt's tokens, those whose KV came from the prefix cache, and the
         cached blocks evicted since the last call."""
@@ -81,6 +85,9 @@ class NullMetrics:
         pass
 
     def adapters_resident(self, gpu: int, host: int) -> None:
+        pass
+
+    def kv_cache_usage(self, used_blocks: int, total_blocks: int) -> None:
         pass
 
     def prefix_cache(self, prompt_tokens: int, reused_tokens: int, evictions: int) -> None:

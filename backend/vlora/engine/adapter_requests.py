@@ -17,7 +17,7 @@ class AdapterRequests:
         self.scheduler = scheduler  # its running and waiting requests, and its orchestrator (merge state)
         self.metrics = metrics
         self._unloading: dict[str, list[Callable[[dict], None]]] = {}  # adapter -> who waits for its unload
-        self._reported: tuple = ()  # the per-adapter counts and residency last sent to the metrics
+        self._reported: tuple = ()  # the per-adapter counts, residency and KV use last sent to the metrics
 
     def request_finished(self, name: Optional[str]) -> None:
         """A request of ``name`` finished: the last one of an adapter being unloaded completes the unload."""
@@ -78,15 +78,19 @@ class AdapterRequests:
                                            "state": "unloaded"}
 
     def report(self) -> None:
-        """Send the per-adapter request counts and the tiers' residency when they changed."""
+        """Send the per-adapter request counts, the tiers' residency and the KV cache's use when they changed."""
         running = Counter(s.req.lora_name for s in self.scheduler.running)
         waiting = Counter(s.req.lora_name for s in self.scheduler.waiting)
         resident = self.loras.resident_counts()
-        if (running, waiting, resident) == self._reported:
+        blocks = self.scheduler.kv.allocator
+        kv = (blocks.num_blocks - blocks.num_free, blocks.num_blocks)
+        if (running, waiting, resident, kv) == self._reported:
             return
         old = self._reported
-        self._reported = (running, waiting, resident)
+        self._reported = (running, waiting, resident, kv)
         if not old or (running, waiting) != old[:2]:
             self.metrics.adapter_requests(dict(running), dict(waiting))
         if not old or resident != old[2]:
             self.metrics.adapters_resident(*resident)
+        if not old or kv != old[3]:
+            self.metrics.kv_cache_usage(*kv)

@@ -1,7 +1,8 @@
 """The OpenAI front end's process, as ``vlora serve`` runs it (issue 39; the front end itself is vlora.server.openai).
 
 ``OpenAIFrontendProcess`` starts ``python -m vlora.server.openai`` once tritonserver is ready (on the launcher's
-``--host`` and ``--openai-port``, pointed at tritonserver's gRPC port, told the checkpoint's family and folder name),
+``--host`` and ``--openai-port``, pointed at tritonserver's gRPC port and metrics endpoint (served as its
+``/metrics``), told the checkpoint's family and folder name),
 its output in ``openai.log`` in the workspace (0600), and waits until it answers ``/health``; it dies with the
 launcher, is told to stop with the server (SIGTERM: it finishes its in-flight answers) and killed if it takes too
 long. The launcher (TritonServer) watches it while serving and stops the server when it exits.
@@ -45,7 +46,8 @@ class OpenAIFrontendProcess:
         opts = self.options
         family, checkpoint = _model_family(self.model_dir)
         cmd = [sys.executable, "-m", "vlora.server.openai", "--host", opts.host, "--port", str(opts.openai_port),
-               "--grpc-url", self.grpc_url, "--model", self.model, "--family", family,
+               "--grpc-url", self.grpc_url, "--metrics-url", f"http://{opts.client_host}:{opts.metrics_port}/metrics",
+               "--model", self.model, "--family", family,
                "--max-body-bytes", str(opts.openai_max_body_bytes), "--graceful-timeout", str(opts.exit_timeout_s)]
         if checkpoint:
             cmd += ["--checkpoint", checkpoint]

@@ -10,10 +10,20 @@ observations), and one metrics thread applies them every ``FLUSH_INTERVAL_S`` (0
 increment per counter that moved, one set per gauge that changed, and one observe per histogram
 observation (Triton's histograms take no bucket counts). A scrape therefore lags the engine by at most
 the flush interval (plus the time of one flush); close() applies what is left before it returns.
+
+The Gateway API Inference Extension's model server protocol (its endpoint picker routes on these; the mapping
+is in deploy/kubernetes/README.md): running requests ``vlora_running_requests``; queued requests
+``vlora_waiting_requests`` plus Triton's queue (the OpenAI front end's ``/metrics`` adds their sum,
+``vlora_queued_requests``: vlora.server.openai.metrics); KV-cache utilization ``vlora_kv_cache_usage_ratio``
+(0 to 1); and the LoRA info gauge ``vlora_lora_requests_info`` (labels ``running_lora_adapters``,
+``waiting_lora_adapters``: comma-separated adapter names, ``max_lora``: the device slots; value: the Unix time
+its label set last became current, so the newest set has the largest value, as vLLM's
+``vllm:lora_requests_info``).
 """
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 from typing import Any, Optional
 
@@ -21,6 +31,9 @@ from vlora.metrics import STAGES
 
 BASE_LABEL = "__base__"  # the lora_name label of requests without an adapter
 FLUSH_INTERVAL_S = 0.2  # how often the metrics thread applies the engine's reports to Triton's metrics
+LORA_INFO = ("vlora_lora_requests_info", "Adapters with running and waiting requests (comma-separated) and the "
+             "device slots (max_lora); value: the Unix time this label set last became current")
+LORA_INFO_SERIES = 64  # label sets the LoRA info gauge keeps before it starts a fresh family (see _set_lora_info)
 
 
 class TritonModelMetrics:
@@ -36,7 +49,10 @@ class TritonModelMetrics:
     STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 
     def __init__(self, pb_utils: Any, model_name: str, version: str, instance: str = "", device: str = "",
-                 flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
+                 flush_interval_s: float = FLUSH_INTERVAL_S, max_lora: int = 0,
+                 lora_info_series: int = LORA_INFO_SERIES) -> None:
+        """``max_lora``: the adapters' device slots (lora.max_gpu_adapters), the LoRA info gauge's ``max_lora``
+        label; 0: no LoRA info gauge."""
         # One model instance per GPU: each instance's series carries its name and device (Triton names the
         # instances of one instance_group entry alike on every GPU), so the gauges of two instances do not
         # overwrite each other (sum over them for the model).
@@ -72,6 +88,7 @@ class TritonModelMetrics:
             "host_load": fam("vlora_adapter_host_loads_total", "Adapter reads into host memory, per adapter", fam.COUNTER),
             "host_eviction": fam("vlora_adapter_host_evictions_total", "Adapters leaving host memory (LRU or unloaded), per adapter", fam.COUNTER),
             "resident": fam("vlora_adapters_resident", "Adapters resident per tier (gpu: device slots, cpu: host memory)", fam.GAUGE),
+            "kv_usage": fam("vlora_kv_cache_usage_ratio", "Fraction of the KV cache's blocks held by requests (0 to 1)", fam.GAUGE),
             "prefix_prompt": fam("vlora_prefix_cache_prompt_tokens_total", "Prompt tokens of admitted requests", fam.COUNTER),
             "prefix_reused": fam("vlora_prefix_cache_reused_tokens_total", "Prompt tokens whose KV came from the prefix cache", fam.COUNTER),
             "prefix_evictions": fam("vlora_prefix_cache_evictions_total", "Cached KV blocks evicted for new ones", fam.COUNTER),
@@ -98,6 +115,7 @@ class TritonModelMetrics:
                            f["mode_active"].Metric(labels={**self._labels, "mode": m}))
                        for m in ("merge", "unmerge", "mixture")}
         self._tiers = {t: f["resident"].Metric(labels={**self._labels, "tier": t}) for t in ("gpu", "cpu")}
+        self._kv_usage = f["kv_usage"].Metric(labels=self._labels)
         self._prefix = {k: f[k].Metric(labels=self._labels) for k in ("prefix_prompt", "prefix_reused", "prefix_evictions")}
         self._encoder = {k: f[k].Metric(labels=self._labels)
                          for k in ("encoder_hits", "encoder_misses", "encoder_evictions", "encoder_bytes")}
@@ -119,6 +137,18 @@ class TritonModelMetrics:
         self._per_label: dict[tuple[str, ...], Any] = {}
         self.flushes = 0  # flushes that applied something (for tests and benchmarks)
         self.ipc_calls = 0  # Metric.increment/set/observe calls made on Triton (for tests and benchmarks)
+        # The LoRA info gauge: its family, its series by (running, waiting) label values, the label set now
+        # current and the last value set (strictly increasing). Made in __init__, changed by the flushing thread.
+        self._pb_family = fam
+        self._max_lora = max_lora
+        self._lora_info_cap = max(1, lora_info_series)
+        self._lora_info_family = None
+        self._lora_info_series: dict[tuple[str, str], Any] = {}
+        self._lora_info_current: Optional[tuple[str, str]] = None
+        self._lora_info_stamp = 0.0
+        if max_lora > 0:
+            self._lora_info_family = fam(*LORA_INFO, fam.GAUGE)
+            self._set_lora_info({}, {})  # the gauge exists from the start: nothing running or waiting
         self._interval = flush_interval_s
         self._stop = threading.Event()
         self._closed = False
@@ -195,6 +225,10 @@ class TritonModelMetrics:
     def adapters_resident(self, gpu: int, host: int) -> None:
         with self._lock:
             self._gauges["resident"] = (gpu, host)
+
+    def kv_cache_usage(self, used_blocks: int, total_blocks: int) -> None:
+        with self._lock:
+            self._gauges["kv_usage"] = used_blocks / total_blocks if total_blocks > 0 else 0.0
 
     def prefix_cache(self, prompt_tokens: int, reused_tokens: int, evictions: int) -> None:
         with self._lock:
@@ -287,8 +321,12 @@ class TritonModelMetrics:
             self._set("resident:cpu", self._tiers["cpu"], value[1])
         elif name == "encoder_bytes":
             self._set(name, self._encoder["encoder_bytes"], value)
+        elif name == "kv_usage":
+            self._set(name, self._kv_usage, value)
         elif name == "adapters":
             self._set_adapter_gauges(*value)
+            if self._lora_info_family is not None:
+                self._set_lora_info(value[0], value[1])
         else:
             raise KeyError(f"unknown gauge {name!r}")
 
@@ -318,3 +356,38 @@ class TritonModelMetrics:
                 self._labelled("adapter_waiting", (name,)).set(value[1])
                 self.ipc_calls += 2
         self._adapter_gauges = dict(now)
+
+    def _set_lora_info(self, running: dict, waiting: dict) -> None:
+        """Make the label set of these adapters the LoRA info gauge's current one: its value becomes the time now
+        (above every value set before, so the endpoint picker, which reads the series with the largest value,
+        reads this one). Series of earlier label sets keep their older values: the Python backend cannot
+        remove one series of a family. Once ``lora_info_series`` label sets exist, a new one goes into a fresh
+        family of the same name (Triton merges families of one name) and the old family object is dropped,
+        which removes its series; the new set is set first, so a scrape always finds the current one."""
+        key = (_adapter_list(running), _adapter_list(waiting))
+        if key == self._lora_info_current:
+            return
+        stamp = max(time.time(), self._lora_info_stamp + 0.001)
+        metric = self._lora_info_series.get(key)
+        if metric is None:
+            family = self._lora_info_family
+            rotate = len(self._lora_info_series) >= self._lora_info_cap
+            if rotate:
+                family = self._pb_family(*LORA_INFO, self._pb_family.GAUGE)
+            metric = family.Metric(labels={**self._labels, "running_lora_adapters": key[0],
+                                           "waiting_lora_adapters": key[1], "max_lora": str(self._max_lora)})
+            metric.set(stamp)
+            self.ipc_calls += 2
+            if rotate:  # dropping the old family object removes its series (after the new one is set)
+                self._lora_info_family, self._lora_info_series = family, {}
+            self._lora_info_series[key] = metric
+        else:
+            metric.set(stamp)
+            self.ipc_calls += 1
+        self._lora_info_current, self._lora_info_stamp = key, stamp
+
+
+def _adapter_list(counts: dict) -> str:
+    """The LoRA info gauge's label value: the adapters (not the base model) with requests, sorted, joined by
+    commas without spaces (the endpoint picker splits on ',')."""
+    return ",".join(sorted(name for name, n in counts.items() if name and name != BASE_LABEL and n > 0))

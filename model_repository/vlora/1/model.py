@@ -93,7 +93,8 @@ class TritonPythonModel:
         gpu = args.get("model_instance_kind") == "GPU"
         self._metrics = TritonModelMetrics(pb_utils, args["model_name"], args["model_version"],
                                            args.get("model_instance_name", ""),
-                                           f"cuda:{int(args['model_instance_device_id'])}" if gpu else "cpu")
+                                           f"cuda:{int(args['model_instance_device_id'])}" if gpu else "cpu",
+                                           max_lora=config.lora.max_gpu_adapters)
         # Engine events and control items for the response thread, in order (deque appends are atomic);
         # _wake is set when the response thread should look: after each engine step's events, and by _post.
         self._outbox: deque = deque()
