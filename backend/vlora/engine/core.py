@@ -25,7 +25,6 @@ whose adapter is being loaded waits for it while the others keep decoding.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from vlora.engine.output import OutputProcessor
 from vlora.engine.sampler import PendingSample, sample_async
 from vlora.engine.scheduler import Scheduler
 from vlora.engine.sequence import Sequence
+from vlora.engine.step_inputs import step_inputs
 from vlora.lora.manager import LoraManager
 from vlora.orchestrator.orchestrator import Orchestrator
 
@@ -172,39 +172,9 @@ class LLMEngine:
         A decode sequence whose last token is still in flight (the previous step, not read back yet)
         reads it on the device, from that step's sampled ids."""
         t0 = time.perf_counter()
-        now = time.monotonic()
         orch = self.orchestrator
-        inputs = []
         prev = self._inflight
-        for s in batch:
-            plus, minus = orch.lora_slots(s.slot)
-            req = s.req
-            if s.prefilled:
-                if s.inflight:
-                    token, row = 0, s.inflight_row
-                else:
-                    token, row = s.output_ids[-1], -1
-                inputs.append(SeqInput([token], s.num_tokens - 1, s.blocks, plus, delora_slot=minus,
-                                       rope_delta=req.rope_delta, pending_row=row))
-            else:  # the prompt's next chunk past what is computed; the runner takes the images' features there
-                c, end = s.computed, s.computed + s.chunk
-                if c == s.cached_tokens:  # its first chunk
-                    self.metrics.stage("queue", now - req.arrival)
-                    for name, seconds in req.timings.items():
-                        self.metrics.stage(name, seconds)
-                # The vision side is never merged: the images go through the adapter's own slot, whatever the mode.
-                vision_slot, vision_identity = self.loras.vision_side(s.slot)
-                before = None
-                if req.pixel_values is not None and len(req.pixel_values) and end < len(req.prompt_ids):
-                    before = self._placeholders_before(s, c)
-                    if s.held_features is None:
-                        s.held_features = {}
-                inputs.append(SeqInput(req.prompt_ids[c:end], c, s.blocks, plus, delora_slot=minus,
-                                       pixel_values=req.pixel_values, image_keys=req.image_keys,
-                                       image_grid_thw=req.image_grid_thw, mrope_positions=req.mrope_positions,
-                                       rope_delta=req.rope_delta, video=req.video, vision_slot=vision_slot,
-                                       vision_identity=vision_identity, placeholders_before=before,
-                                       held_features=s.held_features))
+        inputs = step_inputs(batch, orch, self.loras, self.runner.loaded, self.metrics)
         try:
             # The copies into the slots this step reads were issued on the side stream: order them first.
             self.loras.wait_ready([s.slot for s in batch] + [orch.merged_slot if orch.merged_slot is not None else -1])
@@ -254,15 +224,6 @@ class LLMEngine:
                                        now_stats["bytes"])
             self._encoder_reported = now_stats
         return _Launched(batch, inputs, step, sampled, heads, t0, n_prefill_reqs, n_prefill, partial)
-
-    def _placeholders_before(self, s: Sequence, pos: int) -> int:
-        """How many of ``s``'s image placeholder tokens lie before prompt position ``pos`` (a chunk's start):
-        the runner places the features that follow them."""
-        if s.placeholder_marks is None:
-            loaded = self.runner.loaded
-            marker = loaded.family.placeholder_id(loaded, s.req.video)
-            s.placeholder_marks = [i for i, t in enumerate(s.req.prompt_ids) if t == marker]
-        return bisect.bisect_left(s.placeholder_marks, pos)
 
     def _complete(self, step: "_Launched") -> None:
         """Read a launched step's tokens back; stop, detokenize and report. A sequence that finished
