@@ -5,7 +5,8 @@
 # What the machine lacks comes from .devpack/ (benchmarks/make_devpack.sh) or .whl/: see device_env.sh;
 # the ATMM extension from build_atmm.sh. Steps are skipped once less than their expected time is left
 # of DEVICE_BUDGET_S (default 570 s), so a 10-minute device call always returns its logs.
-#   STEPS="tests serve heads engine" (default all four)
+#   STEPS="tests serve heads engine" (default all four); "openai": the OpenAI front end's hop against the generate
+#   endpoint at the same dimensions (benchmarks/openai_hop.py, about 4 minutes; run it alone: STEPS=openai)
 # Writes under $OUT (default benchmarks/device_out): log.txt (every step's output), bundle.tgz (server logs,
 # the results JSON and RESULTS.md lines this run wrote), and the built extension (few files: the device
 # tool brings back at most 8).
@@ -41,6 +42,9 @@ if want heads 90; then
 fi
 if want engine 90; then
   python3 -m benchmarks.engine_decode --work /tmp/vlora-bench || rc=1
+fi
+if want openai 240; then
+  python3 -m benchmarks.openai_hop --device cuda --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench || rc=1
 fi
 mkdir -p /tmp/bundle
 cp /tmp/vlora-bench/server.log /tmp/bundle/ 2>/dev/null

@@ -2,7 +2,7 @@
 # Builds .devpack/ here: what a bare GPU machine with no internet lacks for the device scripts, packed
 # small enough to travel with the working tree (the device tool carries at most 64 MiB in all).
 #   site.tar.xz     nvidia-pytriton (tritonserver, Python backend, the stub for Python 3.12), tritonclient
-#                   and the gRPC/JSON versions it needs
+#                   and the gRPC/JSON versions it needs; the OpenAI front end's Starlette, uvicorn, httptools, uvloop
 #   numpy1.tar.xz   NumPy 1.26 for the Triton 2.51 Python backend stub, which dies under NumPy 2
 #   load.tar.xz     locust and the parts of its dependencies the GPU image lacks
 #   libpython3.12.so.1.0.xz   (optional) for the stub, where the image has no shared libpython
@@ -27,7 +27,9 @@ for w in nvidia-pytriton==0.7.0 tritonclient==2.73.0 numpy==1.26.4 nvidia-cutlas
          gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.3.2 zope.event==6.2 zope.interface==8.7 \
          grpcio==1.85.1 protobuf==6.33.6 python-rapidjson==1.25 flask==3.1.3 flask-cors==6.0.5 flask-login==0.6.3 configargparse==1.9.0 pyzmq==27.3.0 brotli==1.2.1 \
          itsdangerous==2.2.0 blinker==1.9.0 bidict==0.24.1 python-engineio==4.15.1 python-socketio==5.18.1 \
-         simple-websocket==1.1.0 websocket-client==1.9.2 wsproto==1.3.2; do
+         simple-websocket==1.1.0 websocket-client==1.9.2 wsproto==1.3.2 \
+         starlette==1.10.0 anyio==4.16.0 sniffio==1.3.1 idna==3.20 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 \
+         httptools==0.9.0 uvloop==0.23.0; do
   fetch "$w"
 done
 tmp=$(mktemp -d)
@@ -47,6 +49,9 @@ for i in z.infolist():
   done; done
 }
 unpack site 'nvidia_pytriton-*.whl' 'tritonclient-*.whl' 'grpcio-*.whl' 'protobuf-*.whl' 'python_rapidjson-*.whl'
+# The OpenAI front end (vlora.server.openai, benchmarks/openai_hop.py): Starlette on uvicorn, with httptools and uvloop.
+unpack site 'starlette-*.whl' 'anyio-*.whl' 'sniffio-*.whl' 'idna-*.whl' 'uvicorn-*.whl' 'h11-*.whl' 'click-*.whl' \
+  'httptools-*.whl' 'uvloop-*.whl'
 # pytriton ships a stub per Python version: keep only the 3.12 one the GPU image runs.
 find "$tmp/site/pytriton/tritonserver/python_backend_stubs" -mindepth 1 -maxdepth 1 ! -name 3.12 -exec rm -rf {} +
 # ... and the libpython the other stubs link (32 MB for Python 3.13: without it the pack fits the carry).

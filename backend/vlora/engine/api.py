@@ -208,6 +208,9 @@ class GenerationRequest:
     stream: bool = False
     apply_chat_template: bool = False
     task: Optional[str] = None
+    # A whole conversation instead of ``prompt`` (the ``messages`` input, :mod:`vlora.engine.chat`), rendered
+    # through the checkpoint's chat template when the request is prepared; ``prompt`` is then empty.
+    messages: Optional[Any] = None  # vlora.engine.chat.Conversation
 
 
 @dataclass

@@ -51,9 +51,11 @@ class InputProcessor:
         limits = self.limits
         if not req.request_id:
             raise InvalidRequest("request id is empty")
-        if not isinstance(req.prompt, str) or not req.prompt.strip():
+        if req.messages is not None:
+            self._check_conversation(req)
+        elif not isinstance(req.prompt, str) or not req.prompt.strip():
             raise InvalidRequest("text_input is empty: a prompt is required")
-        if len(req.prompt) > limits.max_prompt_chars:
+        elif len(req.prompt) > limits.max_prompt_chars:
             raise InvalidRequest(f"text_input has {len(req.prompt)} characters; the limit is {limits.max_prompt_chars}")
         if len(req.images) > limits.max_images:
             raise InvalidRequest(f"too many images: {len(req.images)} (the limit is {limits.max_images})")
@@ -75,6 +77,22 @@ class InputProcessor:
         keys = tuple(hashlib.sha256(data if isinstance(data, bytes) else str(data).encode()).digest() for data in req.images)
         return CheckedRequest(req, probed, keys)
 
+    def _check_conversation(self, req: GenerationRequest) -> None:
+        """A ``messages`` request (:mod:`vlora.engine.chat`, parsed by the wire): its text within
+        limits.max_prompt_chars, one image per image part, a video only where the family takes one."""
+        conv, limits = req.messages, self.limits
+        if conv.chars > limits.max_prompt_chars:
+            raise InvalidRequest(f"messages has {conv.chars} characters of text; the limit is {limits.max_prompt_chars}")
+        if conv.video:
+            if not self.loaded.family.video_placeholder:
+                raise InvalidRequest(f"messages has a video part, but this model ({self.loaded.family.name}) takes no "
+                                     "video: send the frames as images")
+            if not req.images:
+                raise InvalidRequest("messages has a video part but the request carries no images (its frames)")
+        elif conv.images != len(req.images):
+            raise InvalidRequest(f"messages has {conv.images} image part(s) but the request carries "
+                                 f"{len(req.images)} image(s)")
+
     def preprocess(self, checked: CheckedRequest) -> PreparedRequest:
         """Decode the images (within limits.image_decode_timeout_s), tokenize, build the model inputs.
         Raises InvalidRequest naming the problem."""
@@ -85,7 +103,10 @@ class InputProcessor:
             check_decode_budget(limits, started, done=len(images), total=len(images))
         decoded = time.monotonic()
         # The model family tokenizes as the model's own processor does and preprocesses the images.
-        prompt = self.loaded.family.prompt(self.loaded, req.prompt, images, req.apply_chat_template)
+        if req.messages is not None:  # a conversation, through the checkpoint's chat template
+            prompt = self.loaded.family.chat_prompt(self.loaded, req.messages, images)
+        else:
+            prompt = self.loaded.family.prompt(self.loaded, req.prompt, images, req.apply_chat_template)
         timings = {"image_decode": decoded - started, "preprocess": time.monotonic() - decoded} if images else {}
         ids = prompt.ids
         if len(ids) >= self.max_model_len:

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
+from vlora.errors import InvalidRequest
 from vlora.files import FileTooLarge, json_object, read_once
 
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KiB
@@ -105,12 +106,55 @@ class ModelFamily:
     vision_lora_modules: ClassVar[tuple[tuple[str, str], ...]] = ()
     vision_lora_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
 
+    # What a conversation's text may not hold: the markers of the family's image and video placeholders (images
+    # go in image parts, so that the template's k-th placeholder is the k-th image).
+    vision_markers: ClassVar[tuple[str, ...]] = ()
+
     def load(self, path: Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
         raise NotImplementedError
 
     def prompt(self, loaded: LoadedModel, text: str, images: Sequence, apply_chat_template: bool) -> Prompt:
         """Token ids and vision inputs for one request (decoded RGB images). Raises InvalidRequest."""
         raise NotImplementedError
+
+    def chat_prompt(self, loaded: LoadedModel, conversation: Any, images: Sequence) -> Prompt:
+        """A whole conversation (:class:`vlora.engine.chat.Conversation`: system, user and assistant messages,
+        image and video parts) through the checkpoint's chat template (:meth:`render_chat`, with the assistant's
+        prompt after it), then as a prompt of its own (:meth:`prompt`). The template writes the family's
+        placeholder for each image part in the conversation's order, which is the images' order (the k-th
+        placeholder is the k-th image), and a video part's for the one video. Raises InvalidRequest: a text
+        part holding a placeholder's marker, a template that refuses the conversation or writes other numbers
+        of placeholders than the conversation's parts."""
+        for where, text in conversation.texts():
+            for marker in self.vision_markers:
+                if marker in text:
+                    raise InvalidRequest(f"{where}.text holds {marker}: images go in image parts, not in the text")
+        if not loaded.chat_template:
+            raise InvalidRequest(f"messages need the model's chat template, and {loaded.name!r} has none: "
+                                 "send text_input")
+        try:
+            text = self.render_chat(loaded, [dict(m) for m in conversation.messages])
+        except InvalidRequest:
+            raise
+        except Exception as e:  # jinja2's TemplateError (a template's raise_exception), or transformers' ValueError
+            raise InvalidRequest(f"messages: the model's chat template refused the conversation: "
+                                 f"{str(e)[:300] or type(e).__name__}") from None
+        wanted = [(self.image_placeholder, conversation.images)]
+        if self.video_placeholder:
+            wanted.append((self.video_placeholder, int(conversation.video)))
+        for placeholder, n in wanted:
+            got = text.count(placeholder)
+            if got != n:
+                raise InvalidRequest(f"messages: the model's chat template wrote {got} {placeholder} placeholder(s) "
+                                     f"for {n} part(s); it does not take images where this conversation has them")
+        return self.prompt(loaded, text, images, False)
+
+    def render_chat(self, loaded: LoadedModel, messages: list[dict]) -> str:
+        """The conversation's text as the checkpoint's chat template writes it, ending with the assistant's
+        prompt (``add_generation_prompt``): the tokenizer's ``apply_chat_template`` with
+        ``loaded.chat_template``."""
+        return loaded.tokenizer.apply_chat_template(messages, chat_template=loaded.chat_template, tokenize=False,
+                                                    add_generation_prompt=True)
 
     def encode_images(self, loaded: LoadedModel, pixel_values: torch.Tensor,
                       image_grid_thw: Optional[torch.Tensor], video: bool = False) -> list[torch.Tensor]:

@@ -228,6 +228,7 @@ class LlavaFamily(ModelFamily):
     name = "llava"
     model_types = ("llava",)
     image_placeholder = IMAGE_PLACEHOLDER
+    vision_markers = (IMAGE_PLACEHOLDER,)
     # CLIP/SigLIP encoder layers and the two-layer projector, as transformers 5 names them. Adapters trained
     # with transformers 4 name the tower's layers under vision_tower.vision_model., and before 4.52 without
     # the leading model.

@@ -38,6 +38,7 @@ class Qwen2VLFamily(ModelFamily):
     model_types = tuple(_CLASSES)
     image_placeholder = VISION_PLACEHOLDER
     video_placeholder = VIDEO_PLACEHOLDER
+    vision_markers = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
     # The ViT blocks' attention and MLP (fc1/fc2 in Qwen2-VL, gate/up/down in Qwen2.5-VL) and the patch
     # merger's two linear layers; transformers before 4.52 had the tower at visual. instead of model.visual.
     vision_lora_modules = (
@@ -111,6 +112,11 @@ class Qwen2VLFamily(ModelFamily):
             positions, delta = None, 0  # text only: 1-D positions, as the model infers them
         return Prompt(ids=ids.tolist(), pixel_values=None if pv is None else pv.to(torch.float32),
                       image_grid_thw=grid, mrope_positions=positions, rope_delta=delta)
+
+    def render_chat(self, loaded: LoadedModel, messages: list[dict]) -> str:
+        """The processor's ``apply_chat_template``, as the one-turn path (``apply_chat_template``) renders."""
+        return loaded.image_processor.apply_chat_template(messages, chat_template=loaded.chat_template, tokenize=False,
+                                                          add_generation_prompt=True)
 
     def _image_inputs(self, loaded: LoadedModel, text: str, images: list) -> dict:
         """What the processor gives for ``text`` and ``images`` (input_ids [1, T], mm_token_type_ids, pixel_values,

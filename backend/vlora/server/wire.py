@@ -1,6 +1,8 @@
 """The Triton vLLM backend's wire format, as the Triton model (model_repository/vlora/1/model.py) speaks it.
 
 Inputs text_input, image (base64, one or more), stream, sampling_parameters (JSON), exclude_input_in_output;
+or, instead of text_input, messages (a whole conversation as JSON, rendered by the model through the
+checkpoint's chat template: vlora.engine.chat);
 lora_name and the sampling options in the request parameters or in sampling_parameters (the latter wins).
 Outputs text_output, finish_reason, num_input_tokens, num_output_tokens; a task head's answer adds label,
 scores and label_names. Errors go back as a TritonError: INVALID_ARG for a bad request, UNAVAILABLE for a
@@ -26,6 +28,7 @@ from typing import Any, Optional
 import numpy as np
 
 from vlora.engine.api import GenerationOutput, GenerationRequest, SamplingParams, parse_sampling_json
+from vlora.engine.chat import parse_messages
 from vlora.errors import InvalidRequest
 
 # Request parameters that are not sampling options; accepted and ignored (clients of the vLLM
@@ -83,9 +86,18 @@ class Wire:
     def parse(self, request, request_id: str, *, fault_injection: bool) -> ParsedRequest:
         """Triton tensors and parameters -> GenerationRequest. Raises InvalidRequest naming the problem."""
         text = self.single(request, "text_input")
-        if text is None:
-            raise InvalidRequest("text_input is required")
-        prompt = decode_text("text_input", text) if isinstance(text, bytes) else check_text("text_input", str(text))
+        raw_messages = self.single(request, "messages")
+        conversation = None
+        if raw_messages is not None:  # a whole chat, rendered by the model through the chat template
+            raw_messages = decode_text("messages", raw_messages) if isinstance(raw_messages, bytes) else str(raw_messages)
+            if text is not None and (text.strip() if isinstance(text, bytes) else str(text).strip()):
+                raise InvalidRequest("send text_input or messages, not both")
+            conversation = parse_messages(raw_messages)
+            prompt = ""
+        elif text is None:
+            raise InvalidRequest("text_input is required (or messages, a conversation)")
+        else:
+            prompt = decode_text("text_input", text) if isinstance(text, bytes) else check_text("text_input", str(text))
 
         # Base64 as sent (the vLLM backend's convention); engine.prepare decodes and checks them.
         tensor = self.pb.get_input_tensor_by_name(request, "image")
@@ -107,6 +119,14 @@ class Wire:
         apply_chat_template = extras.get("apply_chat_template", False)
         if not isinstance(apply_chat_template, bool):
             raise InvalidRequest("apply_chat_template must be true or false")
+        if conversation is not None:
+            if extras.get("apply_chat_template") is False:
+                raise InvalidRequest("apply_chat_template cannot be false with messages: a conversation always "
+                                     "goes through the chat template")
+            if not exclude_input:
+                raise InvalidRequest("exclude_input_in_output cannot be false with messages (there is no "
+                                     "text_input to return)")
+            apply_chat_template = False
         task = extras.get("task")
         if task is not None and not isinstance(task, str):
             raise InvalidRequest("task must be a string")
@@ -119,6 +139,7 @@ class Wire:
             stream=stream,
             apply_chat_template=apply_chat_template,
             task=task,
+            messages=conversation,
         )
         return ParsedRequest(gen, exclude_input, fault)
 

@@ -6,14 +6,17 @@ OpenAI's shape, a client's disconnect cancelling its Triton request, and every e
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import secrets
 import time
-import uuid
+from json.encoder import encode_basestring
 from typing import Any, Optional
 
 from vlora.server.openai.errors import APIError, bad_request
-from vlora.server.openai.requests import _model, chat_prompt, sampling_parameters
+from vlora.server.openai.metrics import MetricsProxy
+from vlora.server.openai.requests import _model, chat_messages, sampling_parameters
 from vlora.server.openai.triton import Frontend
 
 log = logging.getLogger("vlora.openai")
@@ -30,16 +33,62 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
+# Answer ids: unique per process start (a random base, then a counter), with no system call per request.
+_ID_BASE = secrets.token_hex(12)
+_ID_COUNTER = itertools.count(1)
+_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+
+
+class EventStream:
+    """A ``text/event-stream`` answer (an ASGI app) from an async iterator of ``(bytes, last)``: each piece sent as it
+    comes, the last one closing the body (no separate empty message). A client that disconnects cancels ``stream``
+    (its Triton request); what the iterator does then is not sent. Lighter than Starlette's StreamingResponse,
+    which runs a task group per answer and an empty closing message."""
+
+    def __init__(self, chunks, stream) -> None:
+        self.chunks, self.stream = chunks, stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        gone = False
+
+        async def watch():
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            self.stream.cancel()  # the pending read of the Triton stream ends, and Triton cancels the request
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            last = False
+            async for chunk, last in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if gone:
+                    break
+            if not last and not gone:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (asyncio.CancelledError, APIError):
+            if not gone:
+                raise
+        finally:
+            watcher.cancel()
+            await self.chunks.aclose()
+            self.stream.cancel()  # a no-op once answered; else (a failure here) Triton cancels the request
+
+
 # -- the ASGI app ------------------------------------------------------------------------------------------------
 
-def build_app(front: Frontend):
-    """The Starlette app serving ``front``."""
+def build_app(front: Frontend, metrics: Optional[MetricsProxy] = None):
+    """The Starlette app serving ``front``; with ``metrics``, ``GET /metrics`` too (tritonserver's metrics)."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     def error_response(e: APIError) -> JSONResponse:
@@ -93,8 +142,10 @@ def build_app(front: Frontend):
         body = await read_json(request)
         model = _model(body)
         params = sampling_parameters(body, chat)
-        if chat:
-            prompt, urls = chat_prompt(body.get("messages"), front.family)
+        messages = None
+        if chat:  # the whole conversation goes to the model, which renders it through the chat template
+            prompt = None
+            messages, urls = chat_messages(body.get("messages"), front.family)
             images = await front.images(urls)
         else:
             prompt = body.get("prompt")
@@ -113,34 +164,34 @@ def build_app(front: Frontend):
         if not isinstance(stream, bool):
             raise bad_request("stream must be true or false", "stream")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        responses = front.triton(prompt, images, params, stream, rid, model)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{_ID_BASE}{next(_ID_COUNTER):08x}"
+        responses = front.triton(prompt, images, params, stream, rid, model, messages=messages)
         if stream:
             return await streamed(responses, rid, model, chat, include_usage)
         return await until_disconnect(request, answered(responses, rid, model, chat))
 
     async def answered(responses, rid: str, model: str, chat: bool) -> JSONResponse:
         out = None
-        async for out in responses:
-            pass
-        finish = _FINISH_REASONS.get(out["finish_reason"], out["finish_reason"])
+        try:
+            async for out in responses:
+                pass
+        finally:
+            responses.cancel()  # a no-op once answered; else (the client went away) Triton cancels the request
+        finish = _FINISH_REASONS.get(out.finish_reason, out.finish_reason)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]},
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                       "finish_reason": finish, "logprobs": None}
         else:
-            choice = {"index": 0, "text": out["text"], "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": out.text, "finish_reason": finish, "logprobs": None}
         answer = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                  "model": model, "choices": [choice], "usage": _usage(out["num_input_tokens"], out["num_output_tokens"])}
-        if "head" in out:
-            answer["vlora"] = out["head"]
+                  "model": model, "choices": [choice], "usage": _usage(out.num_input_tokens, out.num_output_tokens)}
+        if out.head is not None:
+            answer["vlora"] = out.head
         return JSONResponse(answer)
 
     async def streamed(responses, rid: str, model: str, chat: bool, include_usage: bool):
         # The first response is awaited here: a refused request gets its real status, not a 200 stream.
-        try:
-            first = await responses.__anext__()
-        except StopAsyncIteration:
-            raise APIError(500, "no answer", "server_error", None, "internal_error") from None
+        first = await responses.next()
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -155,39 +206,42 @@ def build_app(front: Frontend):
                 c["usage"] = None
             return c
 
+        # A text event is the same bytes as _sse(chunk(text, None)) but for the text: written from a template, so
+        # that a token costs one string escape, not a JSON dump of the whole chunk.
+        head, _, tail = _sse(chunk("\x00", None)).decode("utf-8").rpartition('"\\u0000"')  # the text: last of the chunk
+        head, tail = head.encode("utf-8"), tail.encode("utf-8")
+
         async def events():
             prompt_tokens = completion_tokens = 0
             out = first
+            pieces = [_sse(chunk("", None, role=True))] if chat else []
             try:
-                if chat:
-                    yield _sse(chunk("", None, role=True))
                 while True:
-                    prompt_tokens = out["num_input_tokens"] or prompt_tokens
-                    completion_tokens += out["num_output_tokens"]
-                    finish = out.get("finish_reason")
-                    if out["text"]:
-                        yield _sse(chunk(out["text"], None))
+                    prompt_tokens = out.num_input_tokens or prompt_tokens
+                    completion_tokens += out.num_output_tokens
+                    if out.text:
+                        pieces.append(head + encode_basestring(out.text).encode("utf-8") + tail)
+                    finish = out.finish_reason
                     if finish is not None:
                         last = chunk(None, _FINISH_REASONS.get(finish, finish))
-                        if "head" in out:
-                            last["vlora"] = out["head"]
-                        yield _sse(last)
+                        if out.head is not None:
+                            last["vlora"] = out.head
+                        pieces.append(_sse(last))
                         break
-                    out = await responses.__anext__()
+                    if pieces:
+                        yield b"".join(pieces), False
+                        pieces = []
+                    out = await responses.next()
                 if include_usage:
                     u = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                          "usage": _usage(prompt_tokens, completion_tokens)}
-                    yield _sse(u)
+                    pieces.append(_sse(u))
             except APIError as e:  # after the stream started: an error event, as OpenAI's clients read it
-                yield _sse(e.body())
-            except StopAsyncIteration:
-                yield _sse(APIError(500, "the answer ended early", "server_error", None, "internal_error").body())
-            finally:
-                await responses.aclose()  # a client that went away cancels the Triton request
-            yield b"data: [DONE]\n\n"
+                pieces.append(_sse(e.body()))
+            pieces.append(_DONE)
+            yield b"".join(pieces), True  # the last answer's text, the finish, the usage and [DONE]: one write
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(events(), responses)
 
     def guarded(handler):
         async def endpoint(request: Request):
@@ -254,5 +308,7 @@ def build_app(front: Frontend):
         Route("/v1/models/{model_id:path}", guarded(get_model), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
+    if metrics is not None:
+        routes.append(metrics.route())
     return Starlette(routes=routes, lifespan=lifespan,
                      exception_handlers={HTTPException: http_error, Exception: server_error})

@@ -40,7 +40,9 @@ def error_from_triton(message: str, model: Optional[str] = None) -> APIError:
         if text.startswith("unknown adapter"):
             return APIError(404, f"The model '{model}' does not exist: {text}", "invalid_request_error", "model",
                             "model_not_found")
-        pm = re.match(r"(max_tokens|temperature|top_p|seed|stop|latency_target|task|ignore_eos)\b", text)
+        pm = re.match(r"(max_tokens|temperature|top_p|seed|stop|latency_target|task|ignore_eos|messages)\b", text)
+        if pm is None and text.startswith(("too many images", "image ", "images:")):
+            return bad_request(text, "messages")  # the images of a chat are its image_url parts
         return bad_request(text, pm.group(1) if pm else None)
     if code == "UNAVAILABLE" or any(s in text for s in _TRITON_UNAVAILABLE):
         return APIError(503, text, "server_error", None, "service_unavailable")

@@ -1,7 +1,8 @@
-"""OpenAI request bodies -> the vlora model's request: the prompt, its images and ``sampling_parameters``.
+"""OpenAI request bodies -> the vlora model's request: the conversation, its images and ``sampling_parameters``.
 
-``chat_prompt`` turns ``messages`` (system/developer text, one user turn of text and ``image_url`` parts) into the
-user turn's text with the family's image or video placeholders; ``image_payloads`` turns ``image_url`` values into
+``chat_messages`` turns ``messages`` (system, developer, user and assistant turns; text and ``image_url`` parts)
+into the model's ``messages`` input, which the model renders through the checkpoint's chat template
+(vlora.engine.chat's format, written here without importing it); ``image_payloads`` turns ``image_url`` values into
 the base64 payloads of the model's ``image`` input (``data:`` URLs; ``http(s)`` fetched here, within a size and a
 time limit, only when allowed); ``sampling_parameters`` maps the body's fields and refuses the unsupported ones.
 Errors are ``APIError`` (400) naming the field.
@@ -11,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import json
 import re
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Optional
+from typing import Any
 
 from vlora.server.openai.errors import APIError, bad_request
 
@@ -27,12 +29,9 @@ MAX_IMAGE_URLS = 16  # http(s) images fetched for one request
 # max_tokens an answer may run to the context's end, as OpenAI's API defines it.
 MAX_TOKENS_LIMIT = 2**20
 
-# Where images go in a prompt, per checkpoint family (config.json model_type): the placeholders of
-# vlora.models.loader (IMAGE_PLACEHOLDER) and vlora.models.qwen2_vl (VISION_PLACEHOLDER, VIDEO_PLACEHOLDER).
-_QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-_QWEN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
-IMAGE_PLACEHOLDERS = {"llava": "<image>", "qwen2_vl": _QWEN_IMAGE, "qwen2_5_vl": _QWEN_IMAGE}
-VIDEO_PLACEHOLDERS = {"qwen2_vl": _QWEN_VIDEO, "qwen2_5_vl": _QWEN_VIDEO}  # families that take a video
+# Families (config.json model_type) that take a video: several images in one user message are its frames there.
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 # -- requests: OpenAI bodies -> the vlora model's request ---------------------------------------------------------
@@ -47,88 +46,76 @@ def _text(value: Any, where: str) -> str:
     return value
 
 
-def _parts(content: Any, where: str) -> list[dict]:
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if content is None:
-        return []
-    if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or a list of content parts", "messages")
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise bad_request(f"{where}[{i}] must be an object with a type", "messages")
-    return content
-
-
-def _system_text(content: Any, where: str) -> str:
-    texts = []
-    for i, part in enumerate(_parts(content, where)):
-        if part["type"] != "text":
-            raise bad_request(f"{where}[{i}]: a system message takes text only", "messages")
-        texts.append(_text(part.get("text"), f"{where}[{i}].text"))
-    return "\n".join(texts)
-
-
-def chat_prompt(messages: Any, family: str) -> tuple[str, list[Any]]:
-    """``messages`` -> (the user turn's text, its images as ``image_url`` values). The model wraps the text in the
-    checkpoint's chat template (one user turn). Images placed before all of the text need no placeholder (the
-    model puts them first); images between text parts get the family's placeholder where they stand; several
-    images are one video in a family that takes videos."""
+def chat_messages(messages: Any, family: str) -> tuple[str, list[str]]:
+    """``messages`` -> (the model's ``messages`` input: the conversation as JSON, vlora.engine.chat's format; the
+    ``image_url`` values in order). Every message goes to the model, which renders the whole conversation through
+    the checkpoint's chat template. ``system`` and ``developer`` messages are system messages; ``image_url`` parts
+    go in user messages only, each an image part standing for the next image; on a family that takes videos
+    (Qwen2-VL, Qwen2.5-VL) several images in one user message are one video's frames (a video part where the
+    first stood), which then goes without other images. The model checks the rest (the last message is a user
+    message, the sizes, the template's own rules)."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
-    system: list[str] = []
-    user: Optional[list[dict]] = None
+    out: list[dict] = []
+    urls: list[str] = []
+    video_at, video_frames = None, 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad_request(f"messages[{i}] must be an object", "messages")
         role = message.get("role")
+        if role in ("tool", "function"):
+            raise bad_request(f"messages[{i}]: {role} messages are not supported (this server has no tools)",
+                              "messages", "unsupported_parameter")
+        if role not in _ROLES:
+            raise bad_request(f"messages[{i}].role must be system, developer, user or assistant, got {role!r}"[:200],
+                              "messages")
+        if role == "assistant" and (message.get("tool_calls") or message.get("function_call")):
+            raise bad_request(f"messages[{i}]: tool calls are not supported (this server has no tools)",
+                              "messages", "unsupported_parameter")
         where = f"messages[{i}].content"
-        if role in ("system", "developer"):
-            if user is not None:
-                raise bad_request(f"messages[{i}]: a system message must come before the user message", "messages")
-            system.append(_system_text(message.get("content"), where))
-        elif role == "user":
-            if user is not None:
-                raise bad_request("multi-turn conversations are not supported yet: send one user message "
-                                  "(system messages before it are prepended to its text)", "messages")
-            user = _parts(message.get("content"), where)
-            base = i
-        elif role in ("assistant", "tool", "function"):
-            raise bad_request(f"messages[{i}]: {role} messages (multi-turn conversations) are not supported yet: "
-                              "send one user message", "messages")
-        else:
-            raise bad_request(f"messages[{i}].role must be system, developer or user, got {role!r}", "messages")
-    if user is None:
-        raise bad_request("messages has no user message", "messages")
-    pieces: list[tuple[str, Any]] = []  # ("text", str) or ("image", url)
-    for j, part in enumerate(user):
-        where = f"messages[{base}].content[{j}]"
-        if part["type"] == "text":
-            pieces.append(("text", _text(part.get("text"), f"{where}.text")))
-        elif part["type"] == "image_url":
-            ref = part.get("image_url")
-            url = ref.get("url") if isinstance(ref, dict) else ref
-            if not isinstance(url, str) or not url:
-                raise bad_request(f"{where}.image_url.url must be a string", "messages")
-            pieces.append(("image", url))
-        else:
-            raise bad_request(f"{where}: content parts of type {part['type']!r} are not supported "
-                              "(text and image_url are)", "messages")
-    images = [v for k, v in pieces if k == "image"]
-    texts = [v for k, v in pieces if k == "text"]
-    first_text = next((n for n, (k, _) in enumerate(pieces) if k == "text"), len(pieces))
-    images_first = all(k == "text" for k, _ in pieces[first_text:])
-    video = VIDEO_PLACEHOLDERS.get(family) if len(images) > 1 else None
-    if video:
-        text = video + "\n".join(texts)
-    elif images_first:
-        text = "\n".join(texts)
-    else:
-        placeholder = IMAGE_PLACEHOLDERS.get(family, "<image>")
-        text = "\n".join(v if k == "text" else placeholder for k, v in pieces)
-    if system:
-        text = "\n\n".join(system + [text]) if not video else video + "\n\n".join(system + ["\n".join(texts)])
-    return text, images
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, str):
+            out.append({"role": _ROLES[role], "content": _text(content, where)})
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"{where} must be a string or a list of content parts", "messages")
+        parts: list[dict] = []
+        images = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(kind, str):
+                raise bad_request(f"{where}[{j}] must be an object with a type", "messages")
+            if kind == "text" or (kind == "refusal" and role == "assistant"):
+                parts.append({"type": "text", "text": _text(part.get(kind), f"{where}[{j}].{kind}")})
+            elif kind == "image_url":
+                if role != "user":
+                    raise bad_request(f"{where}[{j}]: image_url parts go in user messages only, not in a "
+                                      f"{role} message", "messages")
+                ref = part.get("image_url")
+                url = ref.get("url") if isinstance(ref, dict) else ref
+                if not isinstance(url, str) or not url:
+                    raise bad_request(f"{where}[{j}].image_url.url must be a string", "messages")
+                images.append(len(parts))
+                parts.append({"type": "image"})
+                urls.append(url)
+            else:
+                raise bad_request(f"{where}[{j}]: content parts of type {kind!r} are not supported "
+                                  "(text and image_url are)"[:300], "messages")
+        if len(images) > 1 and family in VIDEO_FAMILIES:  # one video: its frames are this message's images
+            if video_at is not None:
+                raise bad_request("several images in one message are one video's frames on this model, and a "
+                                  "request carries at most one video", "messages")
+            video_at, video_frames = i, len(images)
+            first = images[0]
+            parts = [p for n, p in enumerate(parts) if n not in images[1:]]
+            parts[first] = {"type": "video"}
+        out.append({"role": _ROLES[role], "content": parts})
+    if video_at is not None and len(urls) > video_frames:
+        raise bad_request("several images in one message are one video's frames on this model, and a video goes "
+                          "without other images: send the other images in a request of their own", "messages")
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":")), urls
 
 
 def _data_url(url: str) -> str:
@@ -234,8 +221,6 @@ def sampling_parameters(body: dict, chat: bool) -> dict:
     stop = body.get("stop")
     if stop is not None and stop != []:
         params["stop"] = stop
-    if chat:
-        params["apply_chat_template"] = True
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
