@@ -1,7 +1,8 @@
 """A client for the vlora model on Triton: gRPC streaming through tritonclient, or HTTP generate.
 
-Only the documented wire names are used (the Triton vLLM backend's): inputs ``text_input``,
-``image`` (base64), ``stream``, ``sampling_parameters`` (JSON, carrying ``lora_name`` too);
+Only the documented wire names are used (the Triton vLLM backend's): inputs ``text_input`` (or vlora's
+``messages``, a conversation as JSON), ``image`` (base64), ``stream``, ``sampling_parameters`` (JSON, carrying
+``lora_name`` too);
 outputs ``text_output``, ``finish_reason``, ``num_input_tokens``, ``num_output_tokens``.
 Anything that speaks KServe v2 to Triton can send the same requests.
 
@@ -21,11 +22,16 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 ImageInput = Union[str, os.PathLike, bytes]
+# A prompt as the model takes it (``text_input``), or a whole conversation (the ``messages`` input): a list of
+# {"role": "system"|"user"|"assistant", "content": text or [{"type": "text", "text": ...}, {"type": "image"},
+# {"type": "video"}]}, rendered by the server through the checkpoint's chat template; the k-th image part is
+# the k-th of ``images``.
+Prompt = Union[str, Sequence[Mapping[str, Any]]]
 DEFAULT_MODEL = "vlora"
 DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
 
@@ -154,13 +160,16 @@ class VloraClient:
             import tritonclient.grpc  # noqa: F401  (fail early with a clear ImportError)
 
     # -- public API ----------------------------------------------------------------------------
-    def generate(self, prompt: str, images: Sequence[ImageInput] = (), lora_name: Optional[str] = None,
+    def generate(self, prompt: Prompt, images: Sequence[ImageInput] = (), lora_name: Optional[str] = None,
                  max_tokens: Optional[int] = None, temperature: Optional[float] = None, top_p: Optional[float] = None,
                  seed: Optional[int] = None, stop: Optional[Union[str, Sequence[str]]] = None,
                  ignore_eos: bool = False, apply_chat_template: bool = False,
                  stream: bool = False, task: Optional[str] = None,
                  latency_target: Optional[float] = None) -> GenerationResult:
         """One answer. ``stream=True`` asks the server to stream and joins the pieces here.
+
+        ``prompt`` is the model's prompt as it is, or a conversation (a list of messages, see ``Prompt``),
+        which the server renders through the checkpoint's chat template.
 
         ``apply_chat_template`` wraps the prompt in the model's chat template on the server. ``task`` asks
         the adapter's vision task head of that name: the result then has ``label`` and ``scores``.
@@ -174,7 +183,7 @@ class VloraClient:
             return self._http_generate(prompt, encoded, params)
         return _join(self._stream(prompt, encoded, params, stream=False))
 
-    def generate_stream(self, prompt: str, images: Sequence[ImageInput] = (), lora_name: Optional[str] = None,
+    def generate_stream(self, prompt: Prompt, images: Sequence[ImageInput] = (), lora_name: Optional[str] = None,
                         max_tokens: Optional[int] = None, temperature: Optional[float] = None,
                         top_p: Optional[float] = None, seed: Optional[int] = None,
                         stop: Optional[Union[str, Sequence[str]]] = None,
@@ -232,12 +241,12 @@ class VloraClient:
             return False
 
     # -- transports ----------------------------------------------------------------------------
-    def _stream(self, prompt: str, images: list[str], params: dict, stream: bool) -> Iterator[StreamDelta]:
+    def _stream(self, prompt: Prompt, images: list[str], params: dict, stream: bool) -> Iterator[StreamDelta]:
         if self.protocol == "http":
             return self._http_stream(prompt, images, params, stream)
         return self._grpc_stream(prompt, images, params, stream)
 
-    def _grpc_stream(self, prompt: str, images: list[str], params: dict, stream: bool) -> Iterator[StreamDelta]:
+    def _grpc_stream(self, prompt: Prompt, images: list[str], params: dict, stream: bool) -> Iterator[StreamDelta]:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -285,15 +294,16 @@ class VloraClient:
     def _http_base(self) -> str:
         return self.url if self.url.startswith(("http://", "https://")) else f"http://{self.url}"
 
-    def _http_body(self, prompt: str, images: list[str], params: dict, stream: bool) -> bytes:
-        body: dict = {"text_input": prompt, "stream": stream}
+    def _http_body(self, prompt: Prompt, images: list[str], params: dict, stream: bool) -> bytes:
+        name, text = _prompt_input(prompt)
+        body: dict = {name: text, "stream": stream}
         if images:
             body["image"] = images
         if params:
             body["sampling_parameters"] = json.dumps(params)
         return json.dumps(body).encode("utf-8")
 
-    def _http_generate(self, prompt: str, images: list[str], params: dict) -> GenerationResult:
+    def _http_generate(self, prompt: Prompt, images: list[str], params: dict) -> GenerationResult:
         url = f"{self._http_base()}/v2/models/{self.model}/generate"
         req = urllib.request.Request(url, data=self._http_body(prompt, images, params, False),
                                      headers={"Content-Type": "application/json"})
@@ -309,7 +319,7 @@ class VloraClient:
         d = _delta_from_json(payload)
         return GenerationResult(d.text, d.finish_reason, d.num_input_tokens, d.num_output_tokens, d.label, d.scores)
 
-    def _http_stream(self, prompt: str, images: list[str], params: dict, stream: bool) -> Iterator[StreamDelta]:
+    def _http_stream(self, prompt: Prompt, images: list[str], params: dict, stream: bool) -> Iterator[StreamDelta]:
         url = f"{self._http_base()}/v2/models/{self.model}/generate_stream"
         req = urllib.request.Request(url, data=self._http_body(prompt, images, params, stream),
                                      headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
@@ -339,7 +349,16 @@ class VloraClient:
                     return
 
 
-def build_grpc_inputs(prompt: str, images: Sequence[str], params: dict, stream: bool) -> list:
+def _prompt_input(prompt: Prompt) -> tuple[str, str]:
+    """(input name, its text): ``text_input`` for a prompt, ``messages`` (JSON) for a conversation."""
+    if isinstance(prompt, str):
+        return "text_input", prompt
+    if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"prompt must be a string or a list of messages, not {type(prompt).__name__}")
+    return "messages", json.dumps([dict(m) for m in prompt])
+
+
+def build_grpc_inputs(prompt: Prompt, images: Sequence[str], params: dict, stream: bool) -> list:
     """tritonclient.grpc InferInputs for one request (images already base64)."""
     import tritonclient.grpc as grpcclient
 
@@ -348,8 +367,9 @@ def build_grpc_inputs(prompt: str, images: Sequence[str], params: dict, stream: 
         t.set_data_from_numpy(array)
         return t
 
+    name, text = _prompt_input(prompt)
     inputs = [
-        tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
+        tensor(name, np.array([text.encode("utf-8")], dtype=np.object_), "BYTES"),
         tensor("stream", np.array([stream], dtype=bool), "BOOL"),
     ]
     if images:

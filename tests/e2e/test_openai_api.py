@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from e2e_helpers import MODEL, b64, png_bytes, post_json, start_server
-from vlora_client import VloraClient
+from vlora_client import VloraClient, VloraClientError
 
 openai = pytest.importorskip("openai", reason="the openai package (the dev extra) is not installed")
 
@@ -234,6 +234,19 @@ def test_a_multi_turn_chat_with_images_equals_generate_with_the_rendered_prompt(
         multi_turn["prompt"], images=multi_turn["images"][::-1], lora_name=multi_turn["adapter"], max_tokens=10,
         temperature=0)
     assert swapped.choices[0].message.content == ref_swapped.text
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_vlora_client_sends_a_conversation(oa_server, multi_turn, protocol):
+    """vlora_client takes the conversation in place of a prompt (the model's `messages` input), whole or streamed."""
+    url = oa_server.grpc_url if protocol == "grpc" else oa_server.http_url
+    c = VloraClient(url, protocol=protocol)
+    kwargs = dict(images=multi_turn["images"], lora_name=multi_turn["adapter"], max_tokens=10, temperature=0)
+    answer = c.generate(multi_turn["hf"], **kwargs)
+    assert (answer.text, answer.num_input_tokens) == (multi_turn["ref"].text, multi_turn["ref"].num_input_tokens)
+    assert "".join(d.text for d in c.generate_stream(multi_turn["hf"], **kwargs)) == multi_turn["ref"].text
+    with pytest.raises(VloraClientError, match="last message must be a user message"):
+        c.generate(multi_turn["hf"][:3], **kwargs)
 
 
 def test_the_messages_input_works_through_tritons_generate_endpoint(oa_server, multi_turn):
