@@ -147,6 +147,18 @@ def parse_sampling_json(text: str | bytes | None) -> dict[str, Any]:
 _JSON_STRUCTURE = re.compile(rb'[\[\]{}"\\]')
 
 
+def check_text(field: str, text: str) -> str:
+    """``text``, unless it holds a lone UTF-16 surrogate (JSON's "\\ud800") or a NUL: InvalidRequest naming
+    ``field``, never quoting the text (it may be a token)."""
+    if "\x00" in text:
+        raise InvalidRequest(f"{field} holds a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{field} holds a lone UTF-16 surrogate at character {e.start}, not valid text") from None
+    return text
+
+
 def _json_depth(data: bytes) -> int:
     """How deep the brackets of JSON ``data`` nest, outside strings: a linear scan, so that json.loads
     never recurses deeply. Malformed data gets some number; json.loads reports its errors."""

@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from vlora.engine.api import _json_depth  # the same linear scan as sampling_parameters'
+from vlora.engine.api import _json_depth, check_text  # the same scan and text check as sampling_parameters'
 from vlora.errors import InvalidRequest
 
 MAX_MESSAGES_JSON_BYTES = 2 * 1024 * 1024
@@ -119,7 +119,7 @@ def parse_messages(text: str) -> Conversation:
 
 def _parts(content: Any, i: int) -> list[dict]:
     if isinstance(content, str):
-        return [{"type": "text", "text": _clean(content, f"messages[{i}].content")}]
+        return [{"type": "text", "text": check_text(f"messages[{i}].content", content)}]
     if not isinstance(content, list):
         raise InvalidRequest(f"messages[{i}].content must be a string or an array of parts")
     if len(content) > MAX_PARTS:
@@ -139,20 +139,10 @@ def _parts(content: Any, i: int) -> list[dict]:
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"{where}.text must be a string")
-            parts.append({"type": "text", "text": _clean(part["text"], f"{where}.text")})
+            parts.append({"type": "text", "text": check_text(f"{where}.text", part["text"])})
         else:
             parts.append({"type": kind})
     return parts
-
-
-def _clean(text: str, where: str) -> str:
-    if "\x00" in text:
-        raise InvalidRequest(f"{where} holds a NUL character")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(f"{where} holds a lone UTF-16 surrogate at character {e.start}, not valid text") from None
-    return text
 
 
 def _names(keys: list) -> str:

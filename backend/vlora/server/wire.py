@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from vlora.engine.api import GenerationOutput, GenerationRequest, SamplingParams, parse_sampling_json
+from vlora.engine.api import GenerationOutput, GenerationRequest, SamplingParams, check_text, parse_sampling_json
 from vlora.engine.chat import parse_messages
 from vlora.errors import InvalidRequest
 
@@ -225,18 +225,6 @@ def decode_text(field: str, raw: bytes, allow_nul: bool = False) -> str:
     except UnicodeDecodeError as e:
         raise InvalidRequest(f"{field} is not valid UTF-8 (byte {e.start})") from None
     return text if allow_nul else check_text(field, text)
-
-
-def check_text(field: str, text: str) -> str:
-    """``text``, unless it holds a lone UTF-16 surrogate (JSON's "\\ud800") or a NUL: InvalidRequest naming
-    ``field``, never quoting the text (it may be a token)."""
-    if "\x00" in text:
-        raise InvalidRequest(f"{field} holds a NUL character")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(f"{field} holds a lone UTF-16 surrogate at character {e.start}, not valid text") from None
-    return text
 
 
 def check_value(field: str, value: Any, depth: int = 0) -> None:
