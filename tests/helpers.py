@@ -204,3 +204,19 @@ def synthetic_runner(L: int, d: int, r: int, slots: int, dtype, device: str):
         groups[name] = WeightGroup(name, stack, None, tuple((m, k * d, d) for k, m in enumerate(mods)), lora,
                                    GroupSlots(mods, a, b, tuple(b[:, k] for k in range(M))))
     return SimpleNamespace(groups=groups, lora_layers=layers, num_layers=L)
+
+
+def count_encodes(runner) -> list[int]:
+    """Turn off ``runner``'s encoder cache and count its vision encodes: the returned list gets the number of
+    items (images, videos) of each ``runner.encode`` call, so a test sees which items a step encoded."""
+    runner.set_encoder_cache(0)
+    counts: list[int] = []
+    encode = runner.encode
+
+    def counting(pixel_values, *args, **kwargs):
+        out = encode(pixel_values, *args, **kwargs)
+        counts.append(len(out))
+        return out
+
+    runner.encode = counting
+    return counts

@@ -18,7 +18,7 @@ from vlora.engine.api import GenerationRequest, SamplingParams  # noqa: E402
 from vlora.engine.builder import build_engine  # noqa: E402
 from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER  # noqa: E402
 from engine_parity import QWEN_SPECS, _png  # noqa: E402
-from helpers import tiny_config  # noqa: E402
+from helpers import count_encodes, tiny_config  # noqa: E402
 
 MAX_NEW = 24
 LONG = "USER: Look at the traffic camera frame and count the cars in every lane, slowly. " * 4 + "ASSISTANT:"
@@ -68,16 +68,7 @@ def _check(model_dir, root, specs: dict, n_items: int, budget: int) -> None:
     ref, _ = _run(_engine(model_dir, root, chunked=False), specs)
     engine = _engine(model_dir, root, chunked=True, budget=budget)
     assert engine.runner.prefill_graphs is not None and engine.runner.graphs is not None
-    engine.runner.set_encoder_cache(0)
-    encoded = []
-    encode = engine.runner.encode
-
-    def counting(pixel_values, *args, **kwargs):
-        out = encode(pixel_values, *args, **kwargs)
-        encoded.append(len(out))
-        return out
-
-    engine.runner.encode = counting
+    encoded = count_encodes(engine.runner)
     got, steps = _run(engine, specs)
     assert got == ref
     assert all(len(t) == MAX_NEW for t in got.values())

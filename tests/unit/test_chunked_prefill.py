@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_parity import QWEN_SPECS, _png
-from helpers import tiny_config
+from helpers import count_encodes, tiny_config
 from vlora.engine.api import GenerationRequest, SamplingParams
 from vlora.engine.builder import build_engine
 from vlora.heads import TaskHead, save_heads
@@ -160,16 +160,7 @@ def test_llava_chunk_boundaries_around_image_runs(tiny_model_dir, root, where):
     reqs = lambda: [_request("img", "demo-r16-attn", text, images), _request("txt", None, "Hello there")]  # noqa: E731
     ref, _, _ = _run(ref_engine, reqs())
     engine = _engine(tiny_model_dir, root, budget=budget)
-    engine.runner.set_encoder_cache(0)  # every encode is counted: none comes from the cache
-    encoded = []
-    encode = engine.runner.encode
-
-    def counting(pixel_values, *args, **kwargs):
-        out = encode(pixel_values, *args, **kwargs)
-        encoded.append(len(out))
-        return out
-
-    engine.runner.encode = counting
+    encoded = count_encodes(engine.runner)  # every encode is counted: none comes from the cache
     got, _, steps = _run(engine, reqs())
     assert _tokens(got) == _tokens(ref)
     assert sum(encoded) == 2  # each image once, whatever its chunks
@@ -198,16 +189,7 @@ def test_qwen_images_and_video_give_the_unchunked_tokens(qwen):
     reqs = lambda: [_request(rid, a, t, im, max_new=6) for rid, (a, t, im) in specs.items()]  # noqa: E731
     ref, _, _ = _run(_engine(model_dir, root, chunked=False), reqs())
     engine = _engine(model_dir, root, budget=16, **{"engine.overlap": "on"})
-    engine.runner.set_encoder_cache(0)
-    encoded = []
-    encode = engine.runner.encode
-
-    def counting(pixel_values, *args, **kwargs):
-        out = encode(pixel_values, *args, **kwargs)
-        encoded.append(len(out))
-        return out
-
-    engine.runner.encode = counting
+    encoded = count_encodes(engine.runner)
     got, _, steps = _run(engine, reqs())
     assert _tokens(got) == _tokens(ref)
     assert sum(encoded) == 6  # four images and two videos, each once

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from adapter_edit import clone_adapter
+from helpers import count_encodes
 from vlora.config import EngineConfig
 from vlora.engine.api import GenerationRequest, SamplingParams
 from vlora.engine.builder import build_engine
@@ -197,16 +198,7 @@ def test_images_wholly_inside_the_cached_prefix_are_not_encoded(tiny_model_dir, 
     encoded = {}
     for prefix in (True, False):
         eng = _engine(tiny_model_dir, root, prefix)
-        eng.runner.set_encoder_cache(0)  # every image the step needs is encoded: the count shows which
-        counts = encoded[prefix] = []
-        encode = eng.runner.encode
-
-        def counting(pixel_values, *args, _encode=encode, _counts=counts, **kwargs):
-            out = _encode(pixel_values, *args, **kwargs)
-            _counts.append(len(out))
-            return out
-
-        eng.runner.encode = counting
+        encoded[prefix] = count_encodes(eng.runner)  # every image the step needs is encoded: the count shows which
         engines[prefix] = eng
     on = _run(engines[True], specs)
     off = _run(engines[False], specs)
