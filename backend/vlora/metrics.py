@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Protocol
 
-# What a request's time goes to, as the engine's own timers see it (``EngineMetrics.stage``): queue (submitted
+# What a request's time goes to, as the engine's own timers see it (``EngineMetrics.stage``): admit (taken from
+# its transport to its preparation's start: the checks, and the wait for an image worker), queue (submitted
 # to its first step), image_decode (PNG/JPEG to pixels), preprocess (the rest of preparing it: pixels on the
 # device, tokens, positions), vision (the vision tower and projector of a step's images: CUDA events on a GPU,
 # read once the step's tokens are), prefill_step and decode_step (steps with and without a prefill).
-STAGES = ("queue", "image_decode", "preprocess", "vision", "prefill_step", "decode_step")
+STAGES = ("admit", "queue", "image_decode", "preprocess", "vision", "prefill_step", "decode_step")
 
 
 class EngineMetrics(Protocol):

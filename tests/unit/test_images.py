@@ -128,7 +128,7 @@ def test_base64_variants():
     raw = _encode("PNG")
     b64 = base64.b64encode(raw)
     for data in (raw, b64, b64.decode(), b"data:image/png;base64," + b64, "data:image/png;base64," + b64.decode(),
-                 b64[:20] + b"\n" + b64[20:] + b"\n"):
+                 b64[:20] + b"\n" + b64[20:] + b"\n", b"DATA:image/PNG;base64," + b64[:10] + b"\r\n\t \x0b" + b64[10:]):
         assert image_bytes_from_input(data, LIMITS) == raw
         assert decode_base64_image(data, LIMITS, index=1).size == (40, 30)
     jpeg = _encode("JPEG")

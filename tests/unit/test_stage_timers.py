@@ -46,10 +46,10 @@ def test_an_image_request_reports_every_stage(tiny_model_dir):
     assert out.error is None
     names = [n for n, _ in metrics.stages]
     assert set(names) == set(STAGES)
-    for once in ("queue", "image_decode", "preprocess", "vision", "prefill_step"):
+    for once in ("admit", "queue", "image_decode", "preprocess", "vision", "prefill_step"):
         assert names.count(once) == 1, names
     assert names.count("decode_step") == 2  # three tokens: the prefill's, then two decode steps
     assert all(seconds > 0 for _, seconds in metrics.stages), metrics.stages
     metrics.stages.clear()
     _run(engine, GenerationRequest("txt", "Hello there", sampling=SamplingParams(max_tokens=1, ignore_eos=True)))
-    assert sorted(n for n, _ in metrics.stages) == ["prefill_step", "queue"]
+    assert sorted(n for n, _ in metrics.stages) == ["admit", "prefill_step", "queue"]

@@ -223,6 +223,7 @@ class GenerationRequest:
     # A whole conversation instead of ``prompt`` (the ``messages`` input, :mod:`vlora.engine.chat`), rendered
     # through the checkpoint's chat template when the request is prepared; ``prompt`` is then empty.
     messages: Optional[Any] = None  # vlora.engine.chat.Conversation
+    received: float = field(default_factory=time.monotonic)  # taken from its transport: the stage timer "admit" starts
 
 
 @dataclass

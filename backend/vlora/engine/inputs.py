@@ -107,7 +107,8 @@ class InputProcessor:
             prompt = self.loaded.family.chat_prompt(self.loaded, req.messages, images)
         else:
             prompt = self.loaded.family.prompt(self.loaded, req.prompt, images, req.apply_chat_template)
-        timings = {"image_decode": decoded - started, "preprocess": time.monotonic() - decoded} if images else {}
+        timings = {"admit": started - req.received, "image_decode": decoded - started,
+                   "preprocess": time.monotonic() - decoded} if images else {"admit": started - req.received}
         ids = prompt.ids
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"prompt is {len(ids)} tokens (images included); the model's context is "

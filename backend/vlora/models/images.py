@@ -46,6 +46,7 @@ MAX_ASPECT_RATIO = 100  # longest edge / shortest edge
 # Leading bytes of the formats above; anything else is taken to be base64 text.
 _MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM")
 _DATA_URL = re.compile(rb"^data:image/[A-Za-z0-9.+-]+;base64,", re.IGNORECASE)
+_WHITESPACE = b" \t\n\r\x0b\x0c"  # what re's \s matches in bytes
 
 
 def _label(index: Optional[int]) -> str:
@@ -237,12 +238,18 @@ def image_bytes_from_input(data: bytes | str, limits: InputLimits, index: Option
     if len(data) > limits.max_image_bytes * 4 // 3 + 1024:
         raise InvalidRequest(f"{label}: {len(data)} bytes of base64 is over the limit of "
                              f"{limits.max_image_bytes} decoded bytes")
-    text = _DATA_URL.sub(b"", data.strip(), count=1)
-    text = re.sub(rb"\s+", b"", text)
+    text = data.strip()
+    if text[:5].lower() == b"data:":
+        text = _DATA_URL.sub(b"", text, count=1)
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise InvalidRequest(f"{label}: neither an encoded image nor valid base64 text") from None
+        raw = None
+    if raw is None:  # whitespace inside (line-wrapped base64): dropped in one C pass, then strictly decoded
+        try:
+            raw = base64.b64decode(text.translate(None, _WHITESPACE), validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequest(f"{label}: neither an encoded image nor valid base64 text") from None
     if not raw:
         raise InvalidRequest(f"{label}: empty")
     return raw

@@ -96,7 +96,7 @@ class TritonModelMetrics:
             "encoder_misses": fam("vlora_encoder_cache_misses_total", "Images encoded (not in the encoder cache)", fam.COUNTER),
             "encoder_evictions": fam("vlora_encoder_cache_evictions_total", "Features evicted from the encoder cache", fam.COUNTER),
             "encoder_bytes": fam("vlora_encoder_cache_bytes", "Bytes of features in the encoder cache", fam.GAUGE),
-            "stage": fam("vlora_stage_seconds", "Time per request stage, by the engine's own timers (queue, image_decode, "
+            "stage": fam("vlora_stage_seconds", "Time per request stage, by the engine's own timers (admit, queue, image_decode, "
                          "preprocess, vision, prefill_step, decode_step)", fam.HISTOGRAM),
         }
         f = self._families
