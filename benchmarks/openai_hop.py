@@ -41,6 +41,10 @@ import numpy as np
 from benchmarks.common import device_name, git_commit, write_result
 
 PROMPT = "USER: Tell me a long story about the sea and the ships that sail on it. ASSISTANT:"
+# Sampled with a fixed seed, the same on both paths (the same tokens, the same work): a random-weight model's
+# greedy answer is often one byte-fallback token repeated, whose text never completes, so neither path would
+# ever see text to time.
+SAMPLING = {"temperature": 1.0, "seed": 1234, "ignore_eos": True}
 
 
 def start_server(args, work: Path):
@@ -71,6 +75,12 @@ def start_server(args, work: Path):
     return proc, f"127.0.0.1:{grpc}", oa
 
 
+def _timed(first, last, t0: float, tokens: int) -> tuple[float, float, int]:
+    if first is None:
+        raise RuntimeError(f"{tokens} tokens came back and none had text: nothing to time")
+    return first - t0, last - t0, tokens
+
+
 class GrpcClient:
     """One client of the generate path: a tritonclient gRPC channel it keeps (``new``: a new one per request), a
     stream per request."""
@@ -83,7 +93,7 @@ class GrpcClient:
         import tritonclient.grpc as grpcclient
         from vlora_client.client import build_grpc_inputs
 
-        params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        params = {"max_tokens": max_tokens, **SAMPLING}
         inputs = build_grpc_inputs(PROMPT, [], params, True)
         events: queue.Queue = queue.Queue()
         if self.client is None or self.new:
@@ -113,7 +123,7 @@ class GrpcClient:
         client.stop_stream()
         if self.new:
             client.close()
-        return first - t0, last - t0, tokens
+        return _timed(first, last, t0, tokens)
 
     def close(self) -> None:
         if self.client is not None and not self.new:
@@ -129,8 +139,8 @@ class OpenAIClient:
 
     def request(self, max_tokens: int) -> tuple[float, float, int]:
         """(ttft s, last text s, tokens) of one streamed /v1/completions request."""
-        body = json.dumps({"model": "vlora", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+        body = json.dumps({"model": "vlora", "prompt": PROMPT, "max_tokens": max_tokens, **SAMPLING, "stream": True,
+                           "stream_options": {"include_usage": True}})
         if self.conn is None or self.new:
             self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
         conn = self.conn
@@ -154,7 +164,7 @@ class OpenAIClient:
         resp.read()  # the end of the chunked body: the connection is free for the next request
         if self.new:
             conn.close()
-        return first - t0, last - t0, tokens
+        return _timed(first, last, t0, tokens)
 
     def close(self) -> None:
         if self.conn is not None:

@@ -70,11 +70,13 @@ class GrpcSender:
                 result["response_bytes"] += response.ByteSize()
                 if response.outputs:
                     text = _scalar(res.as_numpy("text_output"), "")
-                    if result["t_first"] is None and text:
-                        result["t_first"] = time.monotonic()
                     parts.append(text)
                     result["n_in"] = int(_scalar(res.as_numpy("num_input_tokens"), 0)) or result["n_in"]
                     result["n_out"] += int(_scalar(res.as_numpy("num_output_tokens"), 0))
+                    # The first token, whatever its text: a token may decode to nothing yet (a byte of a
+                    # character that later tokens complete), which random weights produce for many steps.
+                    if result["t_first"] is None and (text or result["n_out"]):
+                        result["t_first"] = time.monotonic()
                     reason = _scalar(res.as_numpy("finish_reason"), None)
                     if reason:
                         result["finish_reason"] = reason
