@@ -368,27 +368,48 @@ def decode_point(engine, variant: str, batch: int, context: int, names: list[str
 _PREFILL_SEEDS = iter(range(10**6))  # every timed prompt its own tokens: none hits the prefix cache
 
 
+_USED_LENGTHS: set[int] = set()  # prompt lengths this process has prefilled
+
+
+def _new_length(tokens: int) -> int:
+    """The first length from ``tokens + 1`` up that this process has not prefilled: a shape new to every kernel
+    that plans, autotunes or compiles per shape, as a user's next prompt is."""
+    n = tokens + 1
+    while n in _USED_LENGTHS:
+        n += 1
+    return n
+
+
+def _prefill_once(engine, tokens: int, label: str) -> float:
+    """Seconds of the step that prefills one new prompt of ``tokens`` tokens (its own tokens: no prefix hit)."""
+    _USED_LENGTHS.add(tokens)
+    run = BatchRun(engine, 1, tokens, [None], 1, label, seed=next(_PREFILL_SEEDS))
+    try:
+        run.sync()
+        t0 = time.perf_counter()
+        last = engine.step()
+        if last is None:
+            raise RuntimeError(f"the prefill step did not run ({run.errors[:1]})")
+        run.sync()
+        dt = time.perf_counter() - t0
+        if last.num_prefill != 1 or last.partial_prefills:
+            raise RuntimeError(f"expected one whole prefill, the step ran {last.num_prefill} "
+                               f"({len(last.partial_prefills)} in part)")
+    finally:
+        run.close()
+    return dt
+
+
 def prefill_point(engine, tokens: int, reps: int) -> dict:
-    """ms of the step that prefills one prompt of ``tokens`` tokens (one warm-up, then ``reps``), each
-    prompt new to the engine (a prompt seen before would run only past its cached prefix)."""
-    times = []
-    for i in range(reps + 1):
-        run = BatchRun(engine, 1, tokens, [None], 1, f"prefill-{tokens}-{i}", seed=next(_PREFILL_SEEDS))
-        try:
-            run.sync()
-            t0 = time.perf_counter()
-            last = engine.step()
-            if last is None:
-                raise RuntimeError(f"the prefill step did not run ({run.errors[:1]})")
-            run.sync()
-            dt = time.perf_counter() - t0
-            if last.num_prefill != 1:
-                raise RuntimeError(f"expected one prefill, the step ran {last.num_prefill}")
-        finally:
-            run.close()
-        if i:
-            times.append(dt)
-    return {"ms": 1e3 * statistics.mean(times), "min_ms": 1e3 * min(times), "reps": reps}
+    """ms of the step that prefills one prompt, each prompt new to the engine (a prompt seen before would run
+    only past its cached prefix): after one warm-up, ``reps`` prompts of lengths this process has never run
+    (``tokens`` + 1, + 2, ...: the figure, ``ms``), then ``reps`` of exactly ``tokens`` (``repeated_ms``: what
+    per-shape plans and caches make of a length seen before)."""
+    _prefill_once(engine, tokens, f"prefill-{tokens}-warm")
+    new = [_prefill_once(engine, _new_length(tokens), f"prefill-{tokens}-new{i}") for i in range(reps)]
+    repeated = [_prefill_once(engine, tokens, f"prefill-{tokens}-again{i}") for i in range(reps)]
+    return {"ms": 1e3 * statistics.mean(new), "min_ms": 1e3 * min(new), "repeated_ms": 1e3 * statistics.mean(repeated),
+            "new_lengths": True, "reps": reps}
 
 
 def vision_inputs(engine, images: int):

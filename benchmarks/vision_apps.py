@@ -8,12 +8,15 @@ encoder-cache or prefix hit; JPEG, 640x480 for LLaVA, 448x448 for Qwen2-VL) aski
 ``inputs.prepare`` (decode, preprocessing, tokens, M-RoPE positions) and of the engine step (vision tower,
 prefill, the token), p50; ``video16`` (families that take a video): 16 new 448x448 frames; ``first``: the first
 such request after the engine is built (what the warm start is for); ``vision_ms``: the vision tower and
-projector/merger alone (the engine's own encode: the graphed tower where one is captured).
+projector/merger alone (the engine's own encode: the graphed tower where one is captured); ``async_ms``: the same
+request handed to the ``AsyncEngine`` as the Triton model hands it (checks, image workers, the engine thread's loop
+and its step overlap) to its final event: the server's figure less Triton's transport.
 
 **Through the real server** (``--part server``): ``vlora serve`` on the model with ``--adapters N`` random
 rank-``--rank`` adapters, then
 - the time to ready and the first request after it, and the idle time to the whole one-token answer of a new
-  image over HTTP ``/generate``, with and without an adapter (p50 of ``--reps``);
+  image over HTTP ``/generate``, with and without an adapter (p50 of ``--reps``), with the engine's stage timers
+  over those requests and what they leave untimed (Triton's HTTP and the stub's transport, the response thread);
 - visual retrieval (one new image per request, the trace-shaped question and answer lengths of
   ``configs/workloads/visual_retrieval.yaml``, adapters drawn from Zipf(1) over the N) and video analytics
   (``--frames`` new frames per chunk, one chunk per stream per second, 5-10 output tokens or a task head;
@@ -77,21 +80,56 @@ def one_request(engine, text: str, images: list[bytes], sync) -> tuple[float, fl
     return 1e3 * (t1 - t0), 1e3 * (t2 - t1), prepared
 
 
-def measure(preset: str, work: Path, device: str, reps: int) -> dict:
-    """One model's figures (run in a child process)."""
-    import torch
+def async_request(aeng, text: str, images: list[bytes]) -> float:
+    """ms from handing one request (one token) to the AsyncEngine, as the Triton model does, to its final event:
+    the checks, the image workers, the engine thread's loop and its step overlap, without Triton's transport."""
+    import threading
 
+    from vlora.engine.api import GenerationRequest, SamplingParams
+
+    done, got = threading.Event(), []
+
+    def callback(out) -> None:
+        if out.finished:
+            got.append(out.error)
+            done.set()
+
+    req = GenerationRequest(f"vision-apps-async-{time.monotonic_ns()}", text, images=images,
+                            sampling=SamplingParams(max_tokens=1))
+    t0 = time.perf_counter()
+    aeng.generate(req, callback, lambda e: (got.append(str(e)), done.set()))
+    if not done.wait(300):
+        raise RuntimeError("no answer from the engine in 300 s")
+    ms = 1e3 * (time.perf_counter() - t0)
+    if got[0]:
+        raise RuntimeError(f"the request failed: {got[0]}")
+    return ms
+
+
+def measure(preset: str, work: Path, device: str, reps: int) -> dict:
+    """One model's figures (run in a child process). The engine runs behind its AsyncEngine, as in the server;
+    the direct timings (prepare, step) run on its engine thread between two iterations of its loop."""
     from vlora.config import EngineConfig
-    from vlora.engine.builder import build_engine
+    from vlora.engine.async_engine import AsyncEngine
 
     cuda = device.startswith("cuda")
     model_dir = model_folder(preset, work, cuda)
     t0 = time.perf_counter()
-    engine = build_engine(EngineConfig().with_overrides({
+    aeng = AsyncEngine(EngineConfig().with_overrides({
         "model.path": str(model_dir), "model.device": device, "model.dtype": "bfloat16" if cuda else "float32",
         "lora.adapter_root": None, "orchestrator.policy": "unmerge-only", "atmm.tune_at_load": "never",
         "limits.max_images": 16}))
-    out: dict = {"preset": preset, "build_s": round(time.perf_counter() - t0, 2),
+    try:
+        return _measure(aeng, preset, cuda, reps, time.perf_counter() - t0)
+    finally:
+        aeng.shutdown()
+
+
+def _measure(aeng, preset: str, cuda: bool, reps: int, build_s: float) -> dict:
+    import torch
+
+    engine = aeng.engine
+    out: dict = {"preset": preset, "build_s": round(build_s, 2),
                  "warmup": engine.model_info.get("warmup"), "cuda_graphs": engine.model_info.get("cuda_graphs")}
     runner = engine.runner
     family = runner.loaded.family
@@ -108,23 +146,34 @@ def measure(preset: str, work: Path, device: str, reps: int) -> dict:
         rows = []
         for _ in range(reps + 1):
             seed += 1
-            rows.append(one_request(engine, text, [jpeg(1000 * seed + j, *side) for j in range(n)], sync))
+            images = [jpeg(1000 * seed + j, *side) for j in range(n)]
+            rows.append(aeng.call(lambda eng, images=images: one_request(eng, text, images, sync)))
         first, rest = rows[0], rows[1:]
         prepared = rest[-1][2]
-        pv = prepared.pixel_values.to(runner.device, runner.dtype)
-        times = []
-        with torch.inference_mode():
-            for _ in range(reps + 1):
-                sync()
-                t = time.perf_counter()
-                runner.encode(pv, prepared.image_grid_thw, None, video=prepared.video)
-                sync()
-                times.append(1e3 * (time.perf_counter() - t))
+
+        def encode_times(eng) -> list[float]:
+            pv = prepared.pixel_values.to(runner.device, runner.dtype)
+            times = []
+            with torch.inference_mode():
+                for _ in range(reps + 1):
+                    sync()
+                    t = time.perf_counter()
+                    runner.encode(pv, prepared.image_grid_thw, None, video=prepared.video)
+                    sync()
+                    times.append(1e3 * (time.perf_counter() - t))
+            return times
+
+        times = aeng.call(encode_times)
+        through = []
+        for _ in range(reps):
+            seed += 1
+            through.append(async_request(aeng, text, [jpeg(1000 * seed + j, *side) for j in range(n)]))
         out[name] = {"images": n, "size": list(side), "prompt_tokens": len(prepared.prompt_ids),
                      "first_prepare_ms": round(first[0], 2), "first_step_ms": round(first[1], 2),
                      "prepare_ms_p50": round(statistics.median(r[0] for r in rest), 2),
                      "step_ms_p50": round(statistics.median(r[1] for r in rest), 2),
                      "ttft_ms_p50": round(statistics.median(r[0] + r[1] for r in rest), 2),
+                     "async_ms_p50": round(statistics.median(through), 2),
                      "vision_ms_p50": round(statistics.median(times[1:]), 2), "reps": reps}
         if prepared.image_grid_thw is not None:
             out[name]["grid"] = prepared.image_grid_thw.tolist()
@@ -259,9 +308,18 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
         for label, adapter in (("base", None), ("adapter", names[0])):
             params = {"max_tokens": 1, **({"lora_name": adapter} if adapter else {})}
             _generate(http, prompt, [new_image()], params)  # the adapter's first use: its load
+            time.sleep(0.5)  # the model applies its metrics every 0.2 s
+            before = stage_totals(server.metrics_url)
             times = [1e3 * _generate(http, prompt, [new_image()], params) for _ in range(args.reps)]
-            result[f"idle_image_ms_{label}"] = {"p50": round(statistics.median(times), 1), "min": round(min(times), 1),
-                                                "max": round(max(times), 1), "reps": len(times)}
+            time.sleep(0.5)
+            stages = stage_means(before, stage_totals(server.metrics_url))
+            timed = sum(v["mean_ms"] for k, v in stages.items() if k != "vision")  # vision runs inside the step
+            result[f"idle_image_ms_{label}"] = {
+                "p50": round(statistics.median(times), 1), "min": round(min(times), 1), "max": round(max(times), 1),
+                "reps": len(times), "stages": stages,
+                # what the engine's timers do not see: Triton's HTTP and the stub's transport both ways, the
+                # response thread, and the gaps between the timed stages
+                "untimed_ms": round(statistics.mean(times) - timed, 1)}
         target = Target(http.replace("http://", ""), server.grpc_url, server.metrics_url)
         heads = HeadPolicy.from_adapter_root(root, tuple(names))
         settings = {"benchmark": "python -m benchmarks.vision_apps", "device": device_name(), "commit": git_commit()}
@@ -289,7 +347,7 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
 def _point(s: dict) -> dict:
     """One rate point's figures from the harness's summary."""
     keep = ("offered_rate_rps", "requests", "ok", "rejected", "error", "timeout", "throughput_rps",
-            "output_tokens_per_s", "avg_token_latency_s")
+            "output_tokens_per_s", "avg_token_latency_s", "error_messages")
     out = {k: s.get(k) for k in keep}
     for k in ("ttft", "e2e"):
         out[f"{k}_s"] = {q: s.get(f"{k}_{q}_s") for q in ("p50", "p99")}
@@ -306,15 +364,18 @@ def summary(result: dict) -> str:
             if case in m:
                 c = m[case]
                 parts.append(f"{name} {case}: TTFT p50 {c['ttft_ms_p50']:.1f} ms (prepare {c['prepare_ms_p50']:.1f} + step "
-                             f"{c['step_ms_p50']:.1f}; vision {c['vision_ms_p50']:.1f}), first after build "
+                             f"{c['step_ms_p50']:.1f}; vision {c['vision_ms_p50']:.1f}; through the AsyncEngine "
+                             f"{c.get('async_ms_p50', float('nan')):.1f}), first after build "
                              f"{c['first_prepare_ms'] + c['first_step_ms']:.0f} ms")
         if m.get("warmup"):
             parts.append(f"{name} warm-up {m['warmup']['seconds']:.2f} s")
     for m in result.get("served", []):
         name = Path(m["preset"]).stem
+        base = m['idle_image_ms_base']
+        stages = " + ".join(f"{k} {v['mean_ms']:.1f}" for k, v in base.get("stages", {}).items())
         parts.append(f"{name} through the server: ready in {m['ready_s']:.0f} s, first request {m['first_request_ms']:.0f} ms, "
-                     f"idle new image {m['idle_image_ms_base']['p50']:.1f} ms ({m['idle_image_ms_adapter']['p50']:.1f} "
-                     f"with an adapter)")
+                     f"idle new image {base['p50']:.1f} ms ({m['idle_image_ms_adapter']['p50']:.1f} "
+                     f"with an adapter; engine timers {stages}, untimed {base.get('untimed_ms', float('nan')):.1f})")
         for app in ("visual_retrieval", "video_analytics"):
             pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> {p['throughput_rps']:.2f}/s TTFT p50 "
                             f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms" for p in m.get(app, []))

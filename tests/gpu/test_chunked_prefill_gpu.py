@@ -87,4 +87,6 @@ def test_qwen_chunked_prefill_matches_unchunked_on_cuda(vlora_cache):
     tiny_qwen = pytest.importorskip("vlora.models.tiny_qwen")
     model_dir = tiny_qwen.ensure_tiny_qwen(vlora_cache, variant="qwen2_5_vl")
     root = tiny_qwen.ensure_tiny_qwen_adapters(model_dir, vlora_cache / "qwen-adapters-qwen2_5_vl")
-    _check(model_dir, root, QWEN, n_items=6, budget=16)
+    # 24 tokens a step: the smallest prefill-graph bucket (graphs.prefill_buckets), so that chunks replay graphs,
+    # and short enough that the video's and the images' placeholder runs span several chunks.
+    _check(model_dir, root, QWEN, n_items=6, budget=24)
