@@ -323,7 +323,7 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
         target = Target(http.replace("http://", ""), server.grpc_url, server.metrics_url)
         heads = HeadPolicy.from_adapter_root(root, tuple(names))
         settings = {"benchmark": "python -m benchmarks.vision_apps", "device": device_name(), "commit": git_commit()}
-        for name, workload in (("visual_retrieval", retrieval), ("video_analytics", video)):
+        for name, workload in (("visual_retrieval", retrieval), ("video_analytics", video)) if args.rates else ():
             wait_idle(target.metrics_url, 120, sys.stdout)
             before = stage_totals(target.metrics_url)
             points = run_sweep(workload, sweep_points(args.rates, []), target, out_dir / name, names, heads,
@@ -376,7 +376,7 @@ def summary(result: dict) -> str:
         parts.append(f"{name} through the server: ready in {m['ready_s']:.0f} s, first request {m['first_request_ms']:.0f} ms, "
                      f"idle new image {base['p50']:.1f} ms ({m['idle_image_ms_adapter']['p50']:.1f} "
                      f"with an adapter; engine timers {stages}, untimed {base.get('untimed_ms', float('nan')):.1f})")
-        for app in ("visual_retrieval", "video_analytics"):
+        for app in ("visual_retrieval", "video_analytics") if m.get("visual_retrieval") is not None else ():
             pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> {p['throughput_rps']:.2f}/s TTFT p50 "
                             f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms" for p in m.get(app, []))
             best = max(m.get(app, []), key=lambda p: p["throughput_rps"], default=None)
@@ -394,7 +394,8 @@ def main() -> None:
     p.add_argument("--part", choices=("engine", "server", "both"), default="both")
     p.add_argument("--adapters", type=int, default=8, help="server part: random adapters (Zipf(1) popularity)")
     p.add_argument("--rank", type=int, default=64, help="server part: their rank")
-    p.add_argument("--rates", default="1,2,4,8", help="server part: offered requests/s of each application")
+    p.add_argument("--rates", default="1,2,4,8", help="server part: offered requests/s of each application (empty: "
+                   "the idle figures only)")
     p.add_argument("--duration", type=float, default=20.0, help="server part: seconds per rate point")
     p.add_argument("--frames", type=int, default=8, help="server part: frames per video chunk")
     p.add_argument("--no-record", action="store_true", help="no line in RESULTS.md, no copy in benchmarks/results")
