@@ -6,7 +6,10 @@
 # the ATMM extension from build_atmm.sh. Steps are skipped once less than their expected time is left
 # of DEVICE_BUDGET_S (default 570 s), so a 10-minute device call always returns its logs.
 #   STEPS="tests serve heads engine" (default all four); "openai": the OpenAI front end's hop against the generate
-#   endpoint at the same dimensions (benchmarks/openai_hop.py, about 4 minutes; run it alone: STEPS=openai)
+#   endpoint at the same dimensions (benchmarks/openai_hop.py, about 4 minutes; run it alone: STEPS=openai); "burst":
+#   issue 36's rows through the server at the same dimensions (benchmarks/serve_burst.py: 32 new short prompts at once,
+#   32 x 256 tokens base / resident / cold adapters, 64 new images at once; about 3 minutes, 4 with the model to write;
+#   run it alone: STEPS=burst)
 # Writes under $OUT (default benchmarks/device_out): log.txt (every step's output), bundle.tgz (server logs,
 # the results JSON and RESULTS.md lines this run wrote), and the built extension (few files: the device
 # tool brings back at most 8).
@@ -46,9 +49,13 @@ fi
 if want openai 240; then
   python3 -m benchmarks.openai_hop --device cuda --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench || rc=1
 fi
+if want burst 240; then
+  python3 -m benchmarks.serve_burst --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench || rc=1
+fi
 mkdir -p /tmp/bundle
 cp /tmp/vlora-bench/server.log /tmp/bundle/ 2>/dev/null
 tail -c 300000 /tmp/vlora-bench/triton-ws/tritonserver.log > /tmp/bundle/tritonserver.log 2>/dev/null
+tail -c 300000 /tmp/vlora-bench/burst-server/ws/tritonserver.log > /tmp/bundle/burst-tritonserver.log 2>/dev/null
 tail -n 8 benchmarks/RESULTS.md > /tmp/bundle/RESULTS-tail.md
 find benchmarks/results -name '*.json' -newer /tmp/device-serve.start -exec cp {} /tmp/bundle/ \;
 cp /tmp/heads-latency.json /tmp/bundle/ 2>/dev/null
