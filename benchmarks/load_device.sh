@@ -8,6 +8,12 @@
 #       SCALING_DURATION (default 110 s of sending) and SCALING_WARMUP (default 40 s): the steady-state figures
 #       count [warm-up, duration]; then the requests in flight drain (up to ~1 min at these output lengths).
 #       SCALING_SERVE_ARGS: the server settings of these runs (default below).
+#       SCALING_ADAPTERS (default 8): the adapters the requests spread over (issue 40's warm-adapter case: 32).
+#       SCALING_ROUTING (default: vlora serve's default): routing modes to compare, each run per GPU count, e.g.
+#       "off adapter" (--routing; results named load-7b-scaling-<n>gpu-routing-<mode>[-<k>ad]). One GPU never routes.
+#   Issue 40's routing comparison (two device calls, ~10 min each on 4 H100s/H200s):
+#     SCALING_ADAPTERS=32 SCALING_ROUTING="off adapter" SCALING_GPUS="4 1" SCALING_DURATION=60 SCALING_WARMUP=20 bash benchmarks/load_device.sh scaling
+#     SCALING_ADAPTERS=32 SCALING_ROUTING="off adapter" SCALING_GPUS="2" SCALING_DURATION=60 SCALING_WARMUP=20 bash benchmarks/load_device.sh scaling
 #
 # Parts run in the order given. Both sweeps fit one 10-minute device command. Wheels the machine lacks are read from .whl/ (nvidia-pytriton,
 # tritonclient, libpython, and NumPy 1 where the image has NumPy 2: see benchmarks/device_serve.sh) and from
@@ -62,16 +68,25 @@ for PART in "${PARTS[@]}"; do
       # scheduler.max_waiting=2: an instance whose batch is full blocks in execute(), so Triton hands the next
       # request to another instance (with the default 64 one instance may hold far more than its batch while
       # another has room); atmm.tune_at_load=never: no tuner sidecar profiles on a GPU while it is measured.
+      # With several GPUs, vlora serve routes by adapter unless --routing off (SCALING_ROUTING compares modes).
       NGPU=$(nvidia-smi -L | wc -l)
+      ADS=${SCALING_ADAPTERS:-8}
       for n in ${SCALING_GPUS:-1 2 4}; do
         [ "$n" -le "$NGPU" ] || { echo "skipping $n GPUs: $NGPU here"; continue; }
-        echo "[${n} GPU(s) from ${SECONDS} s]"
-        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) python3 -m benchmarks.load_sweep --keep-raw --name "load-7b-scaling-${n}gpu" \
-          --workload visual_retrieval --preset $PRESET --closed-users $((32 * n)) --duration "${SCALING_DURATION:-110}" \
-          --warmup-s "${SCALING_WARMUP:-40}" --out "$W/load-7b-scaling-${n}gpu" -- "${SERVER[@]}" \
-          --serve-arg="${SCALING_SERVE_ARGS:---set scheduler.max_waiting=2 --set atmm.tune_at_load=never}" || rc=1
-        find benchmarks/results -name "load-7b-scaling-${n}gpu-*.json" -newer /tmp/load-part.start -exec cp {} "$W/load-7b-scaling-${n}gpu/" \;
-        tar -C /tmp/load-out -czf "$OUT/scaling-${n}gpu.tgz" "$PART/load-7b-scaling-${n}gpu"  # kept if a later count is cut short
+        MODES=${SCALING_ROUTING:-default}
+        [ "$n" -gt 1 ] || MODES=default  # one GPU: one model, whatever the mode
+        for mode in $MODES; do
+          NAME="load-7b-scaling-${n}gpu"; RARG=""
+          [ "$mode" = default ] || { NAME="$NAME-routing-$mode"; RARG=" --routing $mode"; }
+          [ "$ADS" = 8 ] || NAME="$NAME-${ADS}ad"
+          echo "[${n} GPU(s), routing ${mode}, ${ADS} adapters from ${SECONDS} s]"
+          CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) python3 -m benchmarks.load_sweep --keep-raw --name "$NAME" \
+            --workload visual_retrieval --preset $PRESET --closed-users $((32 * n)) --duration "${SCALING_DURATION:-110}" \
+            --warmup-s "${SCALING_WARMUP:-40}" --out "$W/$NAME" -- "${SERVER[@]}" --num-adapters "$ADS" \
+            --serve-arg="${SCALING_SERVE_ARGS:---set scheduler.max_waiting=2 --set atmm.tune_at_load=never}$RARG" || rc=1
+          find benchmarks/results -name "$NAME-*.json" -newer /tmp/load-part.start -exec cp {} "$W/$NAME/" \;
+          tar -C /tmp/load-out -czf "$OUT/scaling-${n}gpu-${mode}.tgz" "$PART/$NAME"  # kept if a later run is cut short
+        done
       done ;;
     *) echo "usage: $0 retrieval|video|scaling ..."; exit 2 ;;
   esac

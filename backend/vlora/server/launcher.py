@@ -18,6 +18,12 @@ The OpenAI-compatible API (issue 39, vlora.server.openai) runs as a process of i
 it dies with the launcher, is stopped with the server, and if it exits while serving, the launcher says so
 and stops the server (exit code OPENAI_FAILED_EXIT).
 
+Several GPUs (issue 40): with ``--routing auto`` (the default) and a device setting that reaches two or more GPUs,
+the workspace repository holds one engine model per GPU and the router model ``vlora`` in front of them
+(vlora.server.routing; repository.py writes it); the launcher makes the routing board the engines publish on and
+waits for every model to be ready. One GPU, ``--device cuda:N``, the CPU or ``--routing off``: one ``vlora`` model,
+one instance per GPU, as before.
+
 Security (issue 37): tritonserver runs locked down, its admin APIs restricted to the admin key, the key
 hidden on its command line, its shared-memory regions 0600 (lockdown.py); start checks all of it.
 """
@@ -57,12 +63,18 @@ from vlora.server.ports import ServerUrls
 from vlora.server.processes import _alive, child_processes
 from vlora.server.repository import (
     MODEL_NAME,
+    engine_instance_group,
     flat_overrides,
     instance_group_for,
     prepare_repository,
+    prepare_routed_repository,
     render_config,
+    routed_engines,
+    router_instance_group,
     source_repository,
 )
+from vlora.server.routing import BOARD_PARAM, ENGINES_PARAM, MARGIN_PARAM, SLOT_PARAM, engine_model_name
+from vlora.server.routing.board import create_board
 from vlora.server.triton_dist import TritonDistribution, TritonNotFound
 
 
@@ -161,6 +173,7 @@ class TritonServer(ServerUrls):
         self.url_host = options.client_host
         self.http_port, self.grpc_port = options.http_port, options.grpc_port
         self.metrics_port, self.openai_port = options.metrics_port, options.openai_port
+        self.model_names: list[str] = [MODEL_NAME]  # every model of the repository: the router and its engines when routed
 
     @property
     def log_path(self) -> Optional[Path]:
@@ -191,14 +204,7 @@ class TritonServer(ServerUrls):
                 self._workspace.mkdir(mode=0o700)
         ws = self._workspace
         binary, backends = dist.install(ws / "tritonserver")
-        device = self.engine_config.model.device
-        config_text = render_config(
-            template_path.read_text(encoding="utf-8"),
-            parameters=flat_overrides(self.engine_config),
-            max_queue_size=opts.max_queue_size,
-            instance_group=instance_group_for(device),
-        )
-        repo = prepare_repository(source, ws / "model_repository", config_text)
+        repo = self._prepare_models(source, template_path.read_text(encoding="utf-8"), ws)
         self._log_path = ws / "tritonserver.log"
         cmd = self.command(binary, backends, repo)
         _say(self._out, f"starting tritonserver (workspace {ws}, log {self._log_path})")
@@ -226,6 +232,32 @@ class TritonServer(ServerUrls):
         self._check_regions_private()
         if opts.openai_port:
             self._start_openai()
+
+    def _prepare_models(self, source: Path, template: str, ws: Path) -> Path:
+        """The workspace's model repository: one ``vlora`` model, or the router and one engine model per GPU."""
+        opts = self.options
+        device = self.engine_config.model.device
+        engines = routed_engines(opts.routing, device, visible_gpus(device), opts.routing_cpu_engines)
+        overrides = flat_overrides(self.engine_config)
+        if not engines:
+            config_text = render_config(template, parameters=overrides, max_queue_size=opts.max_queue_size,
+                                        instance_group=instance_group_for(device))
+            return prepare_repository(source, ws / "model_repository", config_text)
+        board = create_board(ws / "routing.board", engines)
+        names = [engine_model_name(i) for i in range(engines)]
+        engine_configs = [
+            render_config(template, parameters={**overrides, BOARD_PARAM: str(board), SLOT_PARAM: str(i)},
+                          max_queue_size=opts.max_queue_size, instance_group=engine_instance_group(i, device))
+            for i in range(engines)
+        ]
+        router_config = render_config(
+            "# The router of adapter-aware routing (vlora.server.routing.router), written by `vlora serve`.\n" + template,
+            parameters={ENGINES_PARAM: ",".join(names), BOARD_PARAM: str(board), MARGIN_PARAM: str(opts.routing_margin)},
+            max_queue_size=opts.max_queue_size, instance_group=router_instance_group(opts.router_instances))
+        self.model_names = [MODEL_NAME, *names]
+        _say(self._out, f"adapter-aware routing: {engines} engine models ({', '.join(names)}) behind the router "
+                        f"'{MODEL_NAME}' ({opts.router_instances} CPU instances; --routing off turns it off)")
+        return prepare_routed_repository(source, ws / "model_repository", engine_configs, router_config)
 
     def command(self, binary: Path, backends: Path, repo: Path) -> list[str]:
         """tritonserver's command line (the restricted APIs' value is chosen here, once per launch)."""
@@ -324,12 +356,12 @@ class TritonServer(ServerUrls):
         opts = self.options
         t0 = time.monotonic()
         last_report = t0
-        url = f"{self.http_url}/v2/models/{MODEL_NAME}/ready"
+        urls = [f"{self.http_url}/v2/models/{name}/ready" for name in self.model_names]
         while True:
             code = self._proc.poll()
             if code is not None:
                 raise LaunchError(f"tritonserver exited with code {code} before it was ready.\n{self.failure_report()}")
-            if _http_ok(url):
+            if all(_http_ok(url) for url in urls):
                 break
             now = time.monotonic()
             if now - t0 > opts.startup_timeout_s:
@@ -528,6 +560,21 @@ class TritonServer(ServerUrls):
 def _say(out: TextIO, text: str) -> None:
     out.write(text + "\n")
     out.flush()
+
+
+def visible_gpus(device: str) -> int:
+    """The GPUs a device setting of ``auto`` or ``cuda`` reaches (torch's count: CUDA_VISIBLE_DEVICES applies);
+    0 for any other setting, or without torch or CUDA."""
+    if device not in ("auto", "cuda"):
+        return 0
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:
+        return 0
 
 
 def _check_port_free(host: str, port: int) -> None:

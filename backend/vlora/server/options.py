@@ -11,6 +11,9 @@ from typing import Optional
 from vlora.config import ConfigError, EngineConfig, read_admin_token
 
 
+ROUTING_MODES = ("auto", "adapter", "off")
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """Everything one launch needs. Engine settings end up in ``engine``; the rest is Triton's."""
@@ -32,6 +35,12 @@ class ServeOptions:
     openai_port: int = 0
     openai_max_body_bytes: int = 64 * 1024 * 1024
     allow_image_urls: bool = False  # the front end fetches http(s) image_url parts (else only data: URLs)
+    # Adapter-aware routing over the GPUs of this host (vlora.server.routing): "auto" routes when the device
+    # setting reaches several GPUs, "adapter" likewise, "off" keeps one vlora model with one instance per GPU.
+    routing: str = "auto"
+    router_instances: int = 2  # CPU instances of the router model
+    routing_margin: int = 8  # queue depth over the least loaded engine at which an engine counts as overloaded
+    routing_cpu_engines: int = 0  # tests only: route over this many engine models on the CPU (--device cpu)
 
     def __post_init__(self) -> None:
         ports = [self.http_port, self.grpc_port, self.metrics_port]
@@ -48,6 +57,16 @@ class ServeOptions:
             raise ConfigError("--openai-max-body-mib must allow at least 1 KiB")
         if self.max_queue_size is not None and self.max_queue_size < 1:
             raise ConfigError("--max-queue-size must be >= 1")
+        if self.routing not in ROUTING_MODES:
+            raise ConfigError(f"--routing must be one of {list(ROUTING_MODES)}, got {self.routing!r}")
+        if not 1 <= self.router_instances <= 64:
+            raise ConfigError("--router-instances must be 1 to 64")
+        if self.routing_margin < 0:
+            raise ConfigError("--routing-margin must be >= 0")
+        if self.routing_cpu_engines and not 1 <= self.routing_cpu_engines <= 16:
+            raise ConfigError("--routing-cpu-engines must be 1 to 16")
+        if self.routing_cpu_engines and self.engine.model.device != "cpu":
+            raise ConfigError("--routing-cpu-engines runs engine models on the CPU: it needs --device cpu")
 
     @property
     def client_host(self) -> str:
@@ -92,6 +111,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workspace", metavar="DIR", help="where the server binary, model repository and log go (default: a temporary folder)")
     parser.add_argument("--model-repository", metavar="DIR", help="model repository to serve (default: model_repository/ of this checkout)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    parser.add_argument("--routing", choices=ROUTING_MODES, default="auto",
+                        help="with several GPUs: one engine model per GPU behind a router that sends each adapter's "
+                             "requests to a GPU that has it (auto, the default, and adapter: on with 2+ GPUs; "
+                             "off: one model with one instance per GPU)")
+    parser.add_argument("--router-instances", type=int, default=2, help="CPU instances of the router model (default: 2)")
+    parser.add_argument("--routing-margin", type=int, default=8,
+                        help="requests of queue depth over the least loaded GPU beyond which a GPU holding the "
+                             "adapter counts as overloaded and the adapter spreads (default: 8)")
+    parser.add_argument("--routing-cpu-engines", type=int, default=0, help=argparse.SUPPRESS)  # tests: N CPU engines
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to become ready")
 
 
@@ -132,6 +160,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         openai_port=getattr(args, "openai_port", 0),
         openai_max_body_bytes=int(getattr(args, "openai_max_body_mib", 64.0) * 1024 * 1024),
         allow_image_urls=getattr(args, "allow_image_urls", False),
+        routing=getattr(args, "routing", "auto"),
+        router_instances=getattr(args, "router_instances", 2),
+        routing_margin=getattr(args, "routing_margin", 8),
+        routing_cpu_engines=getattr(args, "routing_cpu_engines", 0),
     )
 
 

@@ -3,6 +3,12 @@
 The committed ``config.pbtxt`` runs unchanged with defaults. A launch writes a copy with
 ``parameters`` holding the flat ``section.field`` engine overrides (read back by ``model.py`` through
 ``EngineConfig.with_overrides``), the ingress queue size, and the instance placement.
+
+With adapter-aware routing (vlora.server.routing), the copy holds one engine model per GPU, ``vlora_gpu<i>`` (the
+committed ``vlora`` model, one instance pinned to GPU i, its config also naming the routing board and its record),
+and the router under the public name ``vlora``: the same inputs and outputs, a few CPU instances, and a
+``model.py`` written here that imports :mod:`vlora.server.routing.router`. The router's code never sits in the
+committed repository, so Triton's container loads only the engine model from it.
 """
 from __future__ import annotations
 
@@ -14,8 +20,13 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from vlora.config import EngineConfig
+from vlora.server.routing import ENGINE_PREFIX, engine_model_name
 
 MODEL_NAME = "vlora"
+ROUTER_MODEL_PY = (
+    '"""The router of adapter-aware routing, written by `vlora serve` (see vlora.server.routing.router)."""\n'
+    "from vlora.server.routing.router import TritonPythonModel  # noqa: F401\n"
+)
 
 _QUEUE_RE = re.compile(r"max_queue_size:\s*\d+")
 _INSTANCE_RE = re.compile(r"instance_group\s*\[\s*\{[^}]*\}\s*\]")
@@ -63,6 +74,33 @@ def instance_group_for(device: str) -> Optional[str]:
     return None
 
 
+def engine_instance_group(index: int, device: str) -> str:
+    """The instance_group of engine model ``index``: one instance pinned to GPU ``index`` (on the CPU: one CPU
+    instance, the test-only way to run several engine models without GPUs)."""
+    if device == "cpu":
+        return "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]"
+    return f"instance_group [\n  {{\n    count: 1\n    kind: KIND_GPU\n    gpus: [ {int(index)} ]\n  }}\n]"
+
+
+def router_instance_group(count: int) -> str:
+    return f"instance_group [\n  {{\n    count: {int(count)}\n    kind: KIND_CPU\n  }}\n]"
+
+
+def routed_engines(routing: str, device: str, gpus: int, cpu_engines: int = 0) -> int:
+    """How many engine models a launch routes over; 0: none (today's single ``vlora`` model).
+
+    ``routing``: ``off``; ``auto`` (the default) and ``adapter`` route when the device setting reaches several
+    GPUs (``auto`` or ``cuda`` with ``gpus`` >= 2; ``cuda:N`` names one GPU). ``cpu_engines`` (a hidden test
+    option) runs that many engine models on the CPU, with ``--device cpu``."""
+    if routing == "off":
+        return 0
+    if cpu_engines:
+        return cpu_engines if device == "cpu" else 0
+    if device in ("auto", "cuda") and gpus >= 2:
+        return gpus
+    return 0
+
+
 def render_config(
     template: str,
     parameters: Mapping[str, str],
@@ -92,6 +130,27 @@ def _pbtxt_string(s: str) -> str:
     return f'"{escaped}"'
 
 
+def prepare_routed_repository(source: Path, dest: Path, engine_configs: list[str], router_config: str) -> Path:
+    """Copy the ``vlora`` model of ``source`` into ``dest`` once per engine, ``vlora_gpu<i>`` with
+    ``engine_configs[i]``, and write the router as ``vlora`` with ``router_config``."""
+    src_model = source / MODEL_NAME
+    if not (src_model / "config.pbtxt").is_file() or not (src_model / "1" / "model.py").is_file():
+        raise FileNotFoundError(f"{src_model} is not a vlora model (config.pbtxt and 1/model.py expected)")
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in [dest / MODEL_NAME, *dest.glob(f"{ENGINE_PREFIX}*")]:
+        if old.is_dir():
+            shutil.rmtree(old)
+    for i, text in enumerate(engine_configs):
+        dst_model = dest / engine_model_name(i)
+        shutil.copytree(src_model, dst_model, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        (dst_model / "config.pbtxt").write_text(text, encoding="utf-8")
+    router = dest / MODEL_NAME
+    (router / "1").mkdir(parents=True)
+    (router / "1" / "model.py").write_text(ROUTER_MODEL_PY, encoding="utf-8")
+    (router / "config.pbtxt").write_text(router_config, encoding="utf-8")
+    return dest
+
+
 def prepare_repository(source: Path, dest: Path, config_text: str) -> Path:
     """Copy the ``vlora`` model of ``source`` into ``dest`` with ``config_text`` as its config."""
     src_model = source / MODEL_NAME
@@ -100,6 +159,9 @@ def prepare_repository(source: Path, dest: Path, config_text: str) -> Path:
     dst_model = dest / MODEL_NAME
     if dst_model.exists():
         shutil.rmtree(dst_model)
+    for old in dest.glob(f"{ENGINE_PREFIX}*"):  # engine models of an earlier routed launch in this workspace
+        if old.is_dir():
+            shutil.rmtree(old)
     shutil.copytree(src_model, dst_model, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (dst_model / "config.pbtxt").write_text(config_text, encoding="utf-8")
     return dest

@@ -50,6 +50,8 @@ from vlora.engine.api import GenerationOutput, coalesce
 from vlora.errors import EngineOverloaded, InvalidRequest, RequestCancelled
 from vlora.server.admin import AdminActions, admin_request
 from vlora.server.metrics import TritonModelMetrics
+from vlora.server.routing import ROUTING_PARAMS
+from vlora.server.routing.engine_side import BoardPublisher, RouteIndex
 from vlora.server.wire import Wire
 
 CANCEL_POLL_S = 0.5  # how often in-flight requests are checked for client cancellation (one IPC each)
@@ -95,6 +97,9 @@ class TritonPythonModel:
                                            args.get("model_instance_name", ""),
                                            f"cuda:{int(args['model_instance_device_id'])}" if gpu else "cpu",
                                            max_lora=config.lora.max_gpu_adapters)
+        # One of several engine models behind the router (vlora.server.routing): also publish this engine's load
+        # and adapters on the routing board. Otherwise the metrics themselves.
+        self._metrics = BoardPublisher.wrap(self._metrics, self._model_config, config.lora.max_gpu_adapters)
         # Engine events and control items for the response thread, in order (deque appends are atomic);
         # _wake is set when the response thread should look: after each engine step's events, and by _post.
         self._outbox: deque = deque()
@@ -105,6 +110,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"vlora: model {self._engine.model_info}; adapters {self._engine.list_adapters()}"
         )
+        self._routes = RouteIndex(self._engine.cancel)  # the router's cancellations of routed requests
         self._response_thread = threading.Thread(target=self._response_loop, name="vlora-responses", daemon=True)
         self._response_thread.start()
         # Several: an unload may wait (lora.unload_timeout_s) for its adapter's requests, and a list must not.
@@ -129,6 +135,8 @@ class TritonPythonModel:
             for key, value in json.loads(args["model_config"]).get("parameters", {}).items()
         }
         config_file = params.pop("config_file", "")
+        for key in ROUTING_PARAMS:  # the routing board's settings, not the engine's
+            params.pop(key, None)
         config = EngineConfig.from_yaml(config_file) if config_file else EngineConfig()
         config = config.with_overrides(params)
         if args.get("model_instance_kind") == "GPU":
@@ -175,6 +183,12 @@ class TritonPythonModel:
 
     def _admit(self, request) -> None:
         sender = request.get_response_sender()
+        route = self._routes.cancellation(request)
+        if route is not None:  # the router's client went away: cancel the request it routed here
+            found = self._routes.cancel(route)
+            self._later(lambda: self._wire.send_final(sender, [self._wire.string_tensor("text_output", str(found).lower()),
+                                                               self._wire.string_tensor("finish_reason", "stop")]))
+            return
         request_id = uuid.uuid4().hex
         try:
             admin = admin_request(self._wire, request)
@@ -186,6 +200,7 @@ class TritonPythonModel:
             self._refuse(sender, e)
             return
         gen = parsed.gen
+        self._routes.register(request, request_id)
         state = _InFlight(request_id=request_id, sender=sender, stream=gen.stream,
                           prefix="" if parsed.exclude_input or gen.stream else gen.prompt)
         # Registered before the engine sees it: the outbox is FIFO, so the response thread knows the request

@@ -1,0 +1,59 @@
+"""Where a request goes: a pure function of the request's adapter and what each engine published.
+
+1. An engine that has the adapter in a device slot or is loading it wins, unless it is overloaded: its queue
+   depth (running + waiting) is more than ``margin`` over the least loaded engine's, or its KV cache is full
+   while another's is not. Among several such engines (a popular adapter that spread), the least loaded.
+2. Otherwise (a cold adapter, or every engine that has it is overloaded) the adapter goes to one of the engines
+   within ``margin`` of the least loaded: the one with the fewest active adapters (adapters with requests), then
+   the highest rendezvous hash of (adapter, engine). The hash makes every router instance pick the same engine
+   for the same cold adapter while the engines' loads are alike, so a burst of requests for a new adapter loads
+   it on one GPU, not on all; the active-adapter count spreads distinct adapters over the GPUs' slots. When the
+   engines that have it are overloaded, this adds one more engine for the popular adapter (it spreads).
+3. A request without an adapter goes to the least loaded engine (ties: the fewest KV blocks held, then the hash
+   of ``key``, which the router varies per request).
+
+Engines whose load is None (never published, or stale: see :class:`vlora.server.routing.board.BoardReader`) are
+skipped; when none is fresh, the rendezvous hash alone decides, so placement stays affine without a board.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Optional, Sequence
+
+from vlora.server.routing.board import EngineLoad
+
+DEFAULT_MARGIN = 8  # queue depth over the least loaded engine beyond which an engine counts as overloaded
+KV_FULL = 0.97  # KV use at which an engine counts as full, when another has room
+
+
+def rendezvous(key: str, engine: int) -> int:
+    """A stable 64-bit score of (key, engine): the same on every router instance and every run."""
+    digest = hashlib.blake2b(f"{key}\x00{engine}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def choose_engine(adapter: Optional[str], loads: Sequence[Optional[EngineLoad]], *, margin: int = DEFAULT_MARGIN,
+                  key: str = "") -> int:
+    """The index of the engine for a request with ``adapter`` (None: the base model), given each engine's
+    published load (None: skip it). ``key`` breaks ties between equally loaded engines for base-model requests."""
+    if not loads:
+        raise ValueError("no engines to route to")
+    fresh = [i for i, load in enumerate(loads) if load is not None]
+    tie_key = adapter if adapter is not None else key
+    if not fresh:
+        return max(range(len(loads)), key=lambda i: rendezvous(tie_key, i))
+    least = min(loads[i].depth for i in fresh)
+    room = any(loads[i].kv < KV_FULL for i in fresh)
+
+    def overloaded(i: int) -> bool:
+        load = loads[i]
+        return load.depth > least + margin or (room and load.kv >= KV_FULL)
+
+    if adapter is None:
+        return min(fresh, key=lambda i: (loads[i].depth, loads[i].kv, -rendezvous(tie_key, i)))
+    holders = [i for i in fresh if loads[i].has(adapter) and not overloaded(i)]
+    if holders:
+        return min(holders, key=lambda i: (loads[i].depth, -rendezvous(adapter, i)))
+    others = [i for i in fresh if not loads[i].has(adapter) and not overloaded(i)]
+    candidates = others or [i for i in fresh if not overloaded(i)] or fresh
+    return min(candidates, key=lambda i: (loads[i].active, -rendezvous(adapter, i)))
