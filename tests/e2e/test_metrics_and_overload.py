@@ -117,14 +117,13 @@ def _tier(text: str, tier: str) -> float:
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, demo_adapter_root, vlora_cache):
-    """A server with tiny limits: one running request, one waiting in the engine, two in Triton's queue;
-    one adapter slot on the device and one adapter in host memory."""
+    """A server with tiny limits: one running request and one waiting in the engine (--max-queue-size is the
+    engine's queue; Triton queues nothing); one adapter slot on the device and one adapter in host memory."""
     del demo_adapter_root
     srv = start_server(
         tmp_path_factory.mktemp("e2e-small"),
         vlora_cache,
-        ["--max-batch-size", "1", "--max-queue-size", "2",
-         "--set", "scheduler.max_waiting=1", "--set", "scheduler.admission_timeout_s=120",
+        ["--max-batch-size", "1", "--max-queue-size", "1", "--set", "scheduler.admission_timeout_s=120",
          "--set", "lora.max_gpu_adapters=1", "--set", "lora.max_cpu_adapters=1"],
     )
     yield srv
@@ -149,8 +148,8 @@ def test_burst_is_answered_or_rejected_explicitly(small_server):
     answered = [r for kind, r in outcomes if kind == "answered"]
     rejected = [r for kind, r in outcomes if kind == "rejected"]
     assert len(answered) + len(rejected) == burst
-    assert rejected, "a burst of 16 against capacity 4 was not rejected at all"
-    assert all("Exceeds maximum queue size" in r or "overloaded" in r for r in rejected), rejected
+    assert rejected, "a burst of 16 against capacity 2 was not rejected at all"
+    assert all("overloaded" in r for r in rejected), rejected
     assert len(answered) >= 2, outcomes
     assert all(r.num_output_tokens >= 1 for r in answered)
     assert elapsed < 120

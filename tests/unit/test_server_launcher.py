@@ -89,16 +89,17 @@ def test_overrides_round_trip_through_pbtxt_parameters():
     flat = flat_overrides(config)
     assert set(flat) == {"model.path", "model.device", "lora.target_modules", "scheduler.admission_timeout_s", "limits.max_images"}
     assert EngineConfig().with_overrides(flat) == config
-    text = render_config(TEMPLATE, flat, max_queue_size=5, instance_group=instance_group_for("cpu"))
+    text = render_config(TEMPLATE, flat, instance_group=instance_group_for("cpu"))
     assert 'parameters { key: "model.path" value: { string_value: "\\"/models/2024\\"" } }' in text
-    assert "max_queue_size: 5" in text and "kind: KIND_CPU" in text
+    assert "kind: KIND_CPU" in text
     assert text.count("instance_group") == 1
 
 
 def test_committed_config_runs_with_defaults():
-    """The committed file must work unchanged (e.g. in NVIDIA's container): no parameters, decoupled, REJECT."""
+    """The committed file must work unchanged (e.g. in NVIDIA's container): no parameters, decoupled, and no
+    dynamic batcher (Triton 2.51's held arrivals for its 500 ms wake-up)."""
     assert "parameters {" not in TEMPLATE.replace("#   parameters {", "")
-    assert "decoupled: true" in TEMPLATE and "timeout_action: REJECT" in TEMPLATE
+    assert "decoupled: true" in TEMPLATE and "\ndynamic_batching" not in TEMPLATE
     for name in ("text_input", "image", "stream", "sampling_parameters", "text_output", "finish_reason",
                  "num_input_tokens", "num_output_tokens"):
         assert f'name: "{name}"' in TEMPLATE

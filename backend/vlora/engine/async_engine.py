@@ -164,7 +164,8 @@ class AsyncEngine:
         return self.inputs.preprocess(checked)
 
     def generate(self, req: GenerationRequest, callback: OutputCallback, refuse: Callable[[Exception], None], *,
-                 is_cancelled: Optional[Callable[[], bool]] = None, fault: Optional[str] = None) -> None:
+                 is_cancelled: Optional[Callable[[], bool]] = None, fault: Optional[str] = None,
+                 wait: Optional[float] = None) -> None:
         """The one request entry: check, defer to the image workers when the images are heavy, preprocess,
         submit. Never raises: a request that never reaches the engine is answered by ``refuse(error)``, once,
         with InvalidRequest (a bad request), EngineOverloaded (the server cannot take it now: a full queue,
@@ -173,7 +174,9 @@ class AsyncEngine:
 
         A request whose images have more than limits.inline_image_pixels pixels is decoded on the image
         workers (a bounded pool): this call returns at once, and a heavy request delays only itself.
-        Otherwise it preprocesses and submits here, blocking while the engine is full (back-pressure).
+        Otherwise it preprocesses and submits here, blocking while the engine is full (back-pressure) for up to
+        ``wait`` seconds (default scheduler.admission_timeout_s; 0: refused at once, as the Triton model asks, whose
+        execute() must never wait); a deferred request waits for room on its image worker, as configured.
         ``is_cancelled()`` is asked before a deferred request is preprocessed."""
         try:
             checked = self.inputs.check(req)  # fields, adapter, image headers: no pixel decoded yet
@@ -198,16 +201,17 @@ class AsyncEngine:
         except Exception as e:
             refuse_released(e)
             return
-        self._enter(checked, callback, refuse_released, None, fault, charge)
+        self._enter(checked, callback, refuse_released, None, fault, charge, wait)
 
     def _enter(self, checked: CheckedRequest, callback: OutputCallback, refuse: Callable[[Exception], None],
-               is_cancelled: Optional[Callable[[], bool]], fault: Optional[str], charge: Optional[ImageCharge] = None) -> None:
+               is_cancelled: Optional[Callable[[], bool]], fault: Optional[str], charge: Optional[ImageCharge] = None,
+               wait: Optional[float] = None) -> None:
         try:
             if is_cancelled is not None and is_cancelled():
                 raise RequestCancelled("request cancelled")
             if charge is not None and charge.bytes:
                 callback = _releasing(callback, charge)
-            self.submit(self.inputs.preprocess(checked), callback, fault=fault)
+            self.submit(self.inputs.preprocess(checked), callback, timeout=wait, fault=fault)
         except Exception as e:
             refuse(e)
 

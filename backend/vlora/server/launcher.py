@@ -240,20 +240,19 @@ class TritonServer(ServerUrls):
         engines = routed_engines(opts.routing, device, visible_gpus(device), opts.routing_cpu_engines)
         overrides = flat_overrides(self.engine_config)
         if not engines:
-            config_text = render_config(template, parameters=overrides, max_queue_size=opts.max_queue_size,
-                                        instance_group=instance_group_for(device))
+            config_text = render_config(template, parameters=overrides, instance_group=instance_group_for(device))
             return prepare_repository(source, ws / "model_repository", config_text)
         board = create_board(ws / "routing.board", engines)
         names = [engine_model_name(i) for i in range(engines)]
         engine_configs = [
             render_config(template, parameters={**overrides, BOARD_PARAM: str(board), SLOT_PARAM: str(i)},
-                          max_queue_size=opts.max_queue_size, instance_group=engine_instance_group(i, device))
+                          instance_group=engine_instance_group(i, device))
             for i in range(engines)
         ]
         router_config = render_config(
             "# The router of adapter-aware routing (vlora.server.routing.router), written by `vlora serve`.\n" + template,
             parameters={ENGINES_PARAM: ",".join(names), BOARD_PARAM: str(board), MARGIN_PARAM: str(opts.routing_margin)},
-            max_queue_size=opts.max_queue_size, instance_group=router_instance_group(opts.router_instances))
+            instance_group=router_instance_group(opts.router_instances))
         self.model_names = [MODEL_NAME, *names]
         _say(self._out, f"adapter-aware routing: {engines} engine models ({', '.join(names)}) behind the router "
                         f"'{MODEL_NAME}' ({opts.router_instances} CPU instances; --routing off turns it off)")

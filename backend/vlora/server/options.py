@@ -23,7 +23,6 @@ class ServeOptions:
     grpc_port: int = 8001
     metrics_port: int = 8002
     host: str = "127.0.0.1"  # loopback only unless the operator opens it (--host 0.0.0.0)
-    max_queue_size: Optional[int] = None  # None: the committed config.pbtxt's value
     workspace: Optional[Path] = None  # None: a temporary folder, removed after a clean exit
     model_repository: Optional[Path] = None  # None: model_repository/ of this checkout
     log_verbose: int = 0
@@ -55,8 +54,6 @@ class ServeOptions:
             raise ConfigError(f"--openai-port {self.openai_port} is one of the other ports {ports}")
         if self.openai_max_body_bytes < 1024:
             raise ConfigError("--openai-max-body-mib must allow at least 1 KiB")
-        if self.max_queue_size is not None and self.max_queue_size < 1:
-            raise ConfigError("--max-queue-size must be >= 1")
         if self.routing not in ROUTING_MODES:
             raise ConfigError(f"--routing must be one of {list(ROUTING_MODES)}, got {self.routing!r}")
         if not 1 <= self.router_instances <= 64:
@@ -91,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights and activations dtype")
     parser.add_argument("--max-batch-size", type=int, help="requests in one engine step (MaxBS)")
-    parser.add_argument("--max-queue-size", type=int, help="Triton ingress queue; overflow is rejected (default: config.pbtxt's)")
+    parser.add_argument("--max-queue-size", type=int, help="requests queued for the engine; beyond them a request is "
+                        "refused at once (scheduler.max_waiting, default 256)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -136,6 +134,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         flat["model.dtype"] = args.dtype
     if args.max_batch_size is not None:
         flat["scheduler.max_batch_size"] = args.max_batch_size
+    if args.max_queue_size is not None:  # the ingress bound is the engine's queue (config.pbtxt has no batcher queue)
+        if args.max_queue_size < 1:
+            raise ConfigError("--max-queue-size must be >= 1")
+        flat["scheduler.max_waiting"] = args.max_queue_size
     if getattr(args, "admin_token_file", None):
         path = Path(args.admin_token_file).expanduser().resolve()
         read_admin_token(path)  # refused now, not at model load, when unreadable or too short
@@ -152,7 +154,6 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
         host=args.host,
-        max_queue_size=args.max_queue_size,
         workspace=Path(args.workspace).resolve() if args.workspace else None,
         model_repository=Path(args.model_repository).resolve() if args.model_repository else None,
         log_verbose=args.log_verbose,

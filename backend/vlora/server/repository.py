@@ -28,7 +28,6 @@ ROUTER_MODEL_PY = (
     "from vlora.server.routing.router import TritonPythonModel  # noqa: F401\n"
 )
 
-_QUEUE_RE = re.compile(r"max_queue_size:\s*\d+")
 _INSTANCE_RE = re.compile(r"instance_group\s*\[\s*\{[^}]*\}\s*\]")
 
 
@@ -104,15 +103,10 @@ def routed_engines(routing: str, device: str, gpus: int, cpu_engines: int = 0) -
 def render_config(
     template: str,
     parameters: Mapping[str, str],
-    max_queue_size: Optional[int] = None,
     instance_group: Optional[str] = None,
 ) -> str:
-    """``template`` (config.pbtxt text) with the queue size, instance group and parameters applied."""
+    """``template`` (config.pbtxt text) with the instance group and parameters applied."""
     text = template
-    if max_queue_size is not None:
-        text, n = _QUEUE_RE.subn(f"max_queue_size: {int(max_queue_size)}", text)
-        if n != 1:
-            raise ValueError("config.pbtxt must contain exactly one max_queue_size setting")
     if instance_group is not None:
         text, n = _INSTANCE_RE.subn(instance_group, text)
         if n != 1:

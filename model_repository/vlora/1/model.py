@@ -211,10 +211,10 @@ class TritonPythonModel:
             self._post(("close", request_id))
             self._refuse(sender, error)
 
-        # Checks, defers heavy images to the image workers, preprocesses and submits; blocks while the engine
-        # is full, which pushes back into Triton's queue (or the image workers' bounded queue).
+        # Checks, defers heavy images to the image workers, preprocesses and submits; never waits: a request the
+        # engine cannot queue now (scheduler.max_waiting) is refused (UNAVAILABLE), as Triton queues nothing for us.
         self._engine.generate(gen, self._outbox.append, refuse, is_cancelled=lambda: _cancelled(sender),
-                              fault=parsed.fault)
+                              fault=parsed.fault, wait=0)
 
     def _refuse(self, sender, error: Exception) -> None:
         """Answer a request the engine did not take, with the code its error stands for: after execute()
