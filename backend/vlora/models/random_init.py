@@ -157,6 +157,11 @@ def _write_llava(spec: RandomPreset, out: Path, *, seed: int, dtype: torch.dtype
                          vision_feature_select_strategy=spec.extra.get("vision_feature_select_strategy", "default"),
                          tie_word_embeddings=False)
     model = _random_model(LlavaForConditionalGeneration, config, seed=seed, dtype=dtype, device=device)
+    # The preset's vocabulary is the checkpoint's (its head's bytes count in every decode floor), the tokenizer the
+    # tiny one: rows past it would be ids with no text, and random logits pick them 31 times in 32. As padding rows
+    # (zero, as Qwen's below) a greedy answer takes real tokens, so clients that time text see some.
+    with torch.no_grad():
+        model.get_output_embeddings().weight[len(tokenizer):] = 0.0
     model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
     del model
     tokenizer.save_pretrained(out)
