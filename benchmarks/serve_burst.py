@@ -244,8 +244,10 @@ class Clients:
             if _recv(c, 120) != "ready":
                 raise RuntimeError("a client process did not start")
 
-    def burst(self, jobs: list[dict]) -> list[dict]:
-        """Send ``jobs`` at once; their results in order (RuntimeError naming the first failure)."""
+    def burst(self, jobs: list[dict], refusals: bool = False) -> list[dict]:
+        """Send ``jobs`` at once; their results in order. A failure raises RuntimeError naming the first, except
+        explicit refusals (UNAVAILABLE: the server's queues are full) with ``refusals``: those come back with
+        their ``error``, counted by :func:`burst_figures`."""
         shards = [list(range(i, len(jobs), len(self.conns))) for i in range(min(len(self.conns), len(jobs)))]
         conns = self.conns[:len(shards)]
         for c, idx in zip(conns, shards):
@@ -259,7 +261,7 @@ class Clients:
                 results[i] = r
         if "broken" in states:
             raise RuntimeError(f"a client process could not open its streams: {[r.get('error') for r in results]}")
-        errors = [r["error"] for r in results if r.get("error")]
+        errors = [r["error"] for r in results if r.get("error") and not (refusals and "[UNAVAILABLE]" in r["error"])]
         if errors:
             raise RuntimeError(f"{len(errors)} of {len(jobs)} requests failed, first: {errors[0]}")
         return results
@@ -289,7 +291,12 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 def burst_figures(results: list[dict]) -> dict:
-    """TTFT (each request from its own send), the sends' spread, output tokens/s and requests/s of a burst."""
+    """TTFT (each request from its own send), the sends' spread, output tokens/s and requests/s of a burst, over
+    the requests answered; ``refused``: those refused explicitly (the server's queues full)."""
+    refused = [r for r in results if r.get("error")]
+    results = [r for r in results if not r.get("error")]
+    if not results:
+        return {"requests": 0, "refused": len(refused), "refusal": refused[0]["error"][:200] if refused else None}
     ttft = [r["t_first"] - r["t_send"] for r in results]
     firsts = [r["t_first"] for r in results]
     t0 = min(r["t_send"] for r in results)
@@ -303,7 +310,8 @@ def burst_figures(results: list[dict]) -> dict:
             "requests_per_s": round(len(results) / wall, 2),
             "ttft_ms_sorted": [round(1e3 * t, 1) for t in sorted(ttft)],  # the order the burst was served in
             "input_tokens": [r["n_in"] for r in results],
-            "finish_reasons": sorted({r["finish_reason"] for r in results})}
+            "finish_reasons": sorted({r["finish_reason"] for r in results}),
+            "refused": len(refused), **({"refusal": refused[0]["error"][:200]} if refused else {})}
 
 
 COUNTERS = ("vlora_engine_steps_total", "vlora_prefill_tokens_total", "vlora_decode_tokens_total",
@@ -471,7 +479,7 @@ class Run:
         """(burst figures, engine figures) of one burst, the server idle before and after."""
         settle(self.metrics_url)
         before = counters(self.metrics_url)
-        results = self.clients.burst(jobs)
+        results = self.clients.burst(jobs, refusals=True)
         settle(self.metrics_url)
         return burst_figures(results), engine_figures(before, counters(self.metrics_url))
 
@@ -567,14 +575,22 @@ class Run:
                 if roof.get("roofline_rps") else None, "target": TARGETS["image64"]}
 
 
+def _refused(r: dict) -> str:
+    return f" ({r['refused']} refused: {r.get('refusal')})" if r.get("refused") else ""
+
+
 def summary(result: dict) -> str:
     rows, parts = result["rows"], []
     name = Path(result["preset"]).stem
+    for row, r in list(rows.items()):
+        if isinstance(r, dict) and r.get("requests") == 0:  # every request refused: nothing to time
+            parts.append(f"{row}: all {r['refused']} requests refused ({r.get('refusal')})")
+            rows = {k: v for k, v in rows.items() if k != row}
     if "text32" in rows:
         r = rows["text32"]
         parts.append(f"{r['requests']} short text requests at once: TTFT p50 {r['ttft_ms_p50']:.1f} / p99 "
                      f"{r['ttft_ms_p99']:.1f} / max {r['ttft_ms_max']:.1f} ms (floor {r['floor_ms']:.1f} ms), prefills in "
-                     f"{r['prefill_steps']} steps, {r['execute_calls']} execute() calls")
+                     f"{r['prefill_steps']} steps, {r['execute_calls']} execute() calls{_refused(r)}")
     if "lora32" in rows:
         r = rows["lora32"]
         parts.append(f"{r['base']['requests']} x {r['base']['max_tokens']} tokens: base {r['base']['output_tok_per_s']:.0f} "
@@ -587,13 +603,13 @@ def summary(result: dict) -> str:
         rate = (f"read {reads['gb_per_s_per_read']} GB/s per read (server log)" if reads else
                 f"read >= {r['gb_per_s_lower_bound']:.2f} GB/s (bytes / last TTFT; the server reports no read rate)")
         parts.append(f"{r['distinct_adapters']} cold adapters ({r['adapter_file_gb']:.2f} GB): TTFT p50 "
-                     f"{r['ttft_ms_p50']:.0f} ms, {r['output_tok_per_s']:.0f} tok/s, {rate}")
+                     f"{r['ttft_ms_p50']:.0f} ms, {r['output_tok_per_s']:.0f} tok/s, {rate}{_refused(r)}")
     if "image64" in rows:
         r = rows["image64"]
         roof = r["roofline"].get("roofline_rps")
         parts.append(f"{r['requests']} one-image requests at once ({r['adapters']} adapters): "
                      f"{r['requests_per_s']:.1f} req/s, TTFT p50 {r['ttft_ms_p50']:.0f} / p99 {r['ttft_ms_p99']:.0f} ms "
-                     f"(roofline {roof} req/s)")
+                     f"(roofline {roof} req/s){_refused(r)}")
     return f"{name}: " + "; ".join(parts) + " (new prompts, images and adapters)"
 
 

@@ -142,9 +142,10 @@ class InputLimits:
     image_decode_timeout_s: float = 10.0  # a request whose images take longer to decode is refused
     # Image requests over inline_image_pixels in all are decoded on image_workers threads (0: half the
     # CPU cores, 1 to 4), not on Triton's request thread; image_queue_size more may wait for them, and
-    # beyond that a request is refused as overloaded (UNAVAILABLE).
+    # beyond that a request is refused as overloaded (UNAVAILABLE). Triton queues nothing for the model, so this
+    # queue takes a burst (64 one-image requests at once); their memory is bounded by max_inflight_image_bytes.
     image_workers: int = 0
-    image_queue_size: int = 32
+    image_queue_size: int = 256
     inline_image_pixels: int = 512 * 512
     # The image memory of the requests in flight, from admission until their final answer: each image's
     # encoded bytes (base64 as sent, and once decoded from it) plus 4 bytes per pixel of its header's size

@@ -179,7 +179,9 @@ class AsyncEngine:
         execute() must never wait); a deferred request waits for room on its image worker, as configured.
         ``is_cancelled()`` is asked before a deferred request is preprocessed."""
         try:
-            checked = self.inputs.check(req)  # fields, adapter, image headers: no pixel decoded yet
+            # Fields, the adapter (not read here when cold: no arrival waits behind another's disk read; the engine
+            # reads it once the request is queued), image headers: no pixel decoded yet.
+            checked = self.inputs.check(req, wait_adapter=False)
             # Its images' bytes count against limits.max_inflight_image_bytes from here until its final event
             # or its refusal (whichever path: every refusal below goes through refuse_released).
             charge = self.image_budget.take(image_bytes(req.images, checked.images))

@@ -45,9 +45,14 @@ class InputProcessor:
         """Check every field, decode images, tokenize. Raises InvalidRequest naming the problem."""
         return self.preprocess(self.check(req))
 
-    def check(self, req: GenerationRequest) -> CheckedRequest:
+    def check(self, req: GenerationRequest, wait_adapter: bool = True) -> CheckedRequest:
         """Every field, the adapter, and the images' headers and pixel budget; no pixel decoded. Raises
-        InvalidRequest naming the problem."""
+        InvalidRequest naming the problem.
+
+        ``wait_adapter=False`` (the server's admission, which must not wait for a disk): an adapter not in memory
+        is only resolved under the root here, and read once the request is queued (LLMEngine.add_request's
+        prefetch; a read that fails fails the request at admission with the same message), unless a task head
+        must be looked up in it."""
         limits = self.limits
         if not req.request_id:
             raise InvalidRequest("request id is empty")
@@ -65,7 +70,7 @@ class InputProcessor:
                 raise InvalidRequest("lora_name must be a non-empty string")
             # The name rule first: a name with a NUL or a path separator never reaches a lookup or the disk.
             validate_adapter_name(req.lora_name)
-            adapter = self.loras.validate(req.lora_name)
+            adapter = self.loras.validate(req.lora_name, wait=wait_adapter or req.task is not None)
         if req.task is not None:  # a task head answers from the prefill; it lives in the adapter
             if adapter is None:
                 raise InvalidRequest(f"task {req.task!r} needs lora_name: task heads are part of an adapter")

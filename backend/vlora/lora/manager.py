@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -140,7 +141,9 @@ class LoraManager:
         self.read_seconds = 0.0
         self.read_bytes = 0
 
-        self._loader = AdapterLoader()
+        # Reads release the GIL (file reads, tensor copies, hashing): several cold adapters arriving together are
+        # read side by side, up to half the cores (2 to 8).
+        self._loader = AdapterLoader(max_workers=min(8, max(2, (os.cpu_count() or 2) // 2)))
         with self._lock:
             for name in self._on_disk():
                 self._record(name)
@@ -188,8 +191,13 @@ class LoraManager:
             rec = self._records.get(name)
         return rec.id if rec is not None else None
 
-    def validate(self, name: str) -> AdapterWeights:
-        """Resolve, load and check ``name`` into the host tier. Raises InvalidRequest/AdapterError."""
+    def validate(self, name: str, wait: bool = True) -> Optional[AdapterWeights]:
+        """Resolve, load and check ``name`` into the host tier. Raises InvalidRequest/AdapterError.
+
+        ``wait=False`` (a request's admission, which must not wait for a disk): an adapter in memory comes back
+        as with ``wait``; one that is not is only resolved under the root (an unknown name or one that leaves
+        the root is refused now) and None comes back: the engine reads it when the request is queued
+        (:meth:`prefetch`), and a read that fails fails the request at admission with the same message."""
         with self._lock:
             self._check_not_unloaded(name)
             if name in self._draining:
@@ -205,6 +213,9 @@ class LoraManager:
             epoch = self._epoch.get(name, 0)
         if self.root is None:
             raise InvalidRequest(f"unknown adapter {name!r}: this server has no adapter root configured")
+        if not wait:
+            resolve_adapter_dir(self.root, name)  # a stat: unknown names and traversal are refused here
+            return None
         w = self._read_on_loader(name, epoch)
         with self._lock:
             if not self._insert_host(name, w, epoch):
