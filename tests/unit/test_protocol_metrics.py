@@ -154,3 +154,17 @@ def test_the_queued_gauge_adds_tritons_queue_to_the_engines():
     assert families[QUEUED].kind == "gauge"
     assert families[QUEUED].samples == [({"model": "vlora", "version": "1"}, 32.0)]
     assert with_queued(b"nv_inference_pending_request_count{model=\"vlora\"} 1\n", "vlora").count(b"queued") == 0
+
+
+def test_the_queued_gauge_sums_the_routed_engine_models():
+    """With adapter-aware routing the engines are models vlora_gpu<i> behind the router vlora: the pod's queued
+    requests are all of theirs, labelled model="vlora"; a model merely named alike is not counted."""
+    from vlora.server.openai.metrics import with_queued
+
+    text = (b'nv_inference_pending_request_count{model="vlora",version="1"} 1\n'
+            b'nv_inference_pending_request_count{model="vlora_gpu0",version="1"} 2\n'
+            b'vlora_waiting_requests{device="cuda:0",instance="vlora_gpu0_0",model="vlora_gpu0",version="1"} 3\n'
+            b'vlora_waiting_requests{device="cuda:1",instance="vlora_gpu1_0",model="vlora_gpu1",version="1"} 4\n'
+            b'vlora_waiting_requests{device="cuda:1",instance="x",model="vlora_gpux",version="1"} 100\n')
+    families = parse(with_queued(text, "vlora").decode())
+    assert families[QUEUED].samples == [({"model": "vlora", "version": "1"}, 10.0)]

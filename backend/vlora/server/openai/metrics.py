@@ -8,9 +8,10 @@ too. The picker scrapes every 50 ms by default, and the model applies its metric
 every scrape for ``max_age_s``, and scrapes that come while a fetch runs wait for it rather than start their own.
 
 One gauge is added to Triton's text: ``vlora_queued_requests``, the protocol's queued requests. A request waits in
-two queues: Triton's, until the model's ``execute()`` takes it (``nv_inference_pending_request_count``; it fills
-when the engine is full, or while ``execute()`` is slower than the arrivals), then the engine's, until the
-scheduler runs it (``vlora_waiting_requests``). The model sees only the second, so the sum is made here, from the
+two queues: Triton's, until the model's ``execute()`` takes it (``nv_inference_pending_request_count``; it holds
+what arrives while ``execute()`` runs: ``execute()`` never waits for the engine, which refuses what it cannot
+queue), then the engine's, until the scheduler runs it (``vlora_waiting_requests``; with adapter-aware routing,
+every engine model's). The model sees only the second, so the sum is made here, from the
 same fetch.
 """
 from __future__ import annotations
@@ -86,12 +87,14 @@ class MetricsProxy:
 
 def with_queued(text: bytes, model: str) -> bytes:
     """``text`` (Triton's metrics) with ``vlora_queued_requests`` of ``model`` added: its requests in Triton's queue
-    plus those waiting in its engines (every instance's); unchanged while the model has no waiting gauge yet."""
+    plus those waiting in its engines (every instance's, and with adapter-aware routing every engine model's,
+    ``<model>_gpu<i>``: the pod's sum, labelled ``model``); unchanged while no engine has a waiting gauge yet."""
     waiting = pending = 0.0
     labels_of = None
+    ours = re.compile(re.escape(model.encode()) + rb"(_gpu\d+)?")
     for m in _QUEUES.finditer(text):
         labels = dict(_LABEL.findall(m.group(2)))
-        if labels.get(b"model") != model.encode():
+        if not ours.fullmatch(labels.get(b"model", b"")):
             continue
         if m.group(1) == b"vlora_waiting_requests":
             waiting += float(m.group(3))
@@ -100,6 +103,7 @@ def with_queued(text: bytes, model: str) -> bytes:
             pending += float(m.group(3))
     if labels_of is None:
         return text
+    labels_of = {**labels_of, b"model": model.encode()}
     label_text = b",".join(b'%s="%s"' % (k, labels_of[k]) for k in (b"model", b"version") if k in labels_of)
     return b"".join([text if text.endswith(b"\n") or not text else text + b"\n",
                      b"# HELP " + QUEUED + b" Requests waiting: in Triton's queue and in the engine\n",
