@@ -335,3 +335,44 @@ def test_adapter_saved_by_peft_itself_is_read_as_peft_reads_it(tiny_model_dir, d
     _assert_same_as_peft(model, ours)
     assert ours.pairs[(1, "q_proj")].rank == 2 and ours.pairs[(0, "q_proj")].rank == 4
     assert ours.ranks == {"q_proj": 4, "v_proj": 4, "down_proj": 6}
+
+
+def test_an_adapter_is_carved_from_few_host_buffers(root, dims):
+    """The pinned path carves an adapter's tensors from a few host buffers (page-locked allocations on CUDA):
+    the same values as separate tensors, every view aligned, none overlapping, chunks filled before the next."""
+    import torch
+
+    from vlora.lora.peft_format import HostArena
+
+    name = sorted(p.name for p in root.iterdir() if (p / "adapter_config.json").is_file())[0]
+    kw = dict(num_layers=NUM_LAYERS, module_dims=dims, max_rank=64, supported_modules=LORA_TARGETS, dtype=torch.bfloat16)
+    apart = load_adapter(root, name, **kw)
+    one = load_adapter(root, name, one_buffer=True, **kw)
+    assert one.version == apart.version and one.pairs.keys() == apart.pairs.keys()
+    storages = set()
+    spans = []
+    for key, pair in one.pairs.items():
+        for t, ref in ((pair.a, apart.pairs[key].a), (pair.b, apart.pairs[key].b)):
+            assert t.dtype == torch.bfloat16 and torch.equal(t, ref)
+            storages.add(t.untyped_storage().data_ptr())
+            assert (t.data_ptr() - t.untyped_storage().data_ptr()) % HostArena.ALIGN == 0
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    assert len(storages) == -(-sum(HostArena.ALIGN * -(-(t.numel() * 2) // HostArena.ALIGN) for p in one.pairs.values()
+                                   for t in (p.a, p.b)) // HostArena.CHUNK)
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def test_host_arena_chunks():
+    import torch
+
+    from vlora.lora.peft_format import HostArena
+
+    shapes = [((4096, 64), torch.bfloat16)] * 40 + [((64, 14336), torch.bfloat16)]  # 40 x 512 KiB, then 1.75 MiB
+    arena = HostArena(shapes, pin_memory=False)
+    views = [arena.take(shape, dtype) for shape, dtype in shapes]
+    assert arena.buffers == 2  # 32 fill the first 16 MiB chunk; the last 8 and the big one fit the second
+    second = views[-1].untyped_storage()
+    assert second.nbytes() == 8 << 20  # 8 x 512 KiB + 1.75 MiB = 5.75 MiB, in the next power of two
+    big = HostArena([((1 << 13, 1 << 11), torch.bfloat16)], pin_memory=False)  # 32 MiB: a buffer of its own
+    assert big.take((1 << 13, 1 << 11), torch.bfloat16).untyped_storage().nbytes() == 32 << 20

@@ -46,6 +46,7 @@ from vlora.lora.peft_format import (  # noqa: F401 (ATTN_MODULES, MLP_MODULES: r
     _safetensors_header,
     _record_weight,
     _target_of,
+    HostArena,
     _tensor,
     _whole_file,
 )
@@ -162,11 +163,14 @@ def load_adapter(
     vision: Optional[VisionSites] = None,
     dtype: torch.dtype = torch.float32,
     pin_memory: bool = False,
+    one_buffer: Optional[bool] = None,
 ) -> AdapterWeights:
     """Read and check adapter ``name`` under ``root`` against the served model.
 
     The LoRA weights come back in ``dtype`` (the slots' dtype, so staging them is one copy from the parsed
-    file), in pinned host memory when ``pin_memory`` (on CUDA: the copy into a slot is then async).
+    file), in pinned host memory when ``pin_memory`` (on CUDA: the copy into a slot is then async), carved from
+    one buffer per adapter (``one_buffer``, by default with ``pin_memory``: one page-locked allocation, not one
+    per tensor).
 
     ``module_dims`` maps each target (decoder projections "q_proj", ...; vision-side targets of
     ``vision``) to its (d_in, d_out); ``supported_modules`` are the targets the server can apply LoRA
@@ -244,10 +248,14 @@ def load_adapter(
     hashing.start()
     try:
         tensors = _parse_safetensors(weights_bytes, where)
+        arena = None
+        if pin_memory if one_buffer is None else one_buffer:
+            keys = [k for step in plan for k in step[3:5]]  # each pair's lora_A and lora_B key, in load order
+            arena = HostArena([(tuple(header[k]["shape"]), dtype) for k in keys], pin_memory=pin_memory)
         pairs: dict[tuple[int, str], LoraPair] = {}
         for layer, module, module_name, key_a, key_b, scale in plan:
-            a, norm_a = _tensor(tensors, header, key_a, where, dtype, pin_memory)
-            b, norm_b = _tensor(tensors, header, key_b, where, dtype, pin_memory)
+            a, norm_a = _tensor(tensors, header, key_a, where, dtype, arena)
+            b, norm_b = _tensor(tensors, header, key_b, where, dtype, arena)
             _check_magnitude(where, module_name, scale, norm_a, norm_b)
             pairs[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
         del tensors
