@@ -1021,17 +1021,18 @@ def _h67_noise_png_b64(seed: int, side: int) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _h67_stub_rss_mb(server, field: str = "RssAnon:") -> float:
-    """The resident memory of the server's Python backend stub (the engine's process), in MiB: its own heap
-    (RssAnon) by default; VmRSS adds the pages of Triton's shared-memory pool it has touched (RssShmem),
-    which the Python backend grows with the inputs it passes and does not give back."""
+def _h67_stub_rss_mb(server, field: str = "RssAnon:", process: bytes = b"triton_python_backend_stub") -> float:
+    """The resident memory of the server's Python backend stub (the engine's process; ``process``: another of the
+    server's, by its command's first word), in MiB: its own heap (RssAnon) by default; VmRSS adds the pages of
+    Triton's shared-memory pool it has touched (RssShmem), which the Python backend grows with the inputs it
+    passes and does not give back."""
     ws = str(server.workspace).encode()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"triton_python_backend_stub" in cmd and ws in cmd:
+            if process in cmd.split(b"\0")[0] and ws in cmd:
                 for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                     if line.startswith(field):
                         return int(line.split()[1]) / 1024
@@ -1061,6 +1062,7 @@ def test_h67_image_bytes_in_flight_are_bounded_and_memory_comes_back(tmp_path, v
         assert post_json(generate, body, timeout=120)[0] == 200  # warm: caches, the vision tower's buffers
         time.sleep(3.0)  # past the heap trims that follow it (0.2 s and 2 s after)
         idle = _h67_stub_rss_mb(srv)
+        server_idle = _h67_stub_rss_mb(srv, process=b"tritonserver")
         results = _at_once(lambda: post_json(generate, body, timeout=120), 12, 180)
         assert len(results) == 12, results
         ok = [r for r in results if r[0] == 200]
@@ -1090,6 +1092,11 @@ def test_h67_image_bytes_in_flight_are_bounded_and_memory_comes_back(tmp_path, v
         assert _h35_traceback_count(srv) == 0
         assert after <= bound, (f"the stub's RssAnon stayed at {after:.0f} MiB {H67_RSS_WITHIN_S:g} s after the "
                                 f"flood ({idle:.0f} MiB idle, bound {bound:.0f})")
+        # tritonserver's own heap too (the requests' HTTP bodies): 5 -> 225 MiB before glibc's mmap threshold was
+        # fixed for it (launcher.MMAP_THRESHOLD), 5.6 MiB after.
+        server_after = _h67_stub_rss_mb(srv, process=b"tritonserver")
+        assert server_after <= server_idle + 32, (f"tritonserver's RssAnon went from {server_idle:.0f} to "
+                                                  f"{server_after:.0f} MiB after the flood")
     finally:
         srv.stop(timeout=30)
 
