@@ -71,6 +71,18 @@ def test_answers_equal_the_single_model_server(routed, server):
             assert len(parts) >= 2, "streaming sent a single response"
 
 
+def test_float_request_parameters_reach_the_engine(routed, server):
+    """Top-level request parameters of every JSON type, floats too (Triton 2.51's BLS takes none: the router moves
+    them into sampling_parameters, beneath its own values), answer as on the single-model server."""
+    for body in ({"text_input": "USER: hi ASSISTANT:", "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "seed": 3},
+                 {"text_input": "USER: hi ASSISTANT:", "temperature": 0.7, "seed": 3,
+                  "sampling_parameters": json.dumps({"max_tokens": 5, "temperature": 0.0})}):
+        want = post_json(f"{server.http_url}/v2/models/{MODEL}/generate", body, timeout=60)
+        got = post_json(f"{routed.http_url}/v2/models/{MODEL}/generate", body, timeout=60)
+        assert want[0] == got[0] == 200, (want, got)
+        assert got[1]["text_output"] == want[1]["text_output"] and got[1]["num_output_tokens"] == 5
+
+
 def test_one_adapter_lands_on_one_engine(routed):
     client = VloraClient(routed.grpc_url)
     adapters = ["demo-count-circles", "demo-shapes"]

@@ -108,8 +108,35 @@ class TritonPythonModel:
     def _bls(self, request, engine: str, request_id: str):
         raw = request.parameters()
         parameters = json.loads(raw) if raw else {}
-        return self._pb.InferenceRequest(model_name=engine, inputs=request.inputs(), request_id=request_id,
+        inputs = request.inputs()
+        floats = {k: v for k, v in parameters.items() if isinstance(v, float)}
+        if floats:  # Triton 2.51's BLS takes str, int and bool parameters (a float failed the request as INTERNAL)
+            parameters = {k: v for k, v in parameters.items() if k not in floats}
+            inputs = self._with_sampling(inputs, floats)
+        return self._pb.InferenceRequest(model_name=engine, inputs=inputs, request_id=request_id,
                                          requested_output_names=self._outputs, parameters=parameters)
+
+    def _with_sampling(self, inputs: list, under: dict[str, Any]) -> list:
+        """``inputs`` with ``under`` merged into the ``sampling_parameters`` input, beneath what it already holds:
+        the engine reads request parameters first and that input over them (Wire.options), so the answer is the
+        same. An input that is not a JSON object stays as it is, and the engine refuses it as it would have."""
+        import numpy as np
+
+        current: Any = {}
+        rest = []
+        for tensor in inputs:
+            if tensor.name() != "sampling_parameters":
+                rest.append(tensor)
+                continue
+            values = tensor.as_numpy().reshape(-1)
+            try:
+                current = json.loads(values[0]) if len(values) else {}
+            except (ValueError, TypeError, UnicodeDecodeError):
+                current = None
+            if not isinstance(current, dict):
+                return inputs
+        merged = json.dumps({**under, **current})
+        return rest + [self._pb.Tensor("sampling_parameters", np.array([merged.encode("utf-8")], dtype=np.object_))]
 
     def _relay(self, relay: _Relay) -> None:
         """Send the request to its engine and every response on; the request gets exactly one final answer."""
