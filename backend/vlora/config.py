@@ -318,7 +318,11 @@ class RunnerConfig:
     table alone (:class:`vlora.engine.gemv.GemvTable`). Read once at load. ``warmup``: before the engine is
     ready, run one request of every path (text greedy and sampled, an image, a video, the first adapter's
     LoRA and task heads: :mod:`vlora.engine.warmup`) so that the first client request pays for no compilation
-    or plan; ``auto``: on CUDA devices.
+    or plan; ``auto``: on CUDA devices. ``profile_dir``: a folder where the engine thread writes a torch.profiler
+    trace of ``profile_steps`` = [skip, count] steps of the serving loop (the steps after the first ``skip``
+    that ran something), CPU ops of the engine thread and the device's kernels
+    (:mod:`vlora.engine.step_profiler`): what the server's steps spend, to set beside a benchmark's in-process
+    profile; null: none.
     """
 
     cuda_graphs: str = "auto"
@@ -330,6 +334,8 @@ class RunnerConfig:
     attention: str = "auto"
     overlap: str = "auto"
     warmup: str = "auto"
+    profile_dir: Optional[str] = None
+    profile_steps: tuple[int, ...] = (20, 40)
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graphs, bool):  # YAML reads a bare off/on as a boolean
@@ -352,6 +358,11 @@ class RunnerConfig:
         if isinstance(self.warmup, bool):
             object.__setattr__(self, "warmup", "on" if self.warmup else "off")
         _require(self.warmup in ("auto", "on", "off"), "engine.warmup must be auto, on or off")
+        _require(self.profile_dir is None or (isinstance(self.profile_dir, str) and self.profile_dir),
+                 "engine.profile_dir must be a folder path or null")
+        _require(len(self.profile_steps) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                       for n in self.profile_steps) and self.profile_steps[1] >= 1,
+                 "engine.profile_steps must be [skip, count]: integers, count >= 1")
 
 
 @dataclass(frozen=True)

@@ -394,6 +394,19 @@ class AsyncEngine:
             import torch
 
             torch.cuda.set_device(dev)
+        profiler = None
+        runner_cfg = self.config.engine
+        if runner_cfg.profile_dir:  # engine.profile_dir: a trace of a window of the serving steps
+            from vlora.engine.step_profiler import StepProfiler
+
+            profiler = StepProfiler(runner_cfg.profile_dir, *runner_cfg.profile_steps, dev)
+        try:
+            self._serve(eng, profiler)
+        finally:
+            if profiler is not None:
+                profiler.finish()
+
+    def _serve(self, eng: LLMEngine, profiler) -> None:
         while True:
             with self._cond:
                 while (not self._inbox and not self._cancels and not self._control and not eng.has_work()
@@ -432,12 +445,16 @@ class AsyncEngine:
                 return
             if self._wedge_next:  # the injected fault "wedge": hang inside the step until shutdown
                 self._unwedge.wait()
+            if profiler is not None:
+                profiler.before_step()
             try:
                 ran = eng.step()
             except Exception as e:  # never let the loop die with requests in flight
                 log.exception("engine step crashed")
                 eng.fail_all("error", f"internal error: {e}")
                 ran = None
+            if profiler is not None:
+                profiler.after_step(ran is not None)
             self._outputs_done()  # one wake-up for the whole step's events
             with self._cond:
                 self._beat = time.monotonic()
