@@ -10,9 +10,9 @@ twice the load harness's measured capacity, against the same `vlora serve` (the 
 1. The model: a preset's random weights (written once under ``--work``), else the tiny model. For a preset, the
    soak's adapters at its dimensions (``soak.write_soak_adapters``: the demo adapters, the cycled one included,
    and the demo task heads with random weights); the tiny model serves its own demo adapters.
-2. One `vlora serve` on loopback with an admin token and Triton's queue bounded (``--max-queue-size``): past it,
-   a request is rejected explicitly ("Exceeds maximum queue size"), as is one the engine cannot admit within
-   ``scheduler.admission_timeout_s`` ("server overloaded").
+2. One `vlora serve` on loopback with an admin token and the engine's queue bounded (``--max-queue-size``, which
+   sets ``scheduler.max_waiting``; Triton queues nothing for the model): past it, a request is refused at once,
+   explicitly ("server overloaded").
 3. Soak (``benchmarks/soak.py``: text, images, HTTP and gRPC streams, task heads, disconnects, adapter unload and
    load, bad requests): one request of each kind, the mix's capacity in closed loop (``--probe-concurrency``
    clients for ``--probe-s``), then the open-loop mix at ``--load`` x that for ``--soak-minutes``, shortened to
@@ -64,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--work", default="/tmp/vlora-reliability", help="model, adapters and the server's workspace")
     ap.add_argument("--out", help=f"where the JSON files and the harness's raw files go (default {RESULTS})")
     ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG", help="more `vlora serve` arguments")
-    ap.add_argument("--max-queue-size", type=int, help="Triton's queue: past it requests are rejected (GPU default 32, "
-                                                        "CPU 8)")
+    ap.add_argument("--max-queue-size", type=int, help="the engine's queue (scheduler.max_waiting): past it requests are "
+                                                        "refused (GPU default 32, CPU 8)")
     ap.add_argument("--budget-s", type=float, help="the whole run in this many seconds from its start: the soak is "
                                                    "shortened to fit (never below 0.25 min)")
     sk = ap.add_argument_group("soak")
@@ -263,7 +263,7 @@ def overload_line(r: dict) -> str:
             f"{r['overload_factor']:g}x = {r['rate_rps']:.2f} req/s for {o.get('scheduled') or o['requests']} requests: "
             f"{o['ok']} answered, {o['rejected']} rejected (max {o.get('rejection_latency_max_s') or 0:.3f} s), "
             f"{o['timeout']} timed out, {o['error'] + o['incomplete']} other failures, {o.get('lost')} lost; "
-            f"Triton queue {r['max_queue_size']}; checks {'pass' if r['passed'] else 'FAIL'}")
+            f"queue {r['max_queue_size']}; checks {'pass' if r['passed'] else 'FAIL'}")
 
 
 def _cuda() -> bool:

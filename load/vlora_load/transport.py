@@ -4,8 +4,8 @@ Every request ends as one ``RequestRecord`` with an outcome:
 
 - ``ok``: answered in full (a generating request produced exactly ``max_tokens`` tokens, as it asks
   with ``ignore_eos``; a head request got its label);
-- ``rejected``: the server refused it explicitly because it was full (Triton's queue policy:
-  "Exceeds maximum queue size"; or the engine's admission timeout: "server overloaded");
+- ``rejected``: the server refused it explicitly because it was full (the engine's queue or its image
+  workers': "server overloaded"; a model config with Triton's queue policy: "Exceeds maximum queue size");
 - ``incomplete``: answered, but shorter than asked or with an unexpected finish reason;
 - ``timeout``: no final answer within the request timeout (the client gave up and cancelled);
 - ``error``: anything else, with the server's message.
