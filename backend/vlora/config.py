@@ -88,7 +88,7 @@ class SchedulerConfig:
     # prompts take chunks of the budget left, a long prompt over several steps (its decoders keep running)
     # and many short ones in one. Off: a prompt runs whole in one step (alone when it exceeds the budget).
     chunked_prefill: bool = True
-    max_waiting: int = 256  # admitted but not yet running; beyond this a request is refused (the Triton model) or waits
+    max_waiting: int = 256  # queued beyond the batch's free places; beyond this a request is refused (the Triton model) or waits
     admission_timeout_s: float = 30.0  # how long AsyncEngine.submit waits for room before refusing (the Triton model: 0)
     # The engine watchdog: a loop iteration (one step or one adapter action) running longer than this
     # while requests wait or run means the engine is stuck; they are failed and the model goes down.

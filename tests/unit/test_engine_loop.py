@@ -121,6 +121,28 @@ def test_back_pressure_rejects_when_full(tiny_model_dir, demo_adapter_root):
         eng.shutdown()
 
 
+def test_a_burst_into_an_idle_engine_fills_the_batch_then_the_queue(tiny_model_dir, demo_adapter_root):
+    """The queue bound (scheduler.max_waiting) counts what waits beyond the batch's free places: a burst sent
+    without waiting (as the Triton model sends) into an idle engine takes max_batch_size + max_waiting requests
+    before the engine has moved any into its batch, and refuses the rest at once."""
+    eng = AsyncEngine(tiny_config(tiny_model_dir, demo_adapter_root, **{"scheduler.max_batch_size": 2, "scheduler.max_waiting": 1}))
+    try:
+        col = Collector()
+        taken, refused = [], []
+        prepared = [eng.prepare(req(f"r{i}", max_tokens=64, ignore_eos=True)) for i in range(6)]
+        for p in prepared:
+            try:
+                eng.submit(p, col, timeout=0)
+                taken.append(p.request_id)
+            except EngineOverloaded:
+                refused.append(p.request_id)
+        assert len(taken) == 3 and len(refused) == 3, (taken, refused)
+        col.wait(3)
+        assert all(col.done[r].finish_reason == "length" for r in taken)
+    finally:
+        eng.shutdown()
+
+
 def test_shutdown_drains_in_flight(tiny_model_dir, demo_adapter_root):
     eng = AsyncEngine(tiny_config(tiny_model_dir, demo_adapter_root))
     col = Collector()

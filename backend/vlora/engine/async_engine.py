@@ -79,6 +79,7 @@ class AsyncEngine:
         self._beat = time.monotonic()
         self._idle = False
         self._active = 0
+        self._free_slots = config.scheduler.max_batch_size  # batch places free at the last iteration (not waiting)
         self._dead: Optional[str] = None
         self._exited = False  # the loop returned normally (shutdown)
         self._wedge_next = False  # the injected fault "wedge" is pending
@@ -241,7 +242,9 @@ class AsyncEngine:
         limit = self.config.scheduler.max_waiting
         deadline = time.monotonic() + (self.config.scheduler.admission_timeout_s if timeout is None else timeout)
         with self._cond:
-            while self._backlog + len(self._inbox) >= limit:
+            # The queue bound counts requests beyond what the batch has room for: a burst into an idle engine
+            # fills its free batch places and then max_waiting, though none has been moved into the batch yet.
+            while self._backlog + len(self._inbox) >= limit + self._free_slots:
                 self._check_alive()
                 if self._stopping:
                     raise EngineOverloaded("server is shutting down")
@@ -420,6 +423,7 @@ class AsyncEngine:
                     self._admit(*self._inbox.popleft())
                 self._backlog = len(eng.waiting)  # moved from inbox to waiting: still counted against max_waiting
                 self._active = len(eng.waiting) + len(eng.running)
+                self._free_slots = max(0, self.config.scheduler.max_batch_size - len(eng.running))
                 for rid in self._cancels:
                     try:
                         eng.abort(rid)
@@ -460,6 +464,7 @@ class AsyncEngine:
                 self._beat = time.monotonic()
                 self._backlog = len(eng.waiting)
                 self._active = len(eng.waiting) + len(eng.running)
+                self._free_slots = max(0, self.config.scheduler.max_batch_size - len(eng.running))
                 self._cond.notify_all()
                 if ran is None and eng.has_work() and not (self._inbox or self._cancels or self._control):
                     self._cond.wait(IDLE_POLL_S)  # the waiting requests' adapters are still loading
