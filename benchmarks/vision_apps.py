@@ -275,6 +275,7 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
     side = (448, 448) if video_mark else (640, 480)
     extra = [] if cuda else ["--length-scale", "0.05", "--image-size", "64",
                              "--serve-arg=--max-batch-size 8 --set scheduler.max_waiting=64"]
+    extra += [f"--serve-arg={a}" for a in args.serve_arg]
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     common = ["--model", str(model_dir), "--device", device, "--num-adapters", str(args.adapters),
@@ -398,6 +399,8 @@ def main() -> None:
                    "the idle figures only)")
     p.add_argument("--duration", type=float, default=20.0, help="server part: seconds per rate point")
     p.add_argument("--frames", type=int, default=8, help="server part: frames per video chunk")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARGS",
+                   help="server part: more `vlora serve` arguments, e.g. --serve-arg='--set engine.profile_dir=/tmp/prof'")
     p.add_argument("--no-record", action="store_true", help="no line in RESULTS.md, no copy in benchmarks/results")
     p.add_argument("--child", help=argparse_hidden())
     p.add_argument("--result-file", help=argparse_hidden())
@@ -424,7 +427,8 @@ def main() -> None:
             cmd = [sys.executable, "-m", "benchmarks.vision_apps", "--child", f"{part}:{preset}", "--device", device,
                    "--work", args.work, "--reps", str(args.reps), "--adapters", str(args.adapters), "--rank",
                    str(args.rank), "--rates", ",".join(f"{r:g}" for r in args.rates), "--duration", str(args.duration),
-                   "--frames", str(args.frames), "--result-file", str(result_file)]
+                   "--frames", str(args.frames), "--result-file", str(result_file),
+                   *(f"--serve-arg={a}" for a in args.serve_arg)]
             result_file.unlink(missing_ok=True)
             proc = subprocess.run(cmd)
             if proc.returncode or not result_file.is_file():
