@@ -195,6 +195,14 @@ class Wire:
         code = "UNAVAILABLE" if unavailable else "INTERNAL" if internal else "INVALID_ARG"
         return self._send_error(sender, message, code, self.pb.Logger.log_error, "an error")
 
+    @staticmethod
+    def client_gone(sender) -> bool:
+        """Whether the client of ``sender`` (a response sender) cancelled or went away; False when it cannot tell."""
+        try:
+            return bool(sender.is_cancelled())
+        except Exception:
+            return False
+
     def send_cancelled(self, sender) -> bool:
         return self._send_error(sender, "request cancelled", "CANCELLED", self.pb.Logger.log_warn, "a cancellation")
 

@@ -213,7 +213,7 @@ class TritonPythonModel:
 
         # Checks, defers heavy images to the image workers, preprocesses and submits; never waits: a request the
         # engine cannot queue now (scheduler.max_waiting) is refused (UNAVAILABLE), as Triton queues nothing for us.
-        self._engine.generate(gen, self._outbox.append, refuse, is_cancelled=lambda: _cancelled(sender),
+        self._engine.generate(gen, self._outbox.append, refuse, is_cancelled=lambda: Wire.client_gone(sender),
                               fault=parsed.fault, wait=0)
 
     def _refuse(self, sender, error: Exception) -> None:
@@ -353,11 +353,7 @@ class TritonPythonModel:
         for state in inflight.values():
             if state.cancel_requested:
                 continue
-            try:
-                cancelled = state.sender.is_cancelled()
-            except Exception:
-                cancelled = False
-            if cancelled:
+            if Wire.client_gone(state.sender):
                 state.cancel_requested = True
                 self._engine.cancel(state.request_id)
 
@@ -406,9 +402,3 @@ class TritonPythonModel:
 
 _STOP = object()
 
-
-def _cancelled(sender) -> bool:
-    try:
-        return bool(sender.is_cancelled())
-    except Exception:
-        return False

@@ -196,11 +196,7 @@ class TritonPythonModel:
             with self._inflight_lock:
                 relays = [r for r in self._inflight.values() if not r.cancelled]
             for relay in relays:
-                try:
-                    cancelled = relay.sender.is_cancelled()
-                except Exception:
-                    cancelled = False
-                if cancelled:
+                if Wire.client_gone(relay.sender):
                     relay.cancelled = True
                     self._send_cancel(relay)
 
