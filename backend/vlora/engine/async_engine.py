@@ -421,9 +421,7 @@ class AsyncEngine:
                     self._beat = time.monotonic()
                 while self._inbox:
                     self._admit(*self._inbox.popleft())
-                self._backlog = len(eng.waiting)  # moved from inbox to waiting: still counted against max_waiting
-                self._active = len(eng.waiting) + len(eng.running)
-                self._free_slots = max(0, self.config.scheduler.max_batch_size - len(eng.running))
+                self._note_queues(eng)  # moved from inbox to waiting: still counted against max_waiting
                 for rid in self._cancels:
                     try:
                         eng.abort(rid)
@@ -462,12 +460,17 @@ class AsyncEngine:
             self._outputs_done()  # one wake-up for the whole step's events
             with self._cond:
                 self._beat = time.monotonic()
-                self._backlog = len(eng.waiting)
-                self._active = len(eng.waiting) + len(eng.running)
-                self._free_slots = max(0, self.config.scheduler.max_batch_size - len(eng.running))
+                self._note_queues(eng)
                 self._cond.notify_all()
                 if ran is None and eng.has_work() and not (self._inbox or self._cancels or self._control):
                     self._cond.wait(IDLE_POLL_S)  # the waiting requests' adapters are still loading
+
+    def _note_queues(self, eng: LLMEngine) -> None:
+        """Under _cond: what submit() and the watchdog read of the engine's queues (its waiting requests, all it
+        holds, and the batch's free places)."""
+        self._backlog = len(eng.waiting)
+        self._active = len(eng.waiting) + len(eng.running)
+        self._free_slots = max(0, self.config.scheduler.max_batch_size - len(eng.running))
 
     def _admit(self, prepared: PreparedRequest, callback: OutputCallback, fault: Optional[str]) -> None:
         """Under _cond: hand one request to the engine; a request it cannot take fails alone."""

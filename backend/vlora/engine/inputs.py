@@ -112,8 +112,9 @@ class InputProcessor:
             prompt = self.loaded.family.chat_prompt(self.loaded, req.messages, images)
         else:
             prompt = self.loaded.family.prompt(self.loaded, req.prompt, images, req.apply_chat_template)
-        timings = {"admit": started - req.received, "image_decode": decoded - started,
-                   "preprocess": time.monotonic() - decoded} if images else {"admit": started - req.received}
+        timings = {"admit": started - req.received}
+        if images:
+            timings.update(image_decode=decoded - started, preprocess=time.monotonic() - decoded)
         ids = prompt.ids
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"prompt is {len(ids)} tokens (images included); the model's context is "

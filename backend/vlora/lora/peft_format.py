@@ -201,8 +201,7 @@ class HostArena:
         self.buffers = 0  # allocations made (a test's and a benchmark's figure)
 
     def _aligned(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return -(-n // self.ALIGN) * self.ALIGN
+        return -(-math.prod(shape) * dtype.itemsize // self.ALIGN) * self.ALIGN
 
     def _allocate(self, nbytes: int) -> None:
         self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
@@ -219,8 +218,7 @@ class HostArena:
         if self._buffer is None or self._offset + size > self._buffer.numel():
             rest = sum(self._sizes[self._next - 1:])  # this tensor and those after it
             self._allocate(size if size > self.CHUNK else min(self.CHUNK, 1 << (rest - 1).bit_length()))
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        view = self._buffer[self._offset:self._offset + n].view(dtype).view(shape)
+        view = self._buffer[self._offset:self._offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
         self._offset += size
         return view
 
