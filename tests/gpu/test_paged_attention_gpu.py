@@ -174,7 +174,8 @@ def test_flash_prefill_fresh(dtype, n_kv, q_lens):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_kv", [pytest.param(32, id="mha")])
 @pytest.mark.parametrize("q_lens", [pytest.param([1], id="one"), pytest.param([600], id="600"),
-                                    pytest.param([37, 1, 16, 300, 2048], id="mixed")])
+                                    pytest.param([37, 1, 16, 300, 2048], id="mixed"),
+                                    pytest.param([1500, 2300, 17], id="padded")])
 def test_cudnn_prefill_fresh(dtype, n_kv, q_lens):
     """The flash backend's cuDNN path (one SDPA call per fresh prompt) against the fp32 reference (the
     backend takes it without GQA only)."""

@@ -310,3 +310,17 @@ def test_triton_fp16_under_interpreter():
     out = attn.paged_prefill(q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                              meta.max_q_len, scale, block_size)
     torch.testing.assert_close(out.float(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_cudnn_buckets_bound_padding_and_are_few():
+    """cuDNN builds a plan per sequence length, so prompts are padded to a fixed set of lengths: never
+    shorter than the prompt, at most 12.5% (or 63 tokens) longer, and few enough for the warm start."""
+    from vlora.engine.attention.flash import CUDNN_MIN_SEQ_TOKENS, cudnn_bucket, cudnn_buckets
+
+    for n in range(CUDNN_MIN_SEQ_TOKENS, 20000):
+        b = cudnn_bucket(n)
+        assert n <= b <= max(n + 63, int(n * 1.125) + 1), n
+    buckets = cudnn_buckets(8192)
+    assert len(buckets) == 40 and buckets[-1] == 8192 and buckets == sorted(set(buckets))
+    assert {cudnn_bucket(n) for n in range(CUDNN_MIN_SEQ_TOKENS, 8193)} == set(buckets)
+    assert cudnn_bucket(1500) == 1536 and cudnn_bucket(2300) == 2304 and cudnn_bucket(4000) == 4096

@@ -310,6 +310,11 @@ class ModelRunner:
         """Choose the paged attention backend by name (``auto``, ``triton``, ``torch``)."""
         self.attention = get_attention_backend(name, self.device)
 
+    def warm_attention(self, max_len: int) -> int:
+        """Build the attention backend's per-shape plans for prompts of up to ``max_len`` tokens (cuDNN's,
+        per padded length: :func:`vlora.engine.attention.flash.cudnn_bucket`); returns how many."""
+        return self.attention.warm_plans(self.dtype, self.n_heads, self.n_kv, self.head_dim, max_len)
+
     def _load_gemv_table(self, path: Optional[str]) -> gemv.GemvTable:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         return gemv.GemvTable.load(path, name)

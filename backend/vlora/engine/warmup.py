@@ -8,7 +8,8 @@ The paths: a short text prompt, greedy and sampled (decode graphs, the sampler's
 image of the family's (a new image size: preprocessing, the vision tower or its graphs, the multimodal
 prefill); a video where the family takes one; and, where the adapter root holds an adapter, the first by name
 through the same prompts (LoRA prefill and decode, vision-side LoRA where it has some) and each of its task
-heads. The requests run on the building thread, before the engine loop starts; their metrics are not
+heads. Before them, the attention backend builds its per-shape plans (cuDNN's, one per padded prompt length).
+The requests run on the building thread, before the engine loop starts; their metrics are not
 reported (:class:`GatedMetrics`), the orchestrator forgets them (unmerged, fresh estimates), and what they
 leave in the prefix and encoder caches is keyed by content like any request's. ``engine.warmup``: ``auto`` (on CUDA), ``on``, ``off``.
 """
@@ -89,6 +90,9 @@ def warm_up(engine: "LLMEngine", timeout_s: float = 600.0) -> dict:
     t0 = time.perf_counter()
     paths: dict[str, float] = {}
     failed: dict[str, str] = {}
+    plans = engine.runner.warm_attention(engine.max_model_len)
+    if plans:
+        paths["attention-plans"] = round(time.perf_counter() - t0, 3)
     for name, req in warm_requests(engine):
         t = time.perf_counter()
         error = _run(engine, req, t + timeout_s)

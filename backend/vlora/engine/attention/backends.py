@@ -8,7 +8,8 @@ from typing import ClassVar, Optional
 import torch
 
 from vlora.engine.attention.flash import (CUDNN_HEAD_DIMS, CUDNN_MAX_SEQS, CUDNN_MIN_TOKENS, FLASH_MIN_TOKENS,
-                                          cudnn_attention_available, cudnn_prefill, flash_available, flash_prefill)
+                                          cudnn_attention_available, cudnn_prefill, flash_available, flash_prefill,
+                                          warm_cudnn_plans)
 from vlora.engine.attention.metadata import AttentionMetadata
 from vlora.engine.attention.reference import paged_decode_reference, paged_prefill_reference
 from vlora.engine.attention.triton_kernels import paged_decode, paged_prefill, triton_available
@@ -46,6 +47,11 @@ class AttentionBackend(ABC):
     def prefill(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
                 scale: float, block_size: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q [T, H, D] packed new tokens of meta's sequences -> [T, H, D]."""
+
+    def warm_plans(self, dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int, max_len: int) -> int:
+        """Build whatever this backend plans per shape for prompts of up to ``max_len`` tokens (the warm
+        start calls it); returns how many plans were built. Most backends plan nothing."""
+        return 0
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -108,12 +114,20 @@ class FlashPrefillBackend(TritonAttentionBackend):
     def available(cls, device: torch.device) -> bool:
         return TritonAttentionBackend.available(device) and flash_available(device)
 
+    def _cudnn_serves(self, dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+        return (n_heads == n_kv_heads and head_dim in CUDNN_HEAD_DIMS
+                and cudnn_attention_available(self.device, dtype, n_heads, n_kv_heads, head_dim))
+
+    def warm_plans(self, dtype, n_heads, n_kv_heads, head_dim, max_len):
+        if max_len < self.cudnn_min_tokens or not self._cudnn_serves(dtype, n_heads, n_kv_heads, head_dim):
+            return 0
+        return warm_cudnn_plans(self.device, dtype, n_heads, n_kv_heads, head_dim, max_len)
+
     def prefill(self, q, k_pool, v_pool, meta, scale, block_size, out=None):
         if meta.fresh_rows is None or q.dtype not in (torch.float16, torch.bfloat16):
             return super().prefill(q, k_pool, v_pool, meta, scale, block_size, out=out)
         if (meta.q_lens and meta.max_q_len >= self.cudnn_min_tokens and len(meta.q_lens) <= self.cudnn_max_seqs
-                and q.shape[1] == k_pool.shape[1] and q.shape[2] in CUDNN_HEAD_DIMS
-                and cudnn_attention_available(q.device, q.dtype, q.shape[1], k_pool.shape[1], q.shape[2])):
+                and self._cudnn_serves(q.dtype, q.shape[1], k_pool.shape[1], q.shape[2])):
             return cudnn_prefill(q, k_pool, v_pool, meta.fresh_rows, meta.q_lens, scale, out=out)
         if meta.max_q_len < self.min_tokens:
             return super().prefill(q, k_pool, v_pool, meta, scale, block_size, out=out)
