@@ -256,8 +256,9 @@ class AtmmConfig:
     ``tune_at_load``: ``auto`` tunes when ``configs/tiling/<gpu>.json`` is missing, is for another
     dtype, or lacks one of this model's LoRA widths (other ranks take the nearest key); ``always`` tunes anyway (the tuner's cache makes
     a repeated load instant); ``never`` serves with the committed table or the default rule. Serving
-    starts at once; the tuned entries replace the table's when the sidecar finishes (the sidecar
-    shares the GPU while it runs, ``tune_budget_s`` at most).
+    starts at once; the tuned entries replace the table's when the sidecar finishes. The sidecar shares
+    the GPU, so it is stopped while requests are in flight and goes on after a second of idleness
+    (``tune_budget_s`` of wall time at most, stopped or not).
     """
 
     tune_at_load: str = "auto"

@@ -86,7 +86,7 @@ def test_the_sidecar_is_started_with_the_env_it_was_given(monkeypatch, tmp_path)
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_sidecar_ends_with_the_process_that_started_it(tmp_path):
     """A server or test process that exits without stopping its engine must not leave the tuner profiling
-    on the GPU: the sidecar is started with _die_with_parent, so it gets SIGTERM when its parent ends."""
+    on the GPU: the sidecar is started with _die_with_parent, so it gets SIGKILL when its parent ends."""
     import time
 
     parent = ("import subprocess, sys\n"

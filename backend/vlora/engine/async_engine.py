@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 # How long the loop waits when a step ran nothing although requests wait (their adapters are being
 # loaded): new requests and control calls wake it at once.
 IDLE_POLL_S = 0.002
+# The ATMM tuner sidecar (atmm.tune_at_load) shares the GPU: it is stopped from a request's arrival until the
+# engine has been idle this long (vlora.atmm.tuner.TunerSidecar.pause).
+TUNER_IDLE_RESUME_S = 1.0
 # Faults a test may inject when scheduler.fault_injection is on: "kill" raises out of the engine loop,
 # "wedge" blocks the engine thread in its next step.
 FAULTS = ("kill", "wedge")
@@ -179,6 +182,9 @@ class AsyncEngine:
         ``wait`` seconds (default scheduler.admission_timeout_s; 0: refused at once, as the Triton model asks, whose
         execute() must never wait); a deferred request waits for room on its image worker, as configured.
         ``is_cancelled()`` is asked before a deferred request is preprocessed."""
+        tuner = self.engine.tuner
+        if tuner is not None:  # no client request shares the GPU with the tuner's profiling
+            tuner.pause()
         try:
             # Fields, the adapter (not read here when cold: no arrival waits behind another's disk read; the engine
             # reads it once the request is queued), image headers: no pixel decoded yet.
@@ -412,9 +418,19 @@ class AsyncEngine:
     def _serve(self, eng: LLMEngine, profiler) -> None:
         while True:
             with self._cond:
+                idle_since = None
                 while (not self._inbox and not self._cancels and not self._control and not eng.has_work()
                        and not self._stopping):
                     self._idle = True
+                    tuner = eng.tuner
+                    if tuner is not None and tuner.paused:  # let the tuner go on once idle for a while
+                        idle_since = idle_since or time.monotonic()
+                        left = TUNER_IDLE_RESUME_S - (time.monotonic() - idle_since)
+                        if left <= 0:
+                            tuner.resume()
+                        else:
+                            self._cond.wait(left)
+                        continue
                     self._cond.wait()
                 if self._idle:
                     self._idle = False

@@ -121,6 +121,8 @@ def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device
     if warm:
         from vlora.engine.warmup import warm_up
 
+        if tuner is not None:  # the warm-up is timed and logged: the engine loop lets the tuner go on when idle
+            tuner.pause()
         info["warmup"] = warm_up(engine)
         if metrics is not None:
             metrics.open = True
