@@ -33,15 +33,17 @@ class DeferredCopies(SlotCopies):
         self.queued: dict[int, object] = {}
         self.waited: list[list[int]] = []
 
-    def issue(self, slot, copy, source):
-        self.queued[slot] = copy
+    def issue(self, slot, copy, source, note=None):
+        self.queued[slot] = (copy, note)
 
     def ready(self, slot):
         return slot not in self.queued
 
     def complete(self):
-        for copy in self.queued.values():
+        for copy, note in self.queued.values():
             copy()
+            if note is not None:
+                note()
         self.queued.clear()
 
     def synchronize(self):

@@ -104,21 +104,29 @@ class LoraLinear(nn.Module):
 
     def set_slot(self, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor], scale: float) -> None:
         """Copy one adapter's A [r, d_in] and ``scale * B`` [d_out, r] into ``slot`` (None: the adapter
-        skips this layer). Runs on the stream the caller chose (the slot-copy stream on CUDA)."""
+        skips this layer): :meth:`copy_slot`, then :meth:`note_slot`."""
+        self.copy_slot(slot, a, b, scale)
+        self.note_slot(slot, 0 if a is None or b is None else a.shape[0], scale)
+
+    def copy_slot(self, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor], scale: float) -> None:
+        """The data of :meth:`set_slot`, on the stream the caller chose (on CUDA the slot-copy stream, from the
+        adapter copy thread: vlora.lora.transfers.SlotCopies)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
-        if a is None or b is None:
-            self.ranks[slot], self.scales[slot] = 0, 0.0
-        else:
+        if a is not None and b is not None:
             r = a.shape[0]
             self.lora_a[slot, :r].copy_(a, non_blocking=True)
-            if b.device.type == "cpu" and not b.is_pinned():
-                self.lora_b[slot, :, :r].copy_(b.float() * float(scale))  # folded in fp32
+            dst = self.lora_b[slot, :, :r]
+            if dst.device.type == "cpu":
+                dst.copy_(b.float() * float(scale))  # folded in fp32
             else:
-                dst = self.lora_b[slot, :, :r]
                 dst.copy_(b, non_blocking=True)
                 dst.mul_(float(scale))
-            self.ranks[slot], self.scales[slot] = r, float(scale)
+
+    def note_slot(self, slot: int, rank: int, scale: float) -> None:
+        """The host-side record of what :meth:`copy_slot` put in ``slot`` (rank 0: nothing), on the engine
+        thread: what the backends read per call changes only between steps."""
+        self.ranks[slot], self.scales[slot] = rank, float(scale) if rank else 0.0
         self._slots_changed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 slots that the LoRA layers read.
 
 Tiers: disk (PEFT folders under the adapter root, or weights registered in memory) -> host (an LRU of
-``max_cpu_adapters`` checked adapters; in the slots' dtype and in pinned memory when the slots are on
+``max_cpu_adapters`` checked adapters; in the slots' dtype, in pageable memory, when the slots are on
 CUDA) -> device slots (``max_gpu_adapters``; the least recently used unpinned slot is refilled). A slot
 holds an adapter's weights for every wrapped projection, the vision tower's and projector's included.
 
@@ -17,10 +17,11 @@ side-stream copies are transfers.py's AdapterLoader and SlotCopies):
 
 - a host-tier miss (an adapter evicted since it was validated) is read on a loader thread, and
   ``try_acquire`` answers "not yet" until it is there;
-- the host-to-device copy into a slot is issued on a side CUDA stream, with an event per slot, and
-  ``try_acquire`` pins the slot only once that event has completed. A request waits for its own adapter
-  while the others keep decoding; ``wait_ready`` makes the compute stream wait on the events of the
-  slots a step reads, so correctness never depends on timing.
+- the host-to-device copy into a slot runs on the copy thread, on a side CUDA stream, with an event per
+  slot, and ``try_acquire`` pins the slot only once that event has completed; the slot's host-side record
+  (ranks, scales) changes then, on the engine thread. A request waits for its own adapter while the others
+  keep decoding; ``wait_ready`` makes the compute stream wait on the events of the slots a step reads, so
+  correctness never depends on timing.
 
 On a CPU the copy runs at once on the engine thread: the same calls with the stream and event parts
 skipped. A slot is refilled only when no request pins it (running requests and a merged adapter
@@ -113,7 +114,9 @@ class LoraManager:
         self.device = first.lora_a.device if first is not None else None
         self.dtype = first.lora_a.dtype if first is not None else torch.float32
         self.copies = copies or SlotCopies(self.device, cfg.max_gpu_adapters)
-        self._pin = self.copies.cuda  # host copies in pinned memory, in the slots' dtype
+        # Host copies in the slots' dtype when the slots are on CUDA, in pageable memory: page-locking fresh memory
+        # is slow and stalls the engine's launches (SlotCopies), and the copy thread moves them instead.
+        self._pin = self.copies.cuda
 
         # Guarded by _lock (touched by request, loader and engine threads).
         self._lock = threading.Lock()
@@ -495,10 +498,10 @@ class LoraManager:
         t0 = time.perf_counter()
         path = resolve_adapter_dir(self.root, name)  # refuses traversal and unknown names
         try:
-            # Staged as it is parsed: in the slots' dtype, pinned on CUDA (one copy from the file's bytes).
+            # Staged as it is parsed: in the slots' dtype on CUDA, one buffer per adapter (one copy from the file's bytes).
             w = load_adapter(self.root, name, num_layers=self.num_layers, module_dims=self.module_dims,
                              max_rank=self.cfg.max_rank, supported_modules=self.supported_modules, vision=self.vision,
-                             dtype=self.dtype if self._pin else torch.float32, pin_memory=self._pin)
+                             dtype=self.dtype if self._pin else torch.float32, one_buffer=self._pin)
         except OSError as e:
             raise AdapterError(f"adapter {name!r}: cannot be read ({e})") from None
         seconds = time.perf_counter() - t0
@@ -511,10 +514,10 @@ class LoraManager:
         return w
 
     def _stage(self, w: AdapterWeights) -> AdapterWeights:
-        """On CUDA: the weights in the slots' dtype, in pinned memory, so the copy to a slot is async."""
+        """On CUDA: the weights in the slots' dtype, for the copy thread (SlotCopies)."""
         if not self._pin:
             return w
-        pairs = {key: LoraPair(a=p.a.to(self.dtype).pin_memory(), b=p.b.to(self.dtype).pin_memory(), scale=p.scale)
+        pairs = {key: LoraPair(a=p.a.to(self.dtype).contiguous(), b=p.b.to(self.dtype).contiguous(), scale=p.scale)
                  for key, p in w.pairs.items()}
         return dataclasses.replace(w, pairs=pairs)
 
@@ -549,15 +552,20 @@ class LoraManager:
                 del self._slot_of[old]
             self.metrics.adapter_swap(GPU_EVICTION, old)
 
-        def copy() -> None:
-            for (layer, module), wrapper in self.layers.items():
-                pair = w.pairs.get((layer, module))
+        def copy() -> None:  # on CUDA on the copy thread: the data only
+            for key, wrapper in self.layers.items():
+                pair = w.pairs.get(key)
                 if pair is None:
-                    wrapper.set_slot(slot, None, None, 0.0)
+                    wrapper.copy_slot(slot, None, None, 0.0)
                 else:
-                    wrapper.set_slot(slot, pair.a, pair.b, pair.scale)
+                    wrapper.copy_slot(slot, pair.a, pair.b, pair.scale)
 
-        self.copies.issue(slot, copy, w)
+        def note() -> None:  # on the engine thread, once the copy is complete
+            for key, wrapper in self.layers.items():
+                pair = w.pairs.get(key)
+                wrapper.note_slot(slot, 0 if pair is None else pair.a.shape[0], 0.0 if pair is None else pair.scale)
+
+        self.copies.issue(slot, copy, w, note)
         # Heads are small: copied on the compute stream, where they are read.
         self._heads_in[slot] = {t: (h.to(self.device) if self.device is not None else h) for t, h in w.heads.items()}
         self._name_in[slot] = name
