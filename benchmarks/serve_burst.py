@@ -365,10 +365,13 @@ def engine_figures(before: dict, after: dict) -> dict:
            "host_loads": int(d["vlora_adapter_host_loads_total"]), "gpu_loads": int(d["vlora_adapter_gpu_loads_total"])}
     if d["vlora_step_duration_seconds_sum"] > 0:
         out["engine_decode_tok_per_s"] = round(d["vlora_decode_tokens_total"] / d["vlora_step_duration_seconds_sum"], 1)
-    for stage in ("queue", "prefill_step", "decode_step", "image_decode", "preprocess", "vision"):
+    for stage in ("queue", "prefill_step", "decode_step", "image_decode", "preprocess", "vision", "adapter_read",
+                  "adapter_copy"):
         n = d.get(f"stage:{stage}:count", 0)
         if n:
             out[f"{stage}_ms_mean"] = round(1e3 * d[f"stage:{stage}:sum"] / n, 3)
+    if d.get("stage:adapter_read:count"):
+        out["adapter_read_count"] = int(d["stage:adapter_read:count"])
     return out
 
 
@@ -550,7 +553,10 @@ class Run:
         row["adapter_file_bytes"] = files
         row["adapter_file_gb"] = round(files / 1e9, 3)
         row["adapter_reads"] = adapter_reads(text, set(self.cold))
-        if row["adapter_reads"] is None:
+        if row.get("adapter_read_ms_mean"):  # vlora_stage_seconds{stage="adapter_read"}: every read, timed
+            row["adapter_reads_timed"] = row["adapter_read_count"]
+            row["gb_per_read_s"] = round(files / row["adapter_read_count"] / 1e9 / (row["adapter_read_ms_mean"] / 1e3), 3)
+        elif row["adapter_reads"] is None:
             row["adapter_reads_note"] = NO_READ_LOG
         # Every read ended before the last request's first token: the burst read at least this fast.
         row["gb_per_s_lower_bound"] = round(files / 1e9 / (row["ttft_ms_max"] / 1e3), 4)
@@ -600,8 +606,13 @@ def summary(result: dict) -> str:
     if "cold32" in rows:
         r = rows["cold32"]
         reads = r["adapter_reads"]
-        rate = (f"read {reads['gb_per_s_per_read']} GB/s per read (server log)" if reads else
-                f"read >= {r['gb_per_s_lower_bound']:.2f} GB/s (bytes / last TTFT; the server reports no read rate)")
+        if r.get("adapter_read_ms_mean"):  # the engine's own timers (vlora_stage_seconds)
+            rate = (f"one read {r['adapter_read_ms_mean']:.0f} ms ({r['gb_per_read_s']:.2f} GB/s per read, "
+                    f"{r['adapter_reads_timed']} reads), one slot copy {r.get('adapter_copy_ms_mean', 0):.0f} ms")
+        elif reads:
+            rate = f"read {reads['gb_per_s_per_read']} GB/s per read (server log)"
+        else:
+            rate = f"read >= {r['gb_per_s_lower_bound']:.2f} GB/s (bytes / last TTFT; the server reports no read rate)"
         parts.append(f"{r['distinct_adapters']} cold adapters ({r['adapter_file_gb']:.2f} GB): TTFT p50 "
                      f"{r['ttft_ms_p50']:.0f} ms, {r['output_tok_per_s']:.0f} tok/s, {rate}{_refused(r)}")
     if "image64" in rows:

@@ -76,11 +76,29 @@ class OneRead:
             raise FileTooLarge(max(self.size, len(data)), limit)
         return data
 
-    def read_all(self, limit: int) -> bytes:
+    def read_all(self, limit: int) -> bytearray:
         """The whole file, read again from its start (a caller checks that what it read first is its prefix);
-        FileTooLarge past ``limit`` bytes, as ``read_rest``."""
+        FileTooLarge past ``limit`` bytes, as ``read_rest``. Read straight into one writable buffer (the kernel's
+        copy is the only one, made with the GIL released), so that tensors can be views of it."""
         os.lseek(self._fd, 0, os.SEEK_SET)
-        return self.read_rest(limit)
+        buf = bytearray(min(limit, self.size) + 1)  # one byte over the size at open: growth shows as a full buffer
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < len(buf):
+                n = os.readv(self._fd, [view[got:]])
+                if n == 0:
+                    break
+                got += n
+        finally:
+            view.release()
+        if got == len(buf):  # the file grew since it was opened: the rest the slow way, up to the limit
+            if got > limit:
+                raise FileTooLarge(max(self.size, got), limit)
+            buf += self.read_rest(limit - got)
+            return buf
+        del buf[got:]
+        return buf
 
     def close(self) -> None:
         if self._fd is not None:

@@ -376,3 +376,50 @@ def test_host_arena_chunks():
     assert second.nbytes() == 8 << 20  # 8 x 512 KiB + 1.75 MiB = 5.75 MiB, in the next power of two
     big = HostArena([((1 << 13, 1 << 11), torch.bfloat16)], pin_memory=False)  # 32 MiB: a buffer of its own
     assert big.take((1 << 13, 1 << 11), torch.bfloat16).untyped_storage().nbytes() == 32 << 20
+
+
+def test_safetensors_layout_is_checked_as_the_library_checks_it():
+    """The weights are parsed as views of the file's bytes (no copy under the GIL): every layout the
+    safetensors library refuses is refused here too, and a valid file gives the library's tensors."""
+    import json as _json
+
+    import pytest as _pytest
+    import torch as _torch
+    from safetensors.torch import load as st_load, save as st_save
+
+    from vlora.lora.adapter import AdapterError
+    from vlora.lora.peft_format import _parse_safetensors
+
+    good = st_save({"a": _torch.arange(6, dtype=_torch.float32).view(2, 3), "b": _torch.ones(4, dtype=_torch.bfloat16)})
+    n = int.from_bytes(good[:8], "little")
+    header = _json.loads(good[8:8 + n])
+
+    def parse(h, data=None):
+        raw = _json.dumps(h).encode()
+        raw += b" " * (-len(raw) % 8)
+        body = good[8 + n:] if data is None else data
+        blob = bytearray(len(raw).to_bytes(8, "little") + raw + body)
+        return _parse_safetensors(blob, h, 8 + len(raw), "adapter 'x'")
+
+    got = parse(header)
+    want = st_load(good)
+    assert set(got) == set(want) and all(_torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+
+    def broken(**changes):
+        h = _json.loads(_json.dumps(header))
+        for key, (field, value) in changes.items():
+            h[key][field] = value
+        return h
+
+    a_end = header["a"]["data_offsets"][1]
+    for h, data, why in [
+        (broken(a=("dtype", "X9")), None, "unknown dtype"),
+        (broken(a=("data_offsets", [0, a_end - 4])), None, "do not hold its shape"),
+        (broken(a=("data_offsets", [4, a_end + 4])), None, "starts at"),  # a hole before it
+        (broken(b=("data_offsets", [a_end - 4, a_end + 4])), None, "starts at"),  # an overlap
+        (broken(a=("data_offsets", "0-24")), None, "no valid data_offsets"),
+        (header, good[8 + n:] + b"\0" * 8, "end at byte"),  # trailing bytes
+        (header, good[8 + n:-2], "end at byte"),  # truncated
+    ]:
+        with _pytest.raises(AdapterError, match=why):
+            parse(h, data)

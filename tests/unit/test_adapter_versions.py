@@ -191,7 +191,15 @@ def test_a_file_rewritten_while_it_is_read_gets_the_version_of_the_bytes_read(ro
             overwrite_in_place(weights, new_bytes)
         return out
 
+    real_read_all = files.OneRead.read_all
+
+    def read_all(self, limit):  # the whole file, into one buffer
+        out = real_read_all(self, limit)
+        reads.setdefault(self.path.name, []).append(bytes(out))
+        return out
+
     monkeypatch.setattr(files.OneRead, "read", read)
+    monkeypatch.setattr(files.OneRead, "read_all", read_all)
     w = _load(root, dims)
     # the header was read (two reads) and checked, then the whole file in one piece: that is what was parsed
     got = {name: parts[-1] for name, parts in reads.items()}

@@ -247,7 +247,7 @@ def load_adapter(
     hashing = threading.Thread(target=version.add, args=(WEIGHTS_FILE, weights_bytes), name="vlora-adapter-hash")
     hashing.start()
     try:
-        tensors = _parse_safetensors(weights_bytes, where)
+        tensors = _parse_safetensors(weights_bytes, header, len(header_bytes), where)
         arena = None
         if pin_memory if one_buffer is None else one_buffer:
             keys = [k for step in plan for k in step[3:5]]  # each pair's lora_A and lora_B key, in load order

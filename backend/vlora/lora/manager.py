@@ -509,6 +509,7 @@ class LoraManager:
         with self._lock:
             self.read_seconds += seconds  # adapters read from disk, for the GB/s a benchmark reports
             self.read_bytes += nbytes
+        self.metrics.stage("adapter_read", seconds)
         log.info("loaded adapter %s from %s (rank %d, %.1f MB) in %.0f ms (%.2f GB/s)", name, path, w.max_rank,
                  nbytes / 1e6, seconds * 1e3, nbytes / max(seconds, 1e-9) / 1e9)
         return w
@@ -560,7 +561,10 @@ class LoraManager:
                 else:
                     wrapper.copy_slot(slot, pair.a, pair.b, pair.scale)
 
+        issued = time.perf_counter()
+
         def note() -> None:  # on the engine thread, once the copy is complete
+            self.metrics.stage("adapter_copy", time.perf_counter() - issued)
             for key, wrapper in self.layers.items():
                 pair = w.pairs.get(key)
                 wrapper.note_slot(slot, 0 if pair is None else pair.a.shape[0], 0.0 if pair is None else pair.scale)

@@ -155,7 +155,7 @@ def _safetensors_header(f: OneRead, where: str) -> tuple[dict[str, Any], bytes]:
     return header, head + raw
 
 
-def _whole_file(f: OneRead, header: Mapping[str, Any], header_bytes: bytes, where: str) -> bytes:
+def _whole_file(f: OneRead, header: Mapping[str, Any], header_bytes: bytes, where: str) -> bytearray:
     """All of ``f``, whose header (``header_bytes``, read first) was checked: read in one piece from its
     start, refused unread when its data is larger than the header's tensors can hold (8 bytes an element)
     or grows past that while it is read, and refused when its header is no longer the one checked."""
@@ -171,13 +171,58 @@ def _whole_file(f: OneRead, header: Mapping[str, Any], header_bytes: bytes, wher
     return data
 
 
-def _parse_safetensors(data: bytes, where: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
+# safetensors' dtype names, as far as this torch has them.
+_ST_DTYPES = {name: getattr(torch, attr) for name, attr in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"), ("I64", "int64"), ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"),
+    ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("BOOL", "bool")) if hasattr(torch, attr)}
 
-    try:
-        return load(data)
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a malformed file
-        raise _invalid_weights(where, str(e)) from None
+
+def _parse_safetensors(data: bytearray, header: Mapping[str, Any], header_len: int, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file read whole into ``data`` (its ``header`` parsed from the first
+    ``header_len`` bytes), as views of ``data``: no copy. The layout is checked as the safetensors library
+    checks it: a known dtype, ``data_offsets`` [begin, end] of exactly the shape's bytes, the tensors one
+    after another from the start of the data to its end, with no hole and no overlap. Views at an offset not
+    aligned to their element size (a file no safetensors writer makes) are copied out instead.
+
+    (safetensors' own ``load`` copies every tensor into a new bytes object, holding the GIL: the adapter loader
+    threads, reading side by side, then took turns; on a 2-core machine 8 rank-64 reads at once took 2.5x as
+    long as one after another.)"""
+    entries = []
+    for key, e in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(e.get("dtype"))
+        if dtype is None:
+            raise _invalid_weights(where, f"tensor {key[:80]!r} has an unknown dtype {str(e.get('dtype'))[:20]!r}")
+        offsets = e.get("data_offsets")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise _invalid_weights(where, f"tensor {key[:80]!r} has no valid data_offsets")
+        nbytes = math.prod(e["shape"]) * dtype.itemsize
+        if offsets[0] < 0 or offsets[1] - offsets[0] != nbytes:
+            raise _invalid_weights(where, f"tensor {key[:80]!r}: data_offsets {offsets} do not hold its shape "
+                                          f"{e['shape']} of {e.get('dtype')}")
+        entries.append((offsets[0], offsets[1], key, dtype, e["shape"]))
+    entries.sort()
+    end = 0
+    for begin, stop, key, _, _ in entries:
+        if begin != end:
+            raise _invalid_weights(where, f"tensor {key[:80]!r} starts at {begin}, not where the previous ends ({end})")
+        end = stop
+    if header_len + end != len(data):
+        raise _invalid_weights(where, f"its tensors end at byte {header_len + end} of {len(data)}")
+    out: dict[str, torch.Tensor] = {}
+    for begin, stop, key, dtype, shape in entries:
+        at = header_len + begin
+        count = (stop - begin) // dtype.itemsize
+        if count == 0:
+            out[key] = torch.empty(shape, dtype=dtype)
+        elif at % dtype.itemsize:
+            out[key] = torch.frombuffer(bytearray(data[at:stop + header_len]), dtype=dtype).view(shape)
+        else:
+            out[key] = torch.frombuffer(data, dtype=dtype, count=count, offset=at).view(shape)
+    return out
 
 
 class HostArena:
