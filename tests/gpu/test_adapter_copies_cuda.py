@@ -58,3 +58,26 @@ def test_copy_on_the_side_stream_delays_only_its_own_request(tiny_model_dir, dem
         engine.step()
     assert again["again"].text == outs["late"].text
     assert loras.swaps_in - swaps == 1  # copied into its slot once, then served from it
+
+
+def test_pinned_stager_copies_exactly_through_reused_buffers():
+    """Many host tensors through two small page-locked buffers (each reused many times, some sources larger
+    than a buffer, strided destinations as a slot's lora_b[:, :r] is): every destination equals its source."""
+    from vlora.lora.transfers import PinnedStager
+
+    stager = PinnedStager(buffers=2, nbytes=1 << 20)
+    stream = torch.cuda.Stream()
+    g = torch.Generator().manual_seed(0)
+    pairs = []
+    with torch.cuda.stream(stream):
+        for i in range(200):
+            rows = int(torch.randint(1, 600, (1,), generator=g))
+            src = torch.randn(rows, 64, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
+            big = torch.zeros(rows, 128, dtype=src.dtype, device="cuda")
+            dst = big[:, :64]  # strided
+            stager.put(dst, src)
+            pairs.append((big, src))
+        stager.close_buffer()
+    stream.synchronize()
+    for big, src in pairs:
+        assert torch.equal(big[:, :64].cpu(), src) and not big[:, 64:].any()

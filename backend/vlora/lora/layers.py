@@ -10,7 +10,7 @@ graphs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -108,19 +108,22 @@ class LoraLinear(nn.Module):
         self.copy_slot(slot, a, b, scale)
         self.note_slot(slot, 0 if a is None or b is None else a.shape[0], scale)
 
-    def copy_slot(self, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor], scale: float) -> None:
+    def copy_slot(self, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor], scale: float,
+                  put: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
         """The data of :meth:`set_slot`, on the stream the caller chose (on CUDA the slot-copy stream, from the
-        adapter copy thread: vlora.lora.transfers.SlotCopies)."""
+        adapter copy thread: vlora.lora.transfers.SlotCopies, whose ``put`` moves host tensors)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if a is not None and b is not None:
             r = a.shape[0]
-            self.lora_a[slot, :r].copy_(a, non_blocking=True)
             dst = self.lora_b[slot, :, :r]
             if dst.device.type == "cpu":
+                self.lora_a[slot, :r].copy_(a)
                 dst.copy_(b.float() * float(scale))  # folded in fp32
             else:
-                dst.copy_(b, non_blocking=True)
+                put = put or (lambda d, s: d.copy_(s, non_blocking=True))
+                put(self.lora_a[slot, :r], a)
+                put(dst, b)
                 dst.mul_(float(scale))
 
     def note_slot(self, slot: int, rank: int, scale: float) -> None:

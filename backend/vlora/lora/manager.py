@@ -559,7 +559,7 @@ class LoraManager:
                 if pair is None:
                     wrapper.copy_slot(slot, None, None, 0.0)
                 else:
-                    wrapper.copy_slot(slot, pair.a, pair.b, pair.scale)
+                    wrapper.copy_slot(slot, pair.a, pair.b, pair.scale, put=self.copies.put)
 
         issued = time.perf_counter()
 

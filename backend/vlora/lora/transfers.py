@@ -25,6 +25,51 @@ class _Copy:
         self.error: Optional[BaseException] = None
 
 
+class PinnedStager:
+    """Host-to-device copies from pageable memory through a few page-locked buffers allocated once and reused,
+    on the copy thread: each source is copied into the current buffer on the CPU, then from there to the device
+    asynchronously on the side stream; a buffer is reused once the copies out of it have completed. A copy
+    straight from pageable memory ran at 6.8 GB/s on an H200's host when alone, and at about 2 GB/s beside a
+    serving engine and reading loaders; from page-locked memory at 55 GB/s. Sources larger than a buffer, and
+    page-locked ones, are copied directly."""
+
+    def __init__(self, buffers: int = 4, nbytes: int = 32 << 20) -> None:
+        self.nbytes = nbytes
+        self._bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(buffers)]
+        self._done: list[Optional[Any]] = [None] * buffers  # the event after the last copy out of each buffer
+        self._i = 0
+        self._used = 0
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` on the current (side) stream, ``src`` on the host."""
+        n = src.numel() * src.element_size()
+        if n == 0 or n > self.nbytes or src.is_pinned() or not src.is_contiguous() or src.device.type != "cpu":
+            dst.copy_(src, non_blocking=True)
+            return
+        if self._used + n > self.nbytes:
+            self._next()
+        view = self._bufs[self._i][self._used:self._used + n].view(src.dtype).view(src.shape)
+        view.copy_(src)
+        dst.copy_(view, non_blocking=True)
+        self._used += -(-n // 256) * 256
+
+    def _next(self) -> None:
+        self.close_buffer()
+        self._i = (self._i + 1) % len(self._bufs)
+        done = self._done[self._i]
+        if done is not None:
+            done.synchronize()  # its copies have left it: it may be overwritten
+            self._done[self._i] = None
+        self._used = 0
+
+    def close_buffer(self) -> None:
+        """After the copies of one job: an event marks when the current buffer may be written again."""
+        if self._used:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+            self._done[self._i] = event
+
+
 class SlotCopies:
     """Host-to-device copies into adapter slots, off the engine thread: on CUDA a copy thread runs each
     slot's copies on a side stream and records an event; the engine thread only queues them and asks.
@@ -47,6 +92,15 @@ class SlotCopies:
         self._jobs: list[Optional[_Copy]] = [None] * num_slots
         self._queue: "queue.SimpleQueue[_Copy]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
+        self.stager: Optional[PinnedStager] = None  # the copy thread's, made there at its first copy
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Inside an issued ``copy``: copy host ``src`` into the slot tensor ``dst`` (through the copy thread's
+        page-locked buffers on CUDA)."""
+        if self.stager is None:
+            dst.copy_(src, non_blocking=True)
+        else:
+            self.stager.put(dst, src)
 
     def issue(self, slot: int, copy: Callable[[], None], source: Any, note: Optional[Callable[[], None]] = None) -> None:
         if not self.cuda:
@@ -70,9 +124,12 @@ class SlotCopies:
         while True:
             job = self._queue.get()
             try:
+                if self.stager is None:
+                    self.stager = PinnedStager()
                 self.stream.wait_event(job.after)
                 with torch.cuda.stream(self.stream):
                     job.copy()
+                    self.stager.close_buffer()
                     event = torch.cuda.Event()
                     event.record(self.stream)
                 job.event = event
