@@ -76,12 +76,15 @@ class OneRead:
             raise FileTooLarge(max(self.size, len(data)), limit)
         return data
 
-    def read_all(self, limit: int) -> bytearray:
-        """The whole file, read again from its start (a caller checks that what it read first is its prefix);
-        FileTooLarge past ``limit`` bytes, as ``read_rest``. Read straight into one writable buffer (the kernel's
-        copy is the only one, made with the GIL released), so that tensors can be views of it."""
+    def read_all(self, limit: int) -> "np.ndarray":
+        """The whole file as a writable uint8 array, read again from its start (a caller checks that what it
+        read first is its prefix); FileTooLarge past ``limit`` bytes, as ``read_rest``. Read straight into one
+        uninitialised buffer: the kernel's copy is the only one, made with the GIL released, and tensors can be
+        views of it (``bytes`` from ``read`` would be one more copy, and a ``bytearray`` is zeroed first under the GIL)."""
+        import numpy as np
+
         os.lseek(self._fd, 0, os.SEEK_SET)
-        buf = bytearray(min(limit, self.size) + 1)  # one byte over the size at open: growth shows as a full buffer
+        buf = np.empty(min(limit, self.size) + 1, dtype=np.uint8)  # one byte over the size at open: growth fills it
         view = memoryview(buf)
         got = 0
         try:
@@ -95,10 +98,8 @@ class OneRead:
         if got == len(buf):  # the file grew since it was opened: the rest the slow way, up to the limit
             if got > limit:
                 raise FileTooLarge(max(self.size, got), limit)
-            buf += self.read_rest(limit - got)
-            return buf
-        del buf[got:]
-        return buf
+            return np.concatenate([buf, np.frombuffer(self.read_rest(limit - got), dtype=np.uint8)])
+        return buf[:got]
 
     def close(self) -> None:
         if self._fd is not None:

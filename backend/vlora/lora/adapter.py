@@ -42,6 +42,7 @@ from vlora.lora.peft_format import (  # noqa: F401 (ATTN_MODULES, MLP_MODULES: r
     WEIGHTS_FILE,
     AdapterError,
     VisionSites,
+    _ST_DTYPES,
     _parse_safetensors,
     _safetensors_header,
     _record_weight,
@@ -250,7 +251,9 @@ def load_adapter(
         tensors = _parse_safetensors(weights_bytes, header, len(header_bytes), where)
         arena = None
         if pin_memory if one_buffer is None else one_buffer:
-            keys = [k for step in plan for k in step[3:5]]  # each pair's lora_A and lora_B key, in load order
+            # each pair's lora_A and lora_B key, in load order, that needs converting (the others stay views of the
+            # file's buffer, _tensor)
+            keys = [k for step in plan for k in step[3:5] if _ST_DTYPES.get(header[k].get("dtype")) != dtype]
             arena = HostArena([(tuple(header[k]["shape"]), dtype) for k in keys], pin_memory=pin_memory)
         pairs: dict[tuple[int, str], LoraPair] = {}
         for layer, module, module_name, key_a, key_b, scale in plan:
