@@ -123,3 +123,22 @@ def test_refused_requests_leave_no_reference_cycle(triton_model):
     errors = [r.sender.final.error().message() for r in batches[0]]
     assert "limits.max_inflight_image_bytes" in errors[0] and "nope" in errors[1], errors
     assert not frames, f"a refusal left frames in a reference cycle: {frames}"
+
+
+def test_a_final_answer_that_could_not_be_sent_is_sent_again(triton_model):
+    """Triton counts a decoupled request in flight until its sender sends the final flag, and a stopping server
+    waits for it (then exits 1 without finalize()). When every send of a request fails for a while (the answer
+    and the error after it), the response thread sends a bare final flag again until it goes through."""
+    model, _ = triton_model
+    request = FakeRequest({"text_input": "USER: hello ASSISTANT:", "stream": True,
+                           "sampling_parameters": json.dumps({"max_tokens": 4, "ignore_eos": True})})
+    request.sender.fail = True
+    model.execute([request])
+    time.sleep(1.2)  # its outputs and the error after them failed; at least one retry failed too
+    assert request.sender.sent == []
+    request.sender.fail = False
+    deadline = time.monotonic() + 10
+    while not request.sender.sent:
+        assert time.monotonic() < deadline, "the final flag was never sent again"
+        time.sleep(0.02)
+    assert request.sender.sent == [(None, COMPLETE_FINAL)]

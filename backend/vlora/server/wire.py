@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -56,6 +56,9 @@ class Wire:
 
     def __init__(self, pb_utils: Any) -> None:
         self.pb = pb_utils
+        # Called with a response sender whose final answer (an error or a cancellation) could not be sent: Triton
+        # counts its request in flight until the sender sends the final flag (the model sends it again later).
+        self.on_lost_final: Optional[Callable[[Any], None]] = None
 
     # Requests.
     def single(self, request, name: str):
@@ -215,6 +218,8 @@ class Wire:
             return True
         except Exception as e:  # one line: the sender is gone (client disconnected) or already answered
             log(f"vlora: sending {what} failed: {type(e).__name__}: {e}")
+            if self.on_lost_final is not None:
+                self.on_lost_final(sender)
             return False
 
 

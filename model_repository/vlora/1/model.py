@@ -59,6 +59,7 @@ MAX_DRAIN = 4096  # queued items the response thread takes at once (and merges p
 ADMIN_THREADS = 4  # adapter actions at once
 ADMIN_DRAIN_S = 10.0  # how long finalize() waits for running adapter actions to answer
 DEAD_FLUSH_S = 5.0  # how long a dead engine's errors may take to reach the clients before the stub exits
+FINAL_RETRY_S = 60.0  # how long a final flag that could not be sent is tried again (every CANCEL_POLL_S)
 ENGINE_FAILED = "vlora: ENGINE FAILED"  # the log line `vlora serve` looks for
 
 
@@ -87,6 +88,10 @@ class TritonPythonModel:
         token_file = config.lora.admin_token_file
         admin_token: Optional[bytes] = read_admin_token(token_file).encode("utf-8") if token_file else None
         self._wire = Wire(pb_utils)
+        # A final answer that could not be sent: its request stays in flight for Triton, and a stopping server
+        # waits for it (then exits 1 at its exit timeout, without finalize()). The response thread sends a bare
+        # final flag again until it goes through (FINAL_RETRY_S).
+        self._wire.on_lost_final = lambda sender: self._post(("final", sender))
         pb_utils.Logger.log_info(
             f"vlora: loading the engine (model {config.model.path or 'tiny default'}, device {config.model.device}, "
             f"dtype {config.model.dtype})"
@@ -269,6 +274,7 @@ class TritonPythonModel:
     def _response_loop(self) -> None:
         """Send what the engine produced; cancel requests whose clients went away."""
         inflight: dict[str, _InFlight] = {}
+        lost: list[tuple[Any, float]] = []  # (sender, give up at) of final flags still to send
         outbox, wake = self._outbox, self._wake
         last_poll = time.monotonic()
         stop = more = False
@@ -292,19 +298,41 @@ class TritonPythonModel:
                 if item is _STOP:
                     stop = True
                     break
+                if isinstance(item, tuple) and item[0] == "final":
+                    lost.append((item[1], time.monotonic() + FINAL_RETRY_S))
+                    continue
                 try:
                     self._handle(item, inflight)
                 except Exception as e:  # one item's fault must not end this thread (nothing would be answered)
                     pb_utils.Logger.log_error(f"vlora: the response thread failed on an item: {type(e).__name__}: {e}")
             now = time.monotonic()
-            if inflight and now - last_poll >= CANCEL_POLL_S:
+            if (inflight or lost) and now - last_poll >= CANCEL_POLL_S:
                 last_poll = now
+                lost = self._send_lost_finals(lost, now)
                 try:
                     self._poll_cancelled(inflight)
                 except Exception as e:
                     pb_utils.Logger.log_error(f"vlora: polling for cancellations failed: {type(e).__name__}: {e}")
         for state in inflight.values():
             self._wire.send_error(state.sender, "server shutting down", unavailable=True)
+        self._send_lost_finals(lost, time.monotonic())
+
+    @staticmethod
+    def _send_lost_finals(lost: list, now: float) -> list:
+        """Send a bare final flag for each request whose final answer could not be sent; the ones still failing
+        (until their time runs out) are returned."""
+        left = []
+        for sender, give_up in lost:
+            try:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                pb_utils.Logger.log_warn("vlora: a request's final flag went through on a later try")
+            except Exception as e:
+                if now < give_up:
+                    left.append((sender, give_up))
+                else:
+                    pb_utils.Logger.log_error(f"vlora: gave up sending a request's final flag after "
+                                              f"{FINAL_RETRY_S:.0f} s: {type(e).__name__}: {e}")
+        return left
 
     def _handle(self, item: Any, inflight: dict[str, _InFlight]) -> None:
         """One outbox item on the response thread."""
