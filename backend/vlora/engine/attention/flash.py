@@ -104,9 +104,10 @@ def cudnn_buckets(max_len: int) -> list[int]:
 
 
 def _padded(t: torch.Tensor, length: int) -> torch.Tensor:
-    """``t`` [n, H, D] with zero rows appended to ``length``, as the [1, H, length, D] view SDPA takes."""
-    if t.shape[0] != length:
-        t = F.pad(t, (0, 0, 0, 0, 0, length - t.shape[0]))
+    """``t`` [n, H, D] with zero rows appended to ``length``, as the [1, H, length, D] view SDPA takes; always
+    of one memory layout (a contiguous [length, H, D]), the one the warm start planned for (a slice of the fused
+    QKV projection's output is strided)."""
+    t = F.pad(t, (0, 0, 0, 0, 0, length - t.shape[0])) if t.shape[0] != length else t.contiguous()
     return t.transpose(0, 1).unsqueeze(0)
 
 
