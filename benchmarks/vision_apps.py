@@ -17,6 +17,8 @@ rank-``--rank`` adapters, then
 - the time to ready and the first request after it, and the idle time to the whole one-token answer of a new
   image over HTTP ``/generate``, with and without an adapter (p50 of ``--reps``), with the engine's stage timers
   over those requests and what they leave untimed (Triton's HTTP and the stub's transport, the response thread);
+  the applications' images are uniform-noise JPEGs (the worst case to decode), so the idle time is also taken
+  for a photo-like JPEG of the same size and, on LLaVA, for a 336x336 one (the size its CLIP takes);
 - visual retrieval (one new image per request, the trace-shaped question and answer lengths of
   ``configs/workloads/visual_retrieval.yaml``, adapters drawn from Zipf(1) over the N) and video analytics
   (``--frames`` new frames per chunk, one chunk per stream per second, 5-10 output tokens or a task head;
@@ -48,6 +50,17 @@ from pathlib import Path
 from benchmarks.common import PRESETS, TINY, device_name, git_commit, model_folder, model_parser, sync_fn, write_result
 
 REPS = 6
+
+
+PHOTO_SIDE = 336  # LLaVA-1.5's CLIP input: an image of this size needs no resize
+
+
+def photo_jpeg(seed: int, w: int, h: int) -> bytes:
+    """A photo-like JPEG (smooth 8x8 blocks with a little noise, quality 90): about a third of the bytes of
+    :func:`jpeg`'s uniform noise at 640x480, as camera frames are (benchmarks/image_prep.py uses the same)."""
+    from benchmarks.image_prep import jpeg as photo
+
+    return photo(seed, w, h)
 
 
 def jpeg(seed: int, w: int, h: int) -> bytes:
@@ -299,19 +312,26 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
         http = server.http_url if server.http_url.startswith("http") else f"http://{server.http_url}"
         seed = 0
 
-        def new_image() -> str:
+        def new_image(kind: str = "noise") -> str:
             nonlocal seed
             seed += 1
-            return base64.b64encode(jpeg(7_000_003 + seed, *side)).decode()
+            data = (jpeg(7_000_003 + seed, *side) if kind == "noise" else
+                    photo_jpeg(7_000_003 + seed, *((PHOTO_SIDE, PHOTO_SIDE) if kind == "photo-square" else side)))
+            return base64.b64encode(data).decode()
 
         prompt = f"{image_mark}What is in this picture?"
         result["first_request_ms"] = round(1e3 * _generate(http, prompt, [new_image()], {"max_tokens": 1}), 1)
-        for label, adapter in (("base", None), ("adapter", names[0])):
+        # base and adapter: the 640x480 (Qwen 448x448) noise JPEGs of the applications; photo: a photo-like JPEG of
+        # that size (a third of the bytes); photo336 (LLaVA): a 336x336 one, the issue's row (no resize needed).
+        idle = [("base", None, "noise"), ("adapter", names[0], "noise"), ("photo", None, "photo")]
+        if not video_mark:
+            idle.append(("photo336", None, "photo-square"))
+        for label, adapter, kind in idle:
             params = {"max_tokens": 1, **({"lora_name": adapter} if adapter else {})}
-            _generate(http, prompt, [new_image()], params)  # the adapter's first use: its load
+            _generate(http, prompt, [new_image(kind)], params)  # the adapter's first use: its load
             time.sleep(0.5)  # the model applies its metrics every 0.2 s
             before = stage_totals(server.metrics_url)
-            times = [1e3 * _generate(http, prompt, [new_image()], params) for _ in range(args.reps)]
+            times = [1e3 * _generate(http, prompt, [new_image(kind)], params) for _ in range(args.reps)]
             time.sleep(0.5)
             stages = stage_means(before, stage_totals(server.metrics_url))
             timed = sum(v["mean_ms"] for k, v in stages.items() if k != "vision")  # vision runs inside the step
@@ -374,9 +394,12 @@ def summary(result: dict) -> str:
         name = Path(m["preset"]).stem
         base = m['idle_image_ms_base']
         stages = " + ".join(f"{k} {v['mean_ms']:.1f}" for k, v in base.get("stages", {}).items())
+        photo = "".join(f", {label} {m[key]['p50']:.1f} ms" for key, label in
+                        (("idle_image_ms_photo", "a photo-like JPEG"), ("idle_image_ms_photo336", "a 336x336 one"))
+                        if key in m)
         parts.append(f"{name} through the server: ready in {m['ready_s']:.0f} s, first request {m['first_request_ms']:.0f} ms, "
                      f"idle new image {base['p50']:.1f} ms ({m['idle_image_ms_adapter']['p50']:.1f} "
-                     f"with an adapter; engine timers {stages}, untimed {base.get('untimed_ms', float('nan')):.1f})")
+                     f"with an adapter{photo}; engine timers {stages}, untimed {base.get('untimed_ms', float('nan')):.1f})")
         for app in ("visual_retrieval", "video_analytics") if m.get("visual_retrieval") is not None else ():
             pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> {p['throughput_rps']:.2f}/s TTFT p50 "
                             f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms" for p in m.get(app, []))
