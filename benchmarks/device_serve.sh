@@ -9,7 +9,8 @@
 #   endpoint at the same dimensions (benchmarks/openai_hop.py, about 4 minutes; run it alone: STEPS=openai); "burst":
 #   issue 36's rows through the server at the same dimensions (benchmarks/serve_burst.py: 32 new short prompts at once,
 #   32 x 256 tokens base / resident / cold adapters, 64 new images at once; about 3 minutes, 4 with the model to write;
-#   run it alone: STEPS=burst)
+#   run it alone: STEPS=burst); "overhead": what the Triton path adds per request and per token over the in-process
+#   engine, HTTP and gRPC at 1, 32 and 128 streams (benchmarks/server_overhead.py; run it alone: STEPS=overhead)
 # Writes under $OUT (default benchmarks/device_out): log.txt (every step's output), bundle.tgz (server logs,
 # the results JSON and RESULTS.md lines this run wrote), and the built extension (few files: the device
 # tool brings back at most 8).
@@ -51,6 +52,9 @@ if want openai 240; then
 fi
 if want burst 240; then
   python3 -m benchmarks.serve_burst --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench || rc=1
+fi
+if want overhead 240; then
+  python3 -m benchmarks.server_overhead --device cuda --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench || rc=1
 fi
 mkdir -p /tmp/bundle
 cp /tmp/vlora-bench/server.log /tmp/bundle/ 2>/dev/null
