@@ -426,3 +426,24 @@ def test_cpu_slot_copies_are_synchronous():
     copies.issue(0, lambda: ran.append(0), None)
     assert ran == [0] and copies.ready(0) and not copies.in_flight
     copies.wait([0, 1])  # nothing to wait for off CUDA
+
+
+def test_a_failed_slot_copy_leaves_no_slot_holding_half_an_adapter(tiny_model_dir, root):
+    """A copy that fails on the copy thread (a CUDA error) empties its slot: the adapter is forgotten there, and
+    its waiting request gets a slot filled again instead of reading half-copied weights."""
+    engine = build_engine(_cfg(tiny_model_dir, root))
+    copies = DeferredCopies(2)
+    engine.loras.copies = copies
+    copies.on_failed = engine.loras._copy_failed
+    outs = {}
+    _add(engine, _req("late", lora=A), outs)
+    engine.step()
+    slot = engine.loras.resident[A]
+    del copies.queued[slot]  # the copy thread's copy raised: ready() reports it once
+    copies.on_failed(slot, RuntimeError("CUDA error: an illegal memory access"))
+    assert A not in engine.loras.resident and engine.loras.slot_identity(slot) == "None@"
+    engine.step()  # "late" asks again: a slot is filled anew
+    assert engine.loras.swaps_in == 2 and A in engine.loras.resident
+    copies.complete()
+    _drain(engine, outs, 1)
+    assert outs["late"].finish_reason == "length" and not outs["late"].error

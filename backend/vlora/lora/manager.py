@@ -117,6 +117,7 @@ class LoraManager:
         # Host copies in the slots' dtype when the slots are on CUDA, in pageable memory: page-locking fresh memory
         # is slow and stalls the engine's launches (SlotCopies), and the copy thread moves them instead.
         self._pin = self.copies.cuda
+        self.copies.on_failed = self._copy_failed
 
         # Guarded by _lock (touched by request, loader and engine threads).
         self._lock = threading.Lock()
@@ -581,6 +582,21 @@ class LoraManager:
         self.swaps_in += 1
         self.metrics.adapter_swap(GPU_LOAD, name)
         log.debug("adapter %s -> slot %d (evicted %s)", name, slot, old)
+
+    def _copy_failed(self, slot: int, error: BaseException) -> None:
+        """Engine thread: the copy into ``slot`` failed (a CUDA error on the copy thread). The slot holds nothing
+        usable: its adapter is forgotten there, and the next request for it fills a slot again."""
+        name = self._name_in[slot]
+        log.error("copying adapter %s into device slot %d failed: %s: %s", name, slot, type(error).__name__, error)
+        if name is not None:
+            with self._lock:
+                if self._slot_of.get(name) == slot:
+                    del self._slot_of[name]
+            self.metrics.adapter_swap(GPU_EVICTION, name)
+        self._name_in[slot] = None
+        self._version_in[slot] = ""
+        self._heads_in[slot] = {}
+        self._vision_in[slot] = False
 
     def _record(self, name: str, w: Optional[AdapterWeights] = None) -> AdapterRecord:
         """Under the lock: the registry entry of ``name``, created with the next id when new."""

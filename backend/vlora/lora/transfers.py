@@ -93,6 +93,8 @@ class SlotCopies:
         self._queue: "queue.SimpleQueue[_Copy]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self.stager: Optional[PinnedStager] = None  # the copy thread's, made there at its first copy
+        # Called on the engine thread with (slot, error) when a slot's copy failed: the slot holds nothing usable.
+        self.on_failed: Optional[Callable[[int, BaseException], None]] = None
 
     def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Inside an issued ``copy``: copy host ``src`` into the slot tensor ``dst`` (through the copy thread's
@@ -144,8 +146,11 @@ class SlotCopies:
         if not job.issued.is_set() or (job.event is not None and not job.event.query()):
             return False
         self._jobs[slot] = None
-        if job.error is not None:
-            raise RuntimeError(f"copying an adapter into slot {slot} failed: {job.error}") from job.error
+        if job.error is not None:  # the slot is free again, and holds nothing: its owner forgets it
+            if self.on_failed is None:
+                raise RuntimeError(f"copying an adapter into slot {slot} failed: {job.error}") from job.error
+            self.on_failed(slot, job.error)
+            return True
         if job.note is not None:
             job.note()
         return True
