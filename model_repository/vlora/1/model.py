@@ -315,6 +315,10 @@ class TritonPythonModel:
                     pb_utils.Logger.log_error(f"vlora: polling for cancellations failed: {type(e).__name__}: {e}")
         for state in inflight.values():
             self._wire.send_error(state.sender, "server shutting down", unavailable=True)
+        while outbox:  # the final flags those errors could not carry, posted just now: one more try each
+            item = outbox.popleft()
+            if isinstance(item, tuple) and item[0] == "final":
+                lost.append((item[1], 0.0))
         self._send_lost_finals(lost, time.monotonic())
 
     @staticmethod
