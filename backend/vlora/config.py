@@ -258,7 +258,7 @@ class AtmmConfig:
     a repeated load instant); ``never`` serves with the committed table or the default rule. Serving
     starts at once; the tuned entries replace the table's when the sidecar finishes. The sidecar shares
     the GPU, so it is stopped while requests are in flight and goes on after a second of idleness
-    (``tune_budget_s`` of wall time at most, stopped or not).
+    (``tune_budget_s`` of its running time at most: the time it is stopped does not count).
     """
 
     tune_at_load: str = "auto"

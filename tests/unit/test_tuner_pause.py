@@ -82,3 +82,25 @@ def test_the_engine_holds_the_tuner_while_serving_and_lets_it_go_when_idle(tiny_
     finally:
         aeng.shutdown()
         car.stop()
+
+
+def test_the_time_stopped_does_not_count_against_the_budget(tmp_path):
+    """The child reads how long the engine held it stopped (written by resume()) and leaves it out of its
+    atmm.tune_budget_s: a busy server stops it often, and a wall-clock budget would leave a partial table."""
+    car = _sidecar(tmp_path)
+    try:
+        assert tuner.paused_seconds(car.paused_file) == 0.0  # nothing written yet
+        car.pause()
+        time.sleep(0.3)
+        car.resume()
+        first = tuner.paused_seconds(car.paused_file)
+        assert 0.25 < first < 5 and first == pytest.approx(car.paused_s, abs=1e-3)
+        car.pause()
+        time.sleep(0.2)
+        car.resume()
+        assert tuner.paused_seconds(car.paused_file) > first + 0.15  # cumulative
+        assert tuner.paused_seconds(None) == 0.0
+        car.paused_file.write_text("garbage")
+        assert tuner.paused_seconds(car.paused_file) == 0.0
+    finally:
+        car.stop()

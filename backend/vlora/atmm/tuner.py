@@ -198,11 +198,23 @@ def shape_grid(widths: list[int], ranks: list[int], tokens: list[int], segments:
                         yield d, r, T, S
 
 
+def paused_seconds(path: Path | None) -> float:
+    """The seconds the serving engine has held this process stopped so far, as its sidecar writes them to
+    ``path`` (0 without one, or while it cannot be read)."""
+    if path is None:
+        return 0.0
+    try:
+        return max(0.0, float(path.read_text() or 0.0))
+    except (OSError, ValueError):
+        return 0.0
+
+
 def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], tokens: list[int],
          segments: list[int], progress: Callable[[str], None] = lambda s: None,
-         budget_s: float | None = None) -> list[dict]:
+         budget_s: float | None = None, paused_file: Path | None = None) -> list[dict]:
     """Profile the grid; return table entries (both directions) with their measured times.
-    With ``budget_s``, stop after the shape that crosses it (the table is then partial)."""
+    With ``budget_s``, stop after the shape that crosses it (the table is then partial); the time the serving
+    engine held this process stopped (``paused_file``, TunerSidecar.pause) does not count."""
     smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     shrink_cfgs = feasible_configs(kernels, "shrink", smem)
     expand_cfgs = feasible_configs(kernels, "expand", smem)
@@ -218,7 +230,7 @@ def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], 
                  f"expand {ec}, whole call {res['pair_us']:.1f} us "
                  f"({time.monotonic() - t0:.0f} s)")
         del p
-        if budget_s is not None and time.monotonic() - t0 > budget_s:
+        if budget_s is not None and time.monotonic() - t0 - paused_seconds(paused_file) > budget_s:
             progress(f"time budget of {budget_s:.0f} s spent after {i + 1} of {len(grid)} shapes; the table is partial")
             break
     return entries
@@ -245,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="table file (default configs/tiling/<gpu>.json)")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "vlora" / "tiling")
     ap.add_argument("--budget-s", type=float, default=None, help="stop profiling after this many seconds")
+    ap.add_argument("--paused-file", type=Path, default=None,
+                    help="where the serving engine writes the seconds it held this process stopped (not counted)")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -266,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlora.atmm.tuner: cached table {cached} -> {out}", file=sys.stderr)
         return 0
     entries = tune(kernels, args.dtype, args.widths, args.ranks, tokens, args.segments,
-                   progress=lambda s: print(s, file=sys.stderr, flush=True), budget_s=args.budget_s)
+                   progress=lambda s: print(s, file=sys.stderr, flush=True), budget_s=args.budget_s,
+                   paused_file=args.paused_file)
     complete = len(entries) == 2 * len(list(shape_grid(args.widths, args.ranks, tokens, args.segments)))
     header = {"gpu": gpu, "cuda_archs": kernels.ext.CUDA_ARCHS, "dtype": args.dtype, "widths": args.widths,
               "ranks": args.ranks, "segments": args.segments, "token_grid": [min(tokens), max(tokens), len(tokens)],
@@ -303,7 +318,8 @@ class TunerSidecar:
     run and lets it go on (:meth:`resume`) once the engine has been idle a while: beside a running tuner an
     H200 measured a one-image LLaVA-7B prefill step at 27.8 ms against 16.7 alone, its kernels waiting
     2.2-2.6 ms at a time for the tuner's time slices. Work the child had already queued on the GPU when it
-    was stopped still runs (a few ms). Its ``atmm.tune_budget_s`` counts wall time, stopped or not.
+    was stopped still runs (a few ms). Its ``atmm.tune_budget_s`` counts the time it ran: the seconds it was
+    stopped are written to ``<out>.paused``, which the child reads at each budget check.
     """
 
     def __init__(self, kernels: AtmmKernels, out: Path, tuner_args: list[str], base: Path | None = None,
@@ -321,10 +337,15 @@ class TunerSidecar:
         self._lock = threading.Lock()  # pause() comes from request threads, resume() from the engine loop
         self.paused = False
         self.pauses = 0  # how many times requests stopped it
+        self.paused_s = 0.0  # seconds stopped so far, written to paused_file for the child's budget
+        self.paused_file = self.out.with_suffix(".paused")
+        self._paused_at = 0.0
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "vlora.atmm.tuner", "--out", str(self.out), *self.args]
+        cmd = [sys.executable, "-m", "vlora.atmm.tuner", "--out", str(self.out), "--paused-file", str(self.paused_file),
+               *self.args]
         self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.paused_file.unlink(missing_ok=True)  # an earlier run's
         self._log = open(self.log_path, "w")  # a pipe nobody reads would fill and stall the child
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True, env=self.env,
                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -341,6 +362,7 @@ class TunerSidecar:
                 return
             self.paused = True
             self.pauses += 1
+            self._paused_at = time.monotonic()
 
     def resume(self) -> None:
         """Let a paused child go on (SIGCONT)."""
@@ -348,6 +370,13 @@ class TunerSidecar:
             if not self.paused:
                 return
             self.paused = False
+            self.paused_s += time.monotonic() - self._paused_at
+            try:  # before it goes on: its budget check reads it (a whole file, never half a number)
+                tmp = self.paused_file.with_suffix(".paused.tmp")
+                tmp.write_text(f"{self.paused_s:.3f}")
+                os.replace(tmp, self.paused_file)
+            except OSError:
+                pass
             if self.proc is not None and self.proc.poll() is None:
                 try:
                     os.kill(self.proc.pid, signal.SIGCONT)
