@@ -253,7 +253,8 @@ def load_adapter(
         if pin_memory if one_buffer is None else one_buffer:
             # each pair's lora_A and lora_B key, in load order, that needs converting (the others stay views of the
             # file's buffer, _tensor)
-            keys = [k for step in plan for k in step[3:5] if _ST_DTYPES.get(header[k].get("dtype")) != dtype]
+            keys = [k for step in plan for k in step[3:5]
+                    if pin_memory or _ST_DTYPES.get(header[k].get("dtype")) != dtype]
             arena = HostArena([(tuple(header[k]["shape"]), dtype) for k in keys], pin_memory=pin_memory)
         pairs: dict[tuple[int, str], LoraPair] = {}
         for layer, module, module_name, key_a, key_b, scale in plan:

@@ -286,7 +286,7 @@ def _tensor(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], key:
     norm = _l2(t)
     if not math.isfinite(norm) and not bool(torch.isfinite(t).all()):
         raise AdapterError(f"{where}: {key!r} holds non-finite values")
-    if t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu":
+    if t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu" and (arena is None or not arena.pin_memory):
         return t, norm  # a view of the file's buffer, already one buffer for the adapter: no copy
     if arena is not None:
         out = arena.take(tuple(t.shape), dtype)
