@@ -114,9 +114,9 @@ class LoraManager:
         self.device = first.lora_a.device if first is not None else None
         self.dtype = first.lora_a.dtype if first is not None else torch.float32
         self.copies = copies or SlotCopies(self.device, cfg.max_gpu_adapters)
-        # Host copies in the slots' dtype when the slots are on CUDA, in pageable memory: page-locking fresh memory
-        # is slow and stalls the engine's launches (SlotCopies), and the copy thread moves them instead.
-        self._pin = self.copies.cuda
+        # On CUDA the host copies are staged in the slots' dtype, one buffer per adapter, in pageable memory:
+        # page-locking fresh memory is slow and stalls the engine's launches (SlotCopies), whose copy thread moves them.
+        self._stage_for_cuda = self.copies.cuda
         self.copies.on_failed = self._copy_failed
 
         # Guarded by _lock (touched by request, loader and engine threads).
@@ -430,7 +430,7 @@ class LoraManager:
                 if fut is not None and fut.done():
                     del self._pending[name]
                 return w
-            if not self._pin and name in self._in_memory:  # usable as registered: no staging needed
+            if not self._stage_for_cuda and name in self._in_memory:  # usable as registered: no staging needed
                 return self._in_memory[name]
             if fut is None:
                 self._pending[name] = self._loader.submit(self._read_into_host, name, self._epoch.get(name, 0))
@@ -499,10 +499,11 @@ class LoraManager:
         t0 = time.perf_counter()
         path = resolve_adapter_dir(self.root, name)  # refuses traversal and unknown names
         try:
-            # Staged as it is parsed: in the slots' dtype on CUDA, one buffer per adapter (one copy from the file's bytes).
+            # Staged as it is parsed: in the slots' dtype on CUDA, one buffer per adapter (at most one copy of the file).
             w = load_adapter(self.root, name, num_layers=self.num_layers, module_dims=self.module_dims,
                              max_rank=self.cfg.max_rank, supported_modules=self.supported_modules, vision=self.vision,
-                             dtype=self.dtype if self._pin else torch.float32, one_buffer=self._pin)
+                             dtype=self.dtype if self._stage_for_cuda else torch.float32,
+                             one_buffer=self._stage_for_cuda)
         except OSError as e:
             raise AdapterError(f"adapter {name!r}: cannot be read ({e})") from None
         seconds = time.perf_counter() - t0
@@ -517,7 +518,7 @@ class LoraManager:
 
     def _stage(self, w: AdapterWeights) -> AdapterWeights:
         """On CUDA: the weights in the slots' dtype, for the copy thread (SlotCopies)."""
-        if not self._pin:
+        if not self._stage_for_cuda:
             return w
         pairs = {key: LoraPair(a=p.a.to(self.dtype).contiguous(), b=p.b.to(self.dtype).contiguous(), scale=p.scale)
                  for key, p in w.pairs.items()}
@@ -528,7 +529,7 @@ class LoraManager:
         if epoch is not None and (name in self._unloaded or self._epoch.get(name, 0) != epoch):
             return False
         self._record(name, w)
-        if name in self._in_memory and not self._pin:
+        if name in self._in_memory and not self._stage_for_cuda:
             return True
         self._host[name] = w
         self._host.move_to_end(name)
@@ -554,9 +555,10 @@ class LoraManager:
                 del self._slot_of[old]
             self.metrics.adapter_swap(GPU_EVICTION, old)
 
+        layers = [(wrapper, w.pairs.get(key)) for key, wrapper in self.layers.items()]  # pair None: layer skipped
+
         def copy() -> None:  # on CUDA on the copy thread: the data only
-            for key, wrapper in self.layers.items():
-                pair = w.pairs.get(key)
+            for wrapper, pair in layers:
                 if pair is None:
                     wrapper.copy_slot(slot, None, None, 0.0)
                 else:
@@ -566,9 +568,8 @@ class LoraManager:
 
         def note() -> None:  # on the engine thread, once the copy is complete
             self.metrics.stage("adapter_copy", time.perf_counter() - issued)
-            for key, wrapper in self.layers.items():
-                pair = w.pairs.get(key)
-                wrapper.note_slot(slot, 0 if pair is None else pair.a.shape[0], 0.0 if pair is None else pair.scale)
+            for wrapper, pair in layers:
+                wrapper.note_slot(slot, 0 if pair is None else pair.rank, 0.0 if pair is None else pair.scale)
 
         self.copies.issue(slot, copy, w, note)
         # Heads are small: copied on the compute stream, where they are read.
