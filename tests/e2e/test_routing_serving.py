@@ -1,7 +1,8 @@
 """Adapter-aware routing through a real `vlora serve`: the router model `vlora` in front of two engine models on the
 CPU (the hidden --routing-cpu-engines 2 stands in for two GPUs). Requests for one adapter land on one engine model,
 a cold adapter is read once, answers equal the single-model server's (the session's `server`), adapter actions
-reach both engines, and cancellations and errors pass through with their codes."""
+reach both engines, cancellations and errors pass through with their codes, and many requests at once leave the
+server up."""
 from __future__ import annotations
 
 import json
@@ -166,6 +167,22 @@ def test_a_cancelled_stream_is_cancelled_in_its_engine(routed):
     assert wait_for(lambda: cancelled() >= 1, timeout=15), _finished(routed.metrics())
     assert wait_for(lambda: _depth(routed.metrics()) == 0, timeout=10), "requests still running after the cancellation"
 
+
+
+def test_many_short_requests_at_once_leave_the_server_up(routed):
+    """Requests that finish while the router's watcher polls its relays for cancellation: Triton 2.51 crashed
+    (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled) when a poll reached a request its relay had just answered,
+    within about 250 such requests (wire.Sender). Last in this module: it moves the per-adapter counts."""
+    client = VloraClient(routed.grpc_url, timeout_s=60)
+    adapters = [None, "demo-r4-pattern"]
+
+    def work(i: int) -> int:
+        return sum(client.generate("USER: hi ASSISTANT:", lora_name=adapters[(i + k) % 2], max_tokens=1).num_output_tokens
+                   for k in range(75))
+
+    with ThreadPoolExecutor(16) as pool:
+        assert sum(pool.map(work, range(16))) == 16 * 75
+    assert routed.proc.poll() is None, routed.launcher_output()[-3000:]
 
 def _finished(text: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in

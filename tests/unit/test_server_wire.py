@@ -3,6 +3,9 @@ requests and writes responses (the e2e tests run the same code inside a real tri
 from __future__ import annotations
 
 import json
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,3 +184,95 @@ def test_an_error_message_quoting_a_clients_bad_text_is_still_sent(wire):
     wire.send_error(internal, "internal error: boom", internal=True)
     assert (internal.final.error().code(), internal.final.error().message()) == (TritonError.INTERNAL, "[INTERNAL] internal error: boom")
     assert wire.send_error(FakeSender(fail=True), "x") is False
+
+
+class _BackendSender:
+    """The Python backend's sender as far as Sender relies on it: a final flag frees the request's response
+    factory in the server process (so is_cancelled() after it would read freed memory), and its own closed flag
+    refuses any send after a final one, before it reaches the server."""
+
+    def __init__(self) -> None:
+        self.freed = self.closed = False
+        self.polls_after_final = 0
+        self.sent = 0
+
+    def send(self, response=None, flags=0) -> None:
+        if self.closed:
+            raise RuntimeError("Unable to send response. Response sender has been closed.")
+        if flags & COMPLETE_FINAL:
+            self.closed = True
+        time.sleep(0.0002)  # the round trip to the server, during which it frees the factory
+        self.sent += 1
+        if flags & COMPLETE_FINAL:
+            self.freed = True
+
+    def is_cancelled(self) -> bool:
+        if self.freed or self.closed:
+            self.polls_after_final += 1
+        time.sleep(0.0001)
+        return False
+
+
+def test_a_sender_is_never_asked_about_cancellation_after_its_final_flag(wire):
+    """The crash of Triton 2.51 the router hit: a watcher thread polls is_cancelled() while another thread sends
+    the final answer. Through Sender the poll either comes before the send or answers False without asking."""
+    backend = [_BackendSender() for _ in range(200)]
+    senders = [wire.sender(_Request(b)) for b in backend]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for s in senders:
+                assert s.is_cancelled() is False
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for s in senders:
+            s.send("a token")
+            s.send("the rest", flags=COMPLETE_FINAL)
+    finally:
+        done.set()
+        watcher.join()
+    assert all(b.sent == 2 for b in backend)
+    assert sum(b.polls_after_final for b in backend) == 0
+    with pytest.raises(RuntimeError, match="closed"):  # a second final flag is the backend's to refuse
+        senders[0].send(None, flags=COMPLETE_FINAL)
+
+
+def test_a_final_flag_whose_send_failed_can_be_sent_again(wire):
+    """A send that fails before it reaches the server (here: the backend refuses its arguments) leaves the sender
+    open in the backend: the model's retry of the final flag goes through, and polling stays off meanwhile."""
+
+    class Refusing(_BackendSender):
+        refuse = True
+
+        def send(self, response=None, flags=0) -> None:
+            if self.refuse:
+                self.refuse = False
+                raise RuntimeError("Inference Response object must be provided")
+            super().send(response, flags)
+
+    backend = Refusing()
+    sender = wire.sender(_Request(backend))
+    with pytest.raises(RuntimeError):
+        sender.send(None, flags=COMPLETE_FINAL)
+    assert sender.is_cancelled() is False and backend.polls_after_final == 0
+    sender.send(None, flags=COMPLETE_FINAL)
+    assert backend.sent == 1 and backend.freed
+
+
+def test_every_response_sender_is_taken_through_wire():
+    """A sender taken straight from a request (request.get_response_sender()) has no such guard."""
+    root = Path(__file__).resolve().parents[2]
+    offenders = [str(p.relative_to(root)) for base in ("backend", "model_repository") for p in (root / base).rglob("*.py")
+                 if "get_response_sender()" in p.read_text() and p.name != "wire.py"]
+    assert offenders == []
+
+
+class _Request:
+    def __init__(self, sender) -> None:
+        self._sender = sender
+
+    def get_response_sender(self):
+        return self._sender

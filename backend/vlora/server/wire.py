@@ -21,6 +21,7 @@ Everything here goes through the ``pb_utils`` module a :class:`Wire` is given: T
 from __future__ import annotations
 
 import json
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -51,6 +52,36 @@ class ParsedRequest:
     fault: Optional[str]  # FAULT_KEY's value, for the engine's fault injection (tests only)
 
 
+class Sender:
+    """A request's response sender, shared safely between threads: a send and an ``is_cancelled()`` never
+    overlap, and once a final flag has been sent (or its send tried) ``is_cancelled()`` answers False without
+    asking Triton.
+
+    The Python backend frees a request's response factory in the server process as soon as a final flag
+    reaches it, whatever the send's outcome, and its ``is_cancelled()`` asks the server about that factory:
+    asked after the final flag, it reads freed memory. Triton 2.51 crashed so (SIGSEGV in
+    TRITONBACKEND_ResponseFactoryIsCancelled): the router's cancellation watcher polled a request that its
+    relay thread had just answered. Sends themselves pass through: the backend's own sender refuses a second
+    final flag before it reaches the server, and one that failed before that can still be sent again."""
+
+    __slots__ = ("_sender", "_final_flag", "_lock", "_final")
+
+    def __init__(self, sender: Any, final_flag: int) -> None:
+        self._sender, self._final_flag = sender, final_flag
+        self._lock = threading.Lock()
+        self._final = False
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        with self._lock:
+            if flags & self._final_flag:
+                self._final = True
+            self._sender.send(response, flags=flags)
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return False if self._final else bool(self._sender.is_cancelled())
+
+
 class Wire:
     """Requests in and responses out, through one ``pb_utils`` module."""
 
@@ -61,6 +92,10 @@ class Wire:
         self.on_lost_final: Optional[Callable[[Any], None]] = None
 
     # Requests.
+    def sender(self, request) -> Sender:
+        """The request's response sender, as every answer and cancellation check must use it (see Sender)."""
+        return Sender(request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
     def single(self, request, name: str):
         """The first element of an optional input tensor, or None when the client did not send it."""
         tensor = self.pb.get_input_tensor_by_name(request, name)

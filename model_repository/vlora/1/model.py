@@ -167,7 +167,7 @@ class TritonPythonModel:
                 except Exception as e:  # _admit answers its refusals; this is the last resort
                     pb_utils.Logger.log_error(f"vlora: admitting a request failed: {type(e).__name__}: {e}")
                     try:
-                        sender = request.get_response_sender()
+                        sender = self._wire.sender(request)
                         later.append(lambda s=sender, n=type(e).__name__: self._wire.send_error(
                             s, f"internal error: {n}", internal=True))
                     except Exception:
@@ -187,7 +187,7 @@ class TritonPythonModel:
             action()
 
     def _admit(self, request) -> None:
-        sender = request.get_response_sender()
+        sender = self._wire.sender(request)
         route = self._routes.cancellation(request)
         if route is not None:  # the router's client went away: cancel the request it routed here
             found = self._routes.cancel(route)

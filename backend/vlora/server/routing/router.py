@@ -84,11 +84,11 @@ class TritonPythonModel:
                 self._route(request)
             except Exception as e:  # never expected: answered all the same
                 self._pb.Logger.log_error(f"vlora router: routing a request failed: {type(e).__name__}: {e}")
-                self._wire.send_error(request.get_response_sender(), f"internal error: {type(e).__name__}", internal=True)
+                self._wire.send_error(self._wire.sender(request), f"internal error: {type(e).__name__}", internal=True)
         return None
 
     def _route(self, request) -> None:
-        sender = request.get_response_sender()
+        sender = self._wire.sender(request)
         try:
             options = self._wire.options(request)
         except Exception:  # the engine refuses it, naming the problem as a single engine does
