@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from vlora.server.repository import (
@@ -277,3 +279,55 @@ def test_serve_options_check_the_routing_flags():
         ServeOptions(routing_cpu_engines=2)
     ServeOptions(engine=EngineConfig().with_overrides({"model.device": "cpu"}), routing_cpu_engines=2)
     assert json.dumps(ServeOptions().routing) == '"auto"'
+
+
+def test_a_relayed_response_that_fails_ends_the_request_and_its_engine_work():
+    """A streamed response the router cannot send: the engine's request is cancelled, and the client's request
+    still gets a final flag (an error), since Triton holds a request and its model until one comes."""
+    from fake_pb_utils import COMPLETE_FINAL, FakeSender, InferenceResponse, Tensor, fake_pb_utils
+    from vlora.server.routing.router import TritonPythonModel, _Relay
+    from vlora.server.wire import Wire
+
+    pb = fake_pb_utils()
+    cancels = []
+
+    class Request:
+        def __init__(self, model_name, inputs, request_id, requested_output_names):
+            self.request_id = request_id
+
+        def exec(self, decoupled):
+            cancels.append(self.request_id)
+            return iter(())
+
+    pb.InferenceRequest = Request
+
+    class Flaky(FakeSender):  # the first response fails, as a send whose shared memory ran out would
+        def send(self, response=None, flags=0):
+            if not self.sent and not getattr(self, "failed", False):
+                self.failed = True
+                raise RuntimeError("Failed to increase the shared memory pool size")
+            super().send(response, flags)
+
+    class Bls:
+        def exec(self, decoupled):
+            text = lambda s: Tensor("text_output", np.array([s.encode()], dtype=np.object_))
+            yield InferenceResponse([text("a")])
+            yield InferenceResponse([text("b"), Tensor("finish_reason", np.array([b"stop"], dtype=np.object_))])
+
+    router = TritonPythonModel()
+    router._pb, router._wire = pb, Wire(pb)
+    router._inflight, router._inflight_lock = {}, threading.Lock()
+    sender = Flaky()
+    router._relay(_Relay(Bls(), router._wire.sender(_WithSender(sender)), "vlora_gpu0", "r1"))
+    assert cancels == [CANCEL_PREFIX + "r1"]
+    ((response, flags),) = sender.sent
+    assert flags == COMPLETE_FINAL and "relaying a response failed" in response.error().message()
+    assert router._inflight == {}
+
+
+class _WithSender:
+    def __init__(self, sender) -> None:
+        self._sender = sender
+
+    def get_response_sender(self):
+        return self._sender

@@ -164,10 +164,12 @@ class TritonPythonModel:
                                 flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
                 except Exception as e:  # the client is gone, or the answer could not be sent: stop the engine's work
                     pb.Logger.log_warn(f"vlora router: relaying a response failed: {type(e).__name__}: {e}")
-                    if not final:
+                    if not final:  # and end the request here: until a final flag, Triton holds it (and this model)
                         final = True
                         relay.cancelled = True
                         self._send_cancel(relay)
+                        self._wire.send_error(sender, f"internal error: relaying a response failed ({type(e).__name__})",
+                                              internal=True)
         except Exception as e:
             if not final:
                 final = True
