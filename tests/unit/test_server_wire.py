@@ -276,3 +276,28 @@ class _Request:
 
     def get_response_sender(self):
         return self._sender
+
+
+def test_open_senders_name_the_requests_left_without_a_final_flag(wire, pb):
+    """Triton holds a request (and the model, at shutdown) until its final flag: a sender dropped without one, and
+    one with nothing sent for long, are logged with what the request is; a final flag takes a sender off the list."""
+    import gc
+
+    answered, dropped, waiting = (wire.sender(FakeRequest()) for _ in range(3))
+    for s, note in ((answered, "request a"), (dropped, "request b"), (waiting, "request c")):
+        s.note = note
+    assert len(wire.senders) == 3
+    answered.send(None, flags=COMPLETE_FINAL)
+    answered.send(None, flags=COMPLETE_FINAL)  # a second try of the same final flag changes nothing
+    assert len(wire.senders) == 2
+    del answered, dropped
+    gc.collect()
+    assert len(wire.senders) == 1
+    said = pb.Logger.said("warn")
+    assert len(said) == 1 and "request b ended without a final answer" in said[0]
+    assert wire.senders.report_stale(3600) == 0
+    assert wire.senders.report_stale(0) == 1 and wire.senders.report_stale(0) == 1  # listed each time, logged once
+    said = pb.Logger.said("warn")
+    assert len(said) == 2 and "request c has had no answer for" in said[1]
+    waiting.send(None, flags=COMPLETE_FINAL)
+    assert len(wire.senders) == 0 and wire.senders.report_stale(0) == 0

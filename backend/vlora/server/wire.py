@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -62,24 +64,95 @@ class Sender:
     asked after the final flag, it reads freed memory. Triton 2.51 crashed so (SIGSEGV in
     TRITONBACKEND_ResponseFactoryIsCancelled): the router's cancellation watcher polled a request that its
     relay thread had just answered. Sends themselves pass through: the backend's own sender refuses a second
-    final flag before it reaches the server, and one that failed before that can still be sent again."""
+    final flag before it reaches the server, and one that failed before that can still be sent again.
 
-    __slots__ = ("_sender", "_final_flag", "_lock", "_final")
+    Until its final flag a sender is listed in its :class:`OpenSenders`; ``note`` says what the request is
+    (the model sets it), for the log lines about requests left without an answer."""
 
-    def __init__(self, sender: Any, final_flag: int) -> None:
-        self._sender, self._final_flag = sender, final_flag
+    __slots__ = ("_sender", "_final_flag", "_lock", "_state", "_registry", "__weakref__")
+
+    def __init__(self, sender: Any, final_flag: int, registry: "OpenSenders") -> None:
+        self._sender, self._final_flag, self._registry = sender, final_flag, registry
         self._lock = threading.Lock()
-        self._final = False
+        self._state = _SenderState()
+        registry.add(self)
+
+    @property
+    def note(self) -> str:
+        return self._state.note
+
+    @note.setter
+    def note(self, text: str) -> None:
+        self._state.note = text
 
     def send(self, response: Any = None, flags: int = 0) -> None:
         with self._lock:
-            if flags & self._final_flag:
-                self._final = True
+            state = self._state
+            state.last = time.monotonic()
+            if flags & self._final_flag and not state.final:
+                state.final = True
+                self._registry.closed(state)
             self._sender.send(response, flags=flags)
 
     def is_cancelled(self) -> bool:
         with self._lock:
-            return False if self._final else bool(self._sender.is_cancelled())
+            return False if self._state.final else bool(self._sender.is_cancelled())
+
+
+class _SenderState:
+    """What OpenSenders knows of one sender; it outlives the sender (its finalizer reads it)."""
+
+    __slots__ = ("note", "created", "last", "final", "reported")
+
+    def __init__(self) -> None:
+        self.note = "a request"
+        self.created = self.last = time.monotonic()
+        self.final = self.reported = False
+
+
+class OpenSenders:
+    """The response senders whose final flag has not been sent. Until it is, Triton holds the request's response
+    factory and, through it, the model: a stopping server waits for every one before it unloads the model (and
+    calls finalize()), and gives up at its exit timeout (exit code 1). Two log lines name such a request: a sender
+    garbage-collected without a final flag (the backend frees its factory then), and, from :meth:`report_stale`,
+    one with nothing sent for a long time. Weak: being listed keeps no sender alive."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self._log = log
+        self._lock = threading.Lock()
+        self._open: dict[int, _SenderState] = {}  # id(state) -> state, while its final flag is unsent
+
+    def add(self, sender: Sender) -> None:
+        state = sender._state
+        with self._lock:
+            self._open[id(state)] = state
+        weakref.finalize(sender, self._dropped, state).atexit = False  # a stub that exits says nothing more
+
+    def closed(self, state: _SenderState) -> None:
+        with self._lock:
+            self._open.pop(id(state), None)
+
+    def _dropped(self, state: _SenderState) -> None:
+        self.closed(state)
+        if not state.final:
+            self._log(f"vlora: {state.note} ended without a final answer "
+                      f"({time.monotonic() - state.created:.1f} s after it came); Triton frees it now")
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def report_stale(self, older_than_s: float) -> int:
+        """Log each open sender with nothing sent for ``older_than_s`` seconds, once; how many there are."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [s for s in self._open.values() if now - s.last >= older_than_s]
+        for s in stale:
+            if not s.reported:
+                s.reported = True
+                self._log(f"vlora: {s.note} has had no answer for {now - s.last:.0f} s "
+                          f"(it came {now - s.created:.0f} s ago)")
+        return len(stale)
 
 
 class Wire:
@@ -90,11 +163,12 @@ class Wire:
         # Called with a response sender whose final answer (an error or a cancellation) could not be sent: Triton
         # counts its request in flight until the sender sends the final flag (the model sends it again later).
         self.on_lost_final: Optional[Callable[[Any], None]] = None
+        self.senders = OpenSenders(lambda line: self.pb.Logger.log_warn(line))
 
     # Requests.
     def sender(self, request) -> Sender:
         """The request's response sender, as every answer and cancellation check must use it (see Sender)."""
-        return Sender(request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return Sender(request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, self.senders)
 
     def single(self, request, name: str):
         """The first element of an optional input tensor, or None when the client did not send it."""

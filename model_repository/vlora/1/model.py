@@ -60,6 +60,8 @@ ADMIN_THREADS = 4  # adapter actions at once
 ADMIN_DRAIN_S = 10.0  # how long finalize() waits for running adapter actions to answer
 DEAD_FLUSH_S = 5.0  # how long a dead engine's errors may take to reach the clients before the stub exits
 FINAL_RETRY_S = 60.0  # how long a final flag that could not be sent is tried again (every CANCEL_POLL_S)
+STALE_ANSWER_S = 300.0  # a request with nothing sent for this long is logged (once), and it is checked every
+STALE_CHECK_S = 30.0  # ... this often
 ENGINE_FAILED = "vlora: ENGINE FAILED"  # the log line `vlora serve` looks for
 
 
@@ -190,6 +192,7 @@ class TritonPythonModel:
         sender = self._wire.sender(request)
         route = self._routes.cancellation(request)
         if route is not None:  # the router's client went away: cancel the request it routed here
+            sender.note = f"the router's cancellation of {route}"
             found = self._routes.cancel(route)
             self._later(lambda: self._wire.send_final(sender, [self._wire.string_tensor("text_output", str(found).lower()),
                                                                self._wire.string_tensor("finish_reason", "stop")]))
@@ -198,6 +201,7 @@ class TritonPythonModel:
         try:
             admin = admin_request(self._wire, request)
             if admin is not None:
+                sender.note = f"adapter_action {admin[0]!r}"
                 self._later(lambda: self._submit_admin(sender, admin))
                 return
             parsed = self._wire.parse(request, request_id, fault_injection=self._fault_injection)
@@ -205,6 +209,8 @@ class TritonPythonModel:
             self._refuse(sender, e)
             return
         gen = parsed.gen
+        sender.note = (f"request {request_id} ({'streamed' if gen.stream else 'whole'}, {len(gen.images)} image(s), "
+                       f"adapter {gen.lora_name or 'none'})")
         self._routes.register(request, request_id)
         state = _InFlight(request_id=request_id, sender=sender, stream=gen.stream,
                           prefix="" if parsed.exclude_input or gen.stream else gen.prompt)
@@ -276,7 +282,7 @@ class TritonPythonModel:
         inflight: dict[str, _InFlight] = {}
         lost: list[tuple[Any, float]] = []  # (sender, give up at) of final flags still to send
         outbox, wake = self._outbox, self._wake
-        last_poll = time.monotonic()
+        last_poll = last_stale = time.monotonic()
         stop = more = False
         while not stop:
             if not more:  # a step's events are all in the outbox when it wakes us: one drain per step
@@ -313,6 +319,9 @@ class TritonPythonModel:
                     self._poll_cancelled(inflight)
                 except Exception as e:
                     pb_utils.Logger.log_error(f"vlora: polling for cancellations failed: {type(e).__name__}: {e}")
+            if now - last_stale >= STALE_CHECK_S:
+                last_stale = now
+                self._wire.senders.report_stale(STALE_ANSWER_S)
         for state in inflight.values():
             self._wire.send_error(state.sender, "server shutting down", unavailable=True)
         while outbox:  # the final flags those errors could not carry, posted just now: one more try each
@@ -427,6 +436,9 @@ class TritonPythonModel:
             wait_futures(running, timeout=ADMIN_DRAIN_S)  # the running ones answer (the engine has stopped)
             self._post(_STOP)
             self._response_thread.join(timeout=30)
+            left = len(self._wire.senders)
+            if left:  # each holds its request, and this model, in the server (see wire.OpenSenders)
+                pb_utils.Logger.log_warn(f"vlora: {left} request(s) had no final answer when the model stopped")
             self._metrics.close()
             gc.unfreeze()
         pb_utils.Logger.log_info("vlora: stopped")
