@@ -142,3 +142,21 @@ def test_a_final_answer_that_could_not_be_sent_is_sent_again(triton_model):
         assert time.monotonic() < deadline, "the final flag was never sent again"
         time.sleep(0.02)
     assert request.sender.sent == [(None, COMPLETE_FINAL)]
+
+
+def test_a_cancellation_is_repeated_until_the_request_ends(triton_model):
+    """A client that leaves while its request is still on the image workers: the engine does not know the request
+    yet and drops the first cancellation, so the response thread cancels it again at each poll until it ends."""
+    model, pb = triton_model
+    cancels = []
+    model._engine.cancel = cancels.append
+    sender = FakeRequest().sender
+    sender.cancelled = True
+    state = type(model)._poll_cancelled.__globals__["_InFlight"](request_id="r1", sender=sender, stream=True, prefix="")
+    inflight = {"r1": state}
+    model._poll_cancelled(inflight)
+    model._poll_cancelled(inflight)
+    assert cancels == ["r1", "r1"] and state.cancel_requested
+    del inflight["r1"]  # its final event came: no more
+    model._poll_cancelled(inflight)
+    assert cancels == ["r1", "r1"]

@@ -392,9 +392,9 @@ class TritonPythonModel:
 
     def _poll_cancelled(self, inflight: dict[str, _InFlight]) -> None:
         for state in inflight.values():
-            if state.cancel_requested:
-                continue
-            if Wire.client_gone(state.sender):
+            # Once its client is gone, a request is cancelled again at every poll until its final event: a request
+            # still on the image workers when the first one came was not known to the engine, which dropped it.
+            if state.cancel_requested or Wire.client_gone(state.sender):
                 state.cancel_requested = True
                 self._engine.cancel(state.request_id)
 
