@@ -356,12 +356,7 @@ class LoraManager:
         if dropped_host:
             self.metrics.adapter_swap(HOST_EVICTION, name)
         if slot is not None:  # its stale weights stay until the slot is refilled; no request reads it
-            with self._lock:
-                del self._slot_of[name]
-            self._name_in[slot] = None
-            self._heads_in[slot] = {}
-            self._slot_lru.move_to_end(slot, last=False)
-            self.metrics.adapter_swap(GPU_EVICTION, name)
+            self._empty_slot(slot)
         log.info("adapter %s unloaded", name)
 
     def describe(self, names: Optional[Iterable[str]] = None) -> list[dict[str, Any]]:
@@ -587,8 +582,13 @@ class LoraManager:
     def _copy_failed(self, slot: int, error: BaseException) -> None:
         """Engine thread: the copy into ``slot`` failed (a CUDA error on the copy thread). The slot holds nothing
         usable: its adapter is forgotten there, and the next request for it fills a slot again."""
+        log.error("copying adapter %s into device slot %d failed: %s: %s", self._name_in[slot], slot,
+                  type(error).__name__, error)
+        self._empty_slot(slot)
+
+    def _empty_slot(self, slot: int) -> None:
+        """Engine thread: forget the adapter in ``slot`` (an unload, a failed copy); the slot is the next one filled."""
         name = self._name_in[slot]
-        log.error("copying adapter %s into device slot %d failed: %s: %s", name, slot, type(error).__name__, error)
         if name is not None:
             with self._lock:
                 if self._slot_of.get(name) == slot:
@@ -598,6 +598,7 @@ class LoraManager:
         self._version_in[slot] = ""
         self._heads_in[slot] = {}
         self._vision_in[slot] = False
+        self._slot_lru.move_to_end(slot, last=False)
 
     def _record(self, name: str, w: Optional[AdapterWeights] = None) -> AdapterRecord:
         """Under the lock: the registry entry of ``name``, created with the next id when new."""
