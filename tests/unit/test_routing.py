@@ -284,7 +284,7 @@ def test_serve_options_check_the_routing_flags():
 def test_a_relayed_response_that_fails_ends_the_request_and_its_engine_work():
     """A streamed response the router cannot send: the engine's request is cancelled, and the client's request
     still gets a final flag (an error), since Triton holds a request and its model until one comes."""
-    from fake_pb_utils import COMPLETE_FINAL, FakeSender, InferenceResponse, Tensor, fake_pb_utils
+    from fake_pb_utils import COMPLETE_FINAL, FakeRequest, FakeSender, InferenceResponse, Tensor, fake_pb_utils
     from vlora.server.routing.router import TritonPythonModel, _Relay
     from vlora.server.wire import Wire
 
@@ -317,17 +317,10 @@ def test_a_relayed_response_that_fails_ends_the_request_and_its_engine_work():
     router = TritonPythonModel()
     router._pb, router._wire = pb, Wire(pb)
     router._inflight, router._inflight_lock = {}, threading.Lock()
-    sender = Flaky()
-    router._relay(_Relay(Bls(), router._wire.sender(_WithSender(sender)), "vlora_gpu0", "r1"))
+    request = FakeRequest()
+    sender = request.sender = Flaky()
+    router._relay(_Relay(Bls(), router._wire.sender(request), "vlora_gpu0", "r1"))
     assert cancels == [CANCEL_PREFIX + "r1"]
     ((response, flags),) = sender.sent
     assert flags == COMPLETE_FINAL and "relaying a response failed" in response.error().message()
     assert router._inflight == {}
-
-
-class _WithSender:
-    def __init__(self, sender) -> None:
-        self._sender = sender
-
-    def get_response_sender(self):
-        return self._sender

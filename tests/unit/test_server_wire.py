@@ -217,7 +217,7 @@ def test_a_sender_is_never_asked_about_cancellation_after_its_final_flag(wire):
     """The crash of Triton 2.51 the router hit: a watcher thread polls is_cancelled() while another thread sends
     the final answer. Through Sender the poll either comes before the send or answers False without asking."""
     backend = [_BackendSender() for _ in range(200)]
-    senders = [wire.sender(_Request(b)) for b in backend]
+    senders = [wire.sender(_request_with(b)) for b in backend]
     done = threading.Event()
 
     def watch() -> None:
@@ -254,7 +254,7 @@ def test_a_final_flag_whose_send_failed_can_be_sent_again(wire):
             super().send(response, flags)
 
     backend = Refusing()
-    sender = wire.sender(_Request(backend))
+    sender = wire.sender(_request_with(backend))
     with pytest.raises(RuntimeError):
         sender.send(None, flags=COMPLETE_FINAL)
     assert sender.is_cancelled() is False and backend.polls_after_final == 0
@@ -270,12 +270,6 @@ def test_every_response_sender_is_taken_through_wire():
     assert offenders == []
 
 
-class _Request:
-    def __init__(self, sender) -> None:
-        self._sender = sender
-
-    def get_response_sender(self):
-        return self._sender
 
 
 def test_open_senders_name_the_requests_left_without_a_final_flag(wire, pb):
@@ -301,3 +295,9 @@ def test_open_senders_name_the_requests_left_without_a_final_flag(wire, pb):
     assert len(said) == 2 and "request c has had no answer for" in said[1]
     waiting.send(None, flags=COMPLETE_FINAL)
     assert len(wire.senders) == 0 and wire.senders.report_stale(0) == 0
+
+
+def _request_with(sender) -> FakeRequest:
+    request = FakeRequest()
+    request.sender = sender
+    return request
