@@ -14,6 +14,11 @@ from typing import Mapping, Optional, Protocol
 # device, tokens, positions), vision (the vision tower and projector of a step's images: CUDA events on a GPU,
 # read once the step's tokens are), prefill_step and decode_step (steps with and without a prefill).
 STAGES = ("admit", "queue", "image_decode", "preprocess", "vision", "prefill_step", "decode_step")
+# An adapter's way in, timed by the LoRA manager: adapter_read (its files read, checked and staged in host
+# memory, on a loader thread) and adapter_copy (its slot copy issued to complete, on the copy thread: the wait
+# behind other copies included). Only requests whose adapter was not resident pay them.
+ADAPTER_STAGES = ("adapter_read", "adapter_copy")
+EXPORTED_STAGES = STAGES + ADAPTER_STAGES  # the server's vlora_stage_seconds series
 
 
 class EngineMetrics(Protocol):

@@ -85,10 +85,12 @@ def test_steps_modes_and_caches(pb, metrics):
 
 
 def test_stage_times_are_one_histogram_per_stage(pb, metrics):
-    """vlora_stage_seconds{stage=...}: one series per stage of vlora.metrics.STAGES, an observation per report;
-    a stage name not in the list is dropped rather than creating a series."""
-    from vlora.metrics import STAGES
+    """vlora_stage_seconds{stage=...}: one series per stage of vlora.metrics.STAGES and of the adapter stages (the
+    LoRA manager's read and slot copy), an observation per report; a stage name not in the list is dropped rather
+    than creating a series."""
+    from vlora.metrics import ADAPTER_STAGES, STAGES
 
+    metrics.stage("adapter_read", 0.05)
     metrics.stage("vision", 0.004)
     metrics.stage("queue", 0.02)
     metrics.stage("vision", 0.006)
@@ -96,8 +98,9 @@ def test_stage_times_are_one_histogram_per_stage(pb, metrics):
     metrics.close()
     family = pb.families["vlora_stage_seconds"]
     assert family.kind == MetricFamily.HISTOGRAM
-    assert sorted(m.labels["stage"] for m in family.metrics) == sorted(STAGES)
+    assert sorted(m.labels["stage"] for m in family.metrics) == sorted(STAGES + ADAPTER_STAGES)
     assert family.find(stage="vision").observations == [0.004, 0.006]
+    assert family.find(stage="adapter_read").observations == [0.05]
     assert family.find(stage="queue").observations == [0.02]
     assert family.find(stage="decode_step").observations == []
 

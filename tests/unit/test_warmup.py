@@ -59,3 +59,43 @@ def test_a_bad_warmup_setting_is_refused(value):
 
     with pytest.raises(ConfigError, match="engine.warmup"):
         EngineConfig().with_overrides({"engine.warmup": value})
+
+
+def test_the_warm_up_waits_instead_of_spinning_while_its_adapter_loads(monkeypatch):
+    """A step that ran nothing (the request's adapter still being read and copied in by other threads) is followed
+    by a short sleep: a loop that steps without pause holds the GIL those threads need for every call."""
+    import threading
+    import time
+
+    from vlora.engine import warmup
+    from vlora.engine.api import GenerationRequest
+
+    class Engine:
+        def __init__(self):
+            self.steps = 0
+            self.loaded = threading.Event()
+            self.callback = None
+            self.inputs = self
+
+        def prepare(self, req):
+            return req
+
+        def add_request(self, prepared, callback):
+            self.callback = callback
+            threading.Timer(0.3, self.loaded.set).start()  # the adapter arrives 0.3 s later
+
+        def step(self):
+            self.steps += 1
+            if not self.loaded.is_set():
+                return None  # nothing ran: the request waits for its adapter
+            self.callback(type("Out", (), {"finished": True, "error": None})())
+            return object()
+
+        def flush(self):
+            pass
+
+    eng = Engine()
+    t0 = time.perf_counter()
+    assert warmup._run(eng, GenerationRequest("warmup-x", "hi"), time.perf_counter() + 10) is None
+    assert 0.3 <= time.perf_counter() - t0 < 5
+    assert eng.steps <= 0.3 / warmup.IDLE_WAIT_S + 20  # ~150 steps, where a spinning loop makes hundreds of thousands

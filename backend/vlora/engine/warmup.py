@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 PROMPT = "Describe what you see in a few words."
 
+# How long the warm-up waits after a step that ran nothing while its request waits (its adapter being read and
+# copied in): the loader and copy threads need the GIL for each of their calls, and a loop that steps without
+# pause starves them (the lora-text path took 275 s on an H200 while the loop spun).
+IDLE_WAIT_S = 0.002
+
 
 class GatedMetrics:
     """Forwards every metrics call to ``inner`` once :attr:`open`; drops them before (the warm-up's requests
@@ -116,7 +121,8 @@ def _run(engine: "LLMEngine", req: GenerationRequest, deadline: float) -> Option
     done: list = []
     engine.add_request(prepared, lambda out: done.append(out) if out.finished else None)
     while not done and time.perf_counter() < deadline:
-        engine.step()
+        if engine.step() is None and not done:
+            time.sleep(IDLE_WAIT_S)
     engine.flush()
     if not done:
         engine.abort(req.request_id)

@@ -27,7 +27,7 @@ import time
 import traceback
 from typing import Any, Optional
 
-from vlora.metrics import STAGES
+from vlora.metrics import EXPORTED_STAGES
 
 BASE_LABEL = "__base__"  # the lora_name label of requests without an adapter
 FLUSH_INTERVAL_S = 0.2  # how often the metrics thread applies the engine's reports to Triton's metrics
@@ -125,7 +125,7 @@ class TritonModelMetrics:
                        **self._prefix, **{k: v for k, v in self._encoder.items() if k != "encoder_bytes"}}
         self._histograms = {"batch_hist": self._batch_hist, "step_hist": self._step_hist, "switch_hist": self._switch_hist,
                             **{f"stage:{s}": f["stage"].Metric(labels={**self._labels, "stage": s}, buckets=self.STEP_BUCKETS)
-                               for s in STAGES}}
+                               for s in EXPORTED_STAGES}}
         # Engine-side accumulation: plain Python values under one short lock, taken by flush().
         self._lock = threading.Lock()
         self._counts: dict[tuple, float] = {}  # counter key (family, label values...) -> increment since the last flush
