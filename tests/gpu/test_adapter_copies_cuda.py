@@ -81,3 +81,30 @@ def test_pinned_stager_copies_exactly_through_reused_buffers():
     stream.synchronize()
     for big, src in pairs:
         assert torch.equal(big[:, :64].cpu(), src) and not big[:, 64:].any()
+
+
+def test_pinned_stager_put_many_batches_exactly():
+    """put_many (the copy thread's batched slot copy): many host tensors through two small page-locked buffers in
+    batched calls, sources larger than a buffer and page-locked ones copied directly, strided destinations."""
+    from vlora.lora.transfers import PinnedStager
+
+    stager = PinnedStager(buffers=2, nbytes=1 << 20)
+    stream = torch.cuda.Stream()
+    g = torch.Generator().manual_seed(1)
+    bigs, dsts, srcs = [], [], []
+    for i in range(300):
+        rows = int(torch.randint(1, 600, (1,), generator=g)) if i % 50 else 5000  # some over a buffer's 1 MiB
+        src = torch.randn(rows, 64, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
+        if i % 37 == 0:
+            src = src.pin_memory()
+        big = torch.zeros(rows, 128, dtype=src.dtype, device="cuda")
+        bigs.append(big)
+        dsts.append(big[:, :64])
+        srcs.append(src)
+    with torch.cuda.stream(stream):
+        stager.put_many(dsts[:150], srcs[:150])
+        stager.put_many(dsts[150:], srcs[150:])
+        stager.close_buffer()
+    stream.synchronize()
+    for big, src in zip(bigs, srcs):
+        assert torch.equal(big[:, :64].cpu(), src) and not big[:, 64:].any()

@@ -10,7 +10,7 @@ graphs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -125,6 +125,29 @@ class LoraLinear(nn.Module):
                 put(self.lora_a[slot, :r], a)
                 put(dst, b)
                 dst.mul_(float(scale))
+
+    @staticmethod
+    def copy_slots(slot: int, layers: "Sequence[tuple[LoraLinear, Optional[Any]]]",
+                   put_many: Callable[[list, list], None]) -> None:
+        """:meth:`copy_slot` of ``slot`` for many layers on a device, with the same result, in a few batched calls
+        (each zeroes, copies or scales every layer's tensors at once): ``layers`` pairs each wrapper with the
+        adapter's :class:`~vlora.lora.adapter.LoraPair` for it (None: the adapter skips that layer), and
+        ``put_many(dsts, srcs)`` copies host tensors to the device. A thread that makes one call per tensor (six
+        per layer, a thousand for a rank-64 q/k/v/o adapter) waits for the GIL at each beside a busy engine thread."""
+        zero, dsts, srcs, scaled, scales = [], [], [], [], []
+        for wrapper, pair in layers:
+            zero += [wrapper.lora_a[slot], wrapper.lora_b[slot]]
+            if pair is not None:
+                r = pair.a.shape[0]
+                b_dst = wrapper.lora_b[slot, :, :r]
+                dsts += [wrapper.lora_a[slot, :r], b_dst]
+                srcs += [pair.a, pair.b]
+                scaled.append(b_dst)
+                scales.append(float(pair.scale))
+        torch._foreach_zero_(zero)
+        if dsts:
+            put_many(dsts, srcs)
+            torch._foreach_mul_(scaled, scales)
 
     def note_slot(self, slot: int, rank: int, scale: float) -> None:
         """The host-side record of what :meth:`copy_slot` put in ``slot`` (rank 0: nothing), on the engine

@@ -552,12 +552,15 @@ class LoraManager:
 
         layers = [(wrapper, w.pairs.get(key)) for key, wrapper in self.layers.items()]  # pair None: layer skipped
 
-        def copy() -> None:  # on CUDA on the copy thread: the data only
+        def copy() -> None:  # on CUDA on the copy thread: the data only, in a few batched calls
+            if self.copies.cuda:
+                LoraLinear.copy_slots(slot, layers, self.copies.put_many)
+                return
             for wrapper, pair in layers:
                 if pair is None:
                     wrapper.copy_slot(slot, None, None, 0.0)
                 else:
-                    wrapper.copy_slot(slot, pair.a, pair.b, pair.scale, put=self.copies.put)
+                    wrapper.copy_slot(slot, pair.a, pair.b, pair.scale)
 
         issued = time.perf_counter()
 

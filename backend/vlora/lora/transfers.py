@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -42,16 +42,40 @@ class PinnedStager:
 
     def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` on the current (side) stream, ``src`` on the host."""
-        n = src.numel() * src.element_size()
-        if n == 0 or n > self.nbytes or src.is_pinned() or not src.is_contiguous() or src.device.type != "cpu":
-            dst.copy_(src, non_blocking=True)
-            return
-        if self._used + n > self.nbytes:
-            self._next()
-        view = self._bufs[self._i][self._used:self._used + n].view(src.dtype).view(src.shape)
-        view.copy_(src)
-        dst.copy_(view, non_blocking=True)
-        self._used += -(-n // 256) * 256
+        self.put_many([dst], [src])
+
+    def put_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        """``dsts[i].copy_(srcs[i])`` for every i on the current (side) stream, sources on the host: two batched
+        calls per buffer filled (the CPU copies into it, then the asynchronous copies out of it), not two per
+        tensor. Each call releases and takes back the GIL once; beside a busy engine thread a thread waits for
+        it at every call, and an adapter's slot copy is 256 tensors (rank-64 q/k/v/o, 32 layers)."""
+        direct: tuple[list, list] = ([], [])
+        staged: tuple[list, list, list] = ([], [], [])  # destinations, sources, their views of the current buffer
+        for dst, src in zip(dsts, srcs):
+            n = src.numel() * src.element_size()
+            if n == 0 or n > self.nbytes or src.device.type != "cpu" or not src.is_contiguous() or src.is_pinned():
+                direct[0].append(dst)
+                direct[1].append(src)
+                continue
+            if self._used + n > self.nbytes:
+                self._flush(*staged)
+                self._next()
+            staged[2].append(self._bufs[self._i][self._used:self._used + n].view(src.dtype).view(src.shape))
+            staged[0].append(dst)
+            staged[1].append(src)
+            self._used += -(-n // 256) * 256
+        self._flush(*staged)
+        if direct[0]:
+            torch._foreach_copy_(direct[0], direct[1], non_blocking=True)
+
+    @staticmethod
+    def _flush(dsts: list, srcs: list, views: list) -> None:
+        """The staged copies of the current buffer: into it on the CPU, then out of it to the device."""
+        if views:
+            torch._foreach_copy_(views, srcs)
+            torch._foreach_copy_(dsts, views, non_blocking=True)
+            for lst in (dsts, srcs, views):
+                lst.clear()
 
     def _next(self) -> None:
         self.close_buffer()
@@ -99,10 +123,14 @@ class SlotCopies:
     def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Inside an issued ``copy``: copy host ``src`` into the slot tensor ``dst`` (through the copy thread's
         page-locked buffers on CUDA)."""
+        self.put_many([dst], [src])
+
+    def put_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        """``put`` for many tensors in a few batched calls (:meth:`PinnedStager.put_many`)."""
         if self.stager is None:
-            dst.copy_(src, non_blocking=True)
+            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
         else:
-            self.stager.put(dst, src)
+            self.stager.put_many(dsts, srcs)
 
     def issue(self, slot: int, copy: Callable[[], None], source: Any, note: Optional[Callable[[], None]] = None) -> None:
         if not self.cuda:
