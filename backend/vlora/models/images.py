@@ -101,7 +101,9 @@ def decode_probed(image: ProbedImage, index: Optional[int] = None):
             if img.size != (image.width, image.height):
                 raise InvalidRequest(f"{label}: inconsistent header")
             img.load()
-            return img.convert("RGB")
+            # An RGB image (most JPEGs) as it was decoded: convert("RGB") would copy its pixels (a fresh block of
+            # 4 bytes a pixel, 1.2 MB at 640x480) for nothing. Leaving the block closes only the file.
+            return img if img.mode == "RGB" else img.convert("RGB")
     except Exception as e:  # noqa: BLE001
         raise _refusal(label, image.format, e) from None
 

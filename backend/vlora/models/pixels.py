@@ -124,7 +124,9 @@ def normalized(images: torch.Tensor, rescale: float, mean: Sequence[float], std:
 
 def to_device(image, device: torch.device) -> torch.Tensor:
     """A decoded RGB PIL image (or HxWx3 array) as an [H, W, 3] uint8 tensor on ``device``."""
-    arr = np.array(image.convert("RGB") if hasattr(image, "convert") else image, dtype=np.uint8)
+    if hasattr(image, "convert") and image.mode != "RGB":  # decoded images are RGB already: no copy of them
+        image = image.convert("RGB")
+    arr = np.array(image, dtype=np.uint8)
     t = torch.from_numpy(arr)
     return t if device.type == "cpu" else t.to(device)
 
