@@ -209,3 +209,50 @@ def test_the_in_flight_budget_charges_refuses_and_trims_after_a_burst(monkeypatc
     alone.release()  # trimmed again, at most once a second
     wait_for(8)
     assert calls == ["collect", "trim"] * 4
+
+
+def test_freed_image_blocks_are_kept_for_the_next_images_until_the_budget_trims(monkeypatch):
+    """keep_image_blocks (the AsyncEngine's): a new image is decoded into the block of a freed one, where Pillow's
+    default gives every block back to malloc (in the server an mmap of its own, faulted in again by each new image);
+    the image budget's trim after a burst frees the kept blocks, and the setting is never lowered."""
+    import numpy as np
+
+    from vlora.engine import preprocess
+    from vlora.models.images import decode_image, keep_image_blocks
+
+    monkeypatch.setattr(preprocess, "malloc_trim", lambda: True)
+    monkeypatch.setattr(preprocess.ImageBudget, "TRIM_DELAY_S", 0.01)
+    monkeypatch.setattr(preprocess.ImageBudget, "TRIM_AGAIN_S", 60.0)
+    rng = np.random.default_rng(1)
+    jpegs = []
+    for _ in range(3):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, size=(480, 640, 3), dtype=np.uint8)).save(buf, "JPEG")
+        jpegs.append(buf.getvalue())
+    limits = InputLimits()
+    before = Image.core.get_blocks_max()
+    try:
+        Image.core.set_blocks_max(0)
+        Image.core.clear_cache()
+        Image.core.reset_stats()
+        for data in jpegs:
+            assert decode_image(data, limits).size == (640, 480)  # freed at once
+        stats = Image.core.get_stats()
+        assert (stats["allocated_blocks"], stats["reused_blocks"], stats["blocks_cached"]) == (3, 0, 0)  # the default
+        keep_image_blocks(4)
+        keep_image_blocks(2)
+        assert Image.core.get_blocks_max() == 4
+        Image.core.reset_stats()
+        for data in jpegs:
+            assert decode_image(data, limits).size == (640, 480)
+        stats = Image.core.get_stats()
+        assert (stats["allocated_blocks"], stats["reused_blocks"], stats["blocks_cached"]) == (1, 2, 1)
+        budget = preprocess.ImageBudget(64 << 20)
+        budget.take(40 << 20).release()  # a burst's worth released with nothing in flight: the trim
+        deadline = time.monotonic() + 5
+        while Image.core.get_stats()["blocks_cached"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert Image.core.get_stats()["blocks_cached"] == 0
+    finally:
+        Image.core.set_blocks_max(before)
+        Image.core.clear_cache()

@@ -164,3 +164,29 @@ def test_pixel_values_shape():
     assert pv.shape == (2, 3, 64, 64) and pv.dtype.is_floating_point
     with pytest.raises(ValueError):
         pixel_values([], processor)
+
+
+def test_an_rgb_image_is_decoded_into_one_image_and_sent_without_a_copy():
+    """An RGB JPEG or PNG is decoded into one Pillow image (no convert("RGB") copy of its pixels), and its pixels
+    go to a tensor without another Pillow image; other modes are still converted, once."""
+    import numpy as np
+
+    from vlora.models import pixels
+
+    rng = np.random.default_rng(0)
+    arr = rng.integers(0, 256, size=(48, 64, 3), dtype=np.uint8)
+    for fmt in ("JPEG", "PNG"):
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+        with Image.open(io.BytesIO(buf.getvalue())) as ref:
+            expected = np.asarray(ref.convert("RGB"))
+        Image.core.reset_stats()
+        img = decode_image(buf.getvalue(), LIMITS)
+        assert Image.core.get_stats()["new_count"] == 1, fmt  # the decode's own image, no copy of it
+        t = pixels.to_device(img, pixels.torch.device("cpu"))
+        assert Image.core.get_stats()["new_count"] == 1, fmt
+        assert img.mode == "RGB" and t.shape == (48, 64, 3) and (t.numpy() == expected).all(), fmt
+    grey = decode_image(_encode("PNG", mode="L", color=128), LIMITS)
+    assert grey.mode == "RGB" and (pixels.to_device(grey, pixels.torch.device("cpu")) == 128).all()
+    t = pixels.to_device(Image.new("L", (8, 4), 7), pixels.torch.device("cpu"))  # not RGB: converted here
+    assert t.shape == (4, 8, 3) and (t == 7).all()

@@ -34,6 +34,7 @@ from vlora.engine.inputs import CheckedRequest
 from vlora.metrics import EngineMetrics
 from vlora.engine.preprocess import ImageBudget, ImageCharge, PreprocessPool, image_bytes
 from vlora.errors import RequestCancelled
+from vlora.models.images import keep_image_blocks
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ TUNER_IDLE_RESUME_S = 1.0
 # Faults a test may inject when scheduler.fault_injection is on: "kill" raises out of the engine loop,
 # "wedge" blocks the engine thread in its next step.
 FAULTS = ("kill", "wedge")
+# Pillow's kept blocks of freed images per image worker (vlora.models.images.keep_image_blocks): a request's images
+# and their conversions, a video's frames; at most 16 MiB each, given back at the image budget's trim after a burst.
+IMAGE_BLOCKS_PER_WORKER = 8
 
 
 class InjectedFault(RuntimeError):
@@ -68,6 +72,8 @@ class AsyncEngine:
         self.loras = self.engine.loras
         limits = config.limits
         self.image_workers = PreprocessPool(limits.resolved_image_workers, limits.image_queue_size)
+        # Freed images' blocks kept for the next decodes (no page faults per new image); freed by the budget's trim.
+        keep_image_blocks(IMAGE_BLOCKS_PER_WORKER * self.image_workers.workers)
         self.image_budget = ImageBudget(limits.resolved_inflight_image_bytes)
         self._cond = threading.Condition()
         self._inbox: deque = deque()

@@ -24,6 +24,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from vlora.engine.api import EngineOverloaded
+from vlora.models.images import drop_image_blocks
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class ImageBudget:
     (``malloc_trim``, which trims every arena, the image workers' too; on a timer thread, at most once a
     second, and once more ``TRIM_AGAIN_S`` later for what the last requests' threads let go of after their
     final answer): the decoded images of a flood are freed into the allocator's arenas, which otherwise keep
-    the process's resident memory at its peak. With ``collect`` (the Triton model sets it once it has frozen its
+    the process's resident memory at its peak; so are the image blocks that Pillow keeps for the next images
+    (vlora.models.images.keep_image_blocks). With ``collect`` (the Triton model sets it once it has frozen its
     startup objects out of the collector, so a full collection is cheap) Python's cyclic garbage collector
     runs first: memory that only it can free (objects in reference cycles) is then trimmed too."""
 
@@ -179,6 +181,7 @@ class ImageBudget:
             self._last_trim = time.monotonic()
         if self.collect:
             gc.collect()
+        drop_image_blocks()  # the blocks Pillow keeps for the next images (keep_image_blocks), then the heap
         malloc_trim()
         if again:
             timer = threading.Timer(self.TRIM_AGAIN_S, self._trim, kwargs={"again": False})
