@@ -49,7 +49,7 @@ TUNER_IDLE_RESUME_S = 1.0
 FAULTS = ("kill", "wedge")
 # Pillow's kept blocks of freed images per image worker (vlora.models.images.keep_image_blocks): a request's images
 # and their conversions, a video's frames; at most 16 MiB each, given back at the image budget's trim after a burst.
-IMAGE_BLOCKS_PER_WORKER = 8
+IMAGE_BLOCKS_PER_WORKER = 4
 
 
 class InjectedFault(RuntimeError):
