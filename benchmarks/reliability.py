@@ -84,7 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     over.add_argument("--closed-users", type=int, help="closed-loop users of the capacity run (default: MaxBS)")
     over.add_argument("--capacity-s", type=float, default=15.0, help="seconds of the closed-loop capacity run")
     over.add_argument("--overload-factor", type=float, default=2.0, help="overload rate / measured capacity")
-    over.add_argument("--overload-s", type=float, default=60.0, help="seconds of overload sending")
+    over.add_argument("--overload-s", type=float, default=60.0, help="seconds of overload sending (0: no overload phase, "
+                                                                     "the soak alone)")
     ap.add_argument("--no-record", action="store_true", help="no results/ files or RESULTS.md lines (JSON in --out only)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -112,7 +113,8 @@ def soak_minutes(args, elapsed_s: float) -> float:
     """The soak's minutes: ``--soak-minutes``, or less when --budget-s would not hold it and the overload."""
     if not args.budget_s:
         return args.soak_minutes
-    left = args.budget_s - elapsed_s - (args.capacity_s + args.overload_s + OVERLOAD_EXTRA_S) - (args.probe_s + SOAK_EXTRA_S)
+    overload = (args.capacity_s + args.overload_s + OVERLOAD_EXTRA_S) if args.overload_s > 0 else 0.0
+    left = args.budget_s - elapsed_s - overload - (args.probe_s + SOAK_EXTRA_S)
     return round(max(MIN_SOAK_MINUTES, min(args.soak_minutes, left / 60.0)), 2)
 
 
@@ -209,6 +211,11 @@ def main(argv=None) -> int:
         soak_args = argparse.Namespace(cycle_adapter=soak.CYCLE_ADAPTER, device=args.device, no_record=args.no_record)
         soak_code, soak_result = soak.soak(soak_args, cfg, target, token, server.adapter_root, server, out_dir)
         dev = soak_result.get("device") or ("cpu" if not gpu else device_name())
+        if args.overload_s <= 0:  # the soak alone (the longest one a device call holds)
+            code = soak_code
+            print(f"reliability: soak {'passed' if soak_code == 0 else 'FAILED'} ({minutes:g} min), no overload; "
+                  f"{time.perf_counter() - t_start:.0f} s in all", flush=True)
+            return code
 
         # The overload goes to the generation adapters the soak used (not the cycled one, perhaps unloaded now)
         # and the head adapters; the harness's video requests use their heads where they declare one.

@@ -639,7 +639,9 @@ def soak(args, cfg: SoakConfig, target: Target, token: Optional[str], adapter_ro
     line = (f"{cfg.minutes:g} min at {rate:.2f} req/s" + (f" ({cfg.load:g} x capacity {probe['capacity_rps']:.2f} req/s)" if probe else "")
             + f": {a['requests']} requests, {a['ok']} ok, {a['expected']} expected errors, {a['rejected']} rejected, "
             f"{a['unexpected']} unexpected, {a['lost']} lost; text p50/p99 {_fmt(text.get('e2e_p50_ms'))}/{_fmt(text.get('e2e_p99_ms'))} ms"
-            + (f"; stub RSS {stub['warmup_mb']:.0f} -> {stub['end_mb']:.0f} MB ({stub['growth_pct']:+.1f}%)" if stub else ""))
+            + (f"; stub RSS {stub['warmup_mb']:.0f} -> {stub['end_mb']:.0f} MB ({stub['growth_pct']:+.1f}%)" if stub else "")
+            + (f"; GPU memory of the server {gpu['warmup_mb']:.0f} -> {gpu['end_mb']:.0f} MB ({gpu['growth_pct']:+.1f}%)"
+               if (gpu := memory.get("gpu_server_mb")) else ""))
     if args.no_record:
         path = out_dir / f"soak-{dev}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
