@@ -15,9 +15,11 @@ from typing import Mapping, Optional, Protocol
 # read once the step's tokens are), prefill_step and decode_step (steps with and without a prefill).
 STAGES = ("admit", "queue", "image_decode", "preprocess", "vision", "prefill_step", "decode_step")
 # An adapter's way in, timed by the LoRA manager: adapter_read (its files read, checked and staged in host
-# memory, on a loader thread) and adapter_copy (its slot copy issued to complete, on the copy thread: the wait
-# behind other copies included). Only requests whose adapter was not resident pay them.
-ADAPTER_STAGES = ("adapter_read", "adapter_copy")
+# memory, on a loader thread) and adapter_copy (its slot copy from issue to completion, on the copy thread), which
+# splits into adapter_copy_queue (behind other adapters' copies) and adapter_copy_work (the copy thread enqueueing
+# it: the CPU copies into the page-locked buffers, the waits for them) before the transfer's own end. Only requests
+# whose adapter was not resident pay them.
+ADAPTER_STAGES = ("adapter_read", "adapter_copy", "adapter_copy_queue", "adapter_copy_work")
 EXPORTED_STAGES = STAGES + ADAPTER_STAGES  # the server's vlora_stage_seconds series
 
 

@@ -42,6 +42,8 @@ def test_copy_on_the_side_stream_delays_only_its_own_request(tiny_model_dir, dem
     engine.add_request(engine.inputs.prepare(_req("base", max_tokens=16)), cb)
     engine.step()
     torch.cuda._sleep(200_000_000)  # keeps the compute stream busy: the side stream's copy, ordered after it, stays in flight
+    timed = []
+    loras.copies.on_timed = lambda q, w: timed.append((q, w))  # the copy's queue and enqueueing seconds
     engine.add_request(engine.inputs.prepare(_req("late", lora=ADAPTER)), cb)
     assert engine.step().request_ids == ["base"], "a request was admitted before its adapter's copy completed"
     (entry,) = loras.describe([ADAPTER])
@@ -51,6 +53,7 @@ def test_copy_on_the_side_stream_delays_only_its_own_request(tiny_model_dir, dem
         assert time.monotonic() < deadline
         engine.step()
     assert outs["late"].finish_reason == "length" and not outs["late"].error
+    assert len(timed) == 1 and all(0 <= x < 60 for x in timed[0]), timed
 
     again = {}
     engine.add_request(engine.inputs.prepare(_req("again", lora=ADAPTER)), lambda o: again.__setitem__(o.request_id, o) if o.finished else None)

@@ -114,6 +114,7 @@ class LoraManager:
         self.device = first.lora_a.device if first is not None else None
         self.dtype = first.lora_a.dtype if first is not None else torch.float32
         self.copies = copies or SlotCopies(self.device, cfg.max_gpu_adapters)
+        self.copies.on_timed = self._copy_timed
         # On CUDA the host copies are staged in the slots' dtype, one buffer per adapter, in pageable memory:
         # page-locking fresh memory is slow and stalls the engine's launches (SlotCopies), whose copy thread moves them.
         self._stage_for_cuda = self.copies.cuda
@@ -581,6 +582,12 @@ class LoraManager:
         self.swaps_in += 1
         self.metrics.adapter_swap(GPU_LOAD, name)
         log.debug("adapter %s -> slot %d (evicted %s)", name, slot, old)
+
+    def _copy_timed(self, queue_s: float, work_s: float) -> None:
+        """Engine thread: a slot copy completed after ``queue_s`` behind other copies and ``work_s`` of the copy
+        thread's enqueueing (the rest of adapter_copy is the device's transfer and the engine noticing it)."""
+        self.metrics.stage("adapter_copy_queue", queue_s)
+        self.metrics.stage("adapter_copy_work", work_s)
 
     def _copy_failed(self, slot: int, error: BaseException) -> None:
         """Engine thread: the copy into ``slot`` failed (a CUDA error on the copy thread). The slot holds nothing

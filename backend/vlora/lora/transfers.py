@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -16,13 +17,16 @@ class _Copy:
     """One slot's copy on the copy thread: its data moves (``copy``) once the compute stream has passed
     ``after``; ``note`` (the slot's host-side bookkeeping) runs on the engine thread once it is complete."""
 
-    __slots__ = ("copy", "note", "source", "after", "event", "issued", "error")
+    __slots__ = ("copy", "note", "source", "after", "event", "issued", "error", "queued_at", "started_at", "enqueued_at")
 
     def __init__(self, copy: Callable[[], None], note: Optional[Callable[[], None]], source: Any, after: Any) -> None:
         self.copy, self.note, self.source, self.after = copy, note, source, after
         self.event: Optional[Any] = None  # recorded on the side stream after the copy
         self.issued = threading.Event()  # set once ``event`` is recorded (or the copy failed)
         self.error: Optional[BaseException] = None
+        # perf_counter: queued by the engine thread, taken by the copy thread, every copy enqueued on the stream
+        self.queued_at = time.perf_counter()
+        self.started_at = self.enqueued_at = self.queued_at
 
 
 class PinnedStager:
@@ -119,6 +123,9 @@ class SlotCopies:
         self.stager: Optional[PinnedStager] = None  # the copy thread's, made there at its first copy
         # Called on the engine thread with (slot, error) when a slot's copy failed: the slot holds nothing usable.
         self.on_failed: Optional[Callable[[int, BaseException], None]] = None
+        # Called on the engine thread when a copy has completed, with its seconds in the copy thread's queue and the
+        # seconds the thread took to enqueue it (the CPU copies into the staging buffers and the waits for them).
+        self.on_timed: Optional[Callable[[float, float], None]] = None
 
     def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Inside an issued ``copy``: copy host ``src`` into the slot tensor ``dst`` (through the copy thread's
@@ -153,6 +160,7 @@ class SlotCopies:
         torch.cuda.set_device(self.device)
         while True:
             job = self._queue.get()
+            job.started_at = time.perf_counter()
             try:
                 if self.stager is None:
                     self.stager = PinnedStager()
@@ -165,6 +173,7 @@ class SlotCopies:
                 job.event = event
             except BaseException as e:  # the engine thread raises it from ready()
                 job.error = e
+            job.enqueued_at = time.perf_counter()
             job.issued.set()
 
     def ready(self, slot: int) -> bool:
@@ -174,6 +183,8 @@ class SlotCopies:
         if not job.issued.is_set() or (job.event is not None and not job.event.query()):
             return False
         self._jobs[slot] = None
+        if self.on_timed is not None:
+            self.on_timed(job.started_at - job.queued_at, job.enqueued_at - job.started_at)
         if job.error is not None:  # the slot is free again, and holds nothing: its owner forgets it
             if self.on_failed is None:
                 raise RuntimeError(f"copying an adapter into slot {slot} failed: {job.error}") from job.error
