@@ -323,7 +323,13 @@ class RunnerConfig:
     trace of ``profile_steps`` = [skip, count] steps of the serving loop (the steps after the first ``skip``
     that ran something), CPU ops of the engine thread and the device's kernels
     (:mod:`vlora.engine.step_profiler`): what the server's steps spend, to set beside a benchmark's in-process
-    profile; null: none.
+    profile; null: none. ``host_threads``: PyTorch's intra-op CPU threads for the process (``torch.set_num_threads``,
+    set before the model loads); ``auto``: 1 on a CUDA device, PyTorch's default (the cores) on a CPU, where the
+    model computes on them. On a GPU the host's torch work is small copies and checks on several threads at once
+    (adapter loaders, the slot-copy thread, image workers), and each thread that runs a parallel op gets its own team
+    of OpenMP threads: with the host's cores busy (clients, Triton, the engine thread) a team waits at its barrier
+    for a descheduled member, and a 0.5 MB copy took 8-12 ms against 0.014 ms on one thread (the 2-core CPU, its
+    other core busy).
     """
 
     cuda_graphs: str = "auto"
@@ -337,8 +343,12 @@ class RunnerConfig:
     warmup: str = "auto"
     profile_dir: Optional[str] = None
     profile_steps: tuple[int, ...] = (20, 40)
+    host_threads: Any = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.host_threads == "auto" or (isinstance(self.host_threads, int) and not isinstance(self.host_threads, bool)
+                                                 and 1 <= self.host_threads <= 1024),
+                 "engine.host_threads must be auto or an integer in [1, 1024]")
         if isinstance(self.cuda_graphs, bool):  # YAML reads a bare off/on as a boolean
             object.__setattr__(self, "cuda_graphs", "auto" if self.cuda_graphs else "off")
         _require(self.cuda_graphs in ("auto", "off"), "engine.cuda_graphs must be auto or off")

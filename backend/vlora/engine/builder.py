@@ -73,6 +73,11 @@ def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) 
     everything is built with that device current: events, side streams, graph captures and kernels that
     launch on the current device (Triton's, the ATMM extension's) all land on it."""
     device = resolve_device(config.model.device)
+    threads = config.engine.host_threads
+    if threads == "auto":
+        threads = 1 if device.type == "cuda" else None
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)  # before any thread of the engine runs a parallel op (RunnerConfig says why)
     if device.type == "cuda":
         with torch.cuda.device(device):
             return _build_engine(config, metrics, device)

@@ -1,0 +1,30 @@
+"""engine.host_threads: PyTorch's intra-op CPU threads, set before the model loads (auto: 1 on CUDA, unchanged on a
+CPU, where the model computes on them); a bad value is refused with the key's name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlora.config import ConfigError, EngineConfig
+from vlora.engine.builder import build_engine
+
+
+def test_host_threads_is_set_before_the_model_loads(tiny_model_dir):
+    before = torch.get_num_threads()
+    try:
+        build_engine(EngineConfig().with_overrides({
+            "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "64",
+            "engine.host_threads": "1"}))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(before)
+        build_engine(EngineConfig().with_overrides({  # auto on a CPU: PyTorch's own setting stays
+            "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "64"}))
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("value", ["0", "many", "true", "2.5"])
+def test_a_bad_host_threads_is_refused(value):
+    with pytest.raises(ConfigError, match="engine.host_threads"):
+        EngineConfig().with_overrides({"engine.host_threads": value})
