@@ -18,7 +18,8 @@ bytes an element); each tensor must match its header and hold finite floating-po
 
 GIL. The parse and the checks take a few torch calls per adapter, not a few per tensor: each torch call that
 runs an operator releases the GIL and must take it back, which beside a busy thread (the engine's) waits up to
-the switch interval (5 ms) each time. The tensors' norms are taken in batches (``_l2_norms``).
+the switch interval (5 ms) each time. The tensors are indexed out of a few row views of the file's buffer
+(``_parse_safetensors``), their norms taken in batches (``_l2_norms``).
 """
 from __future__ import annotations
 
@@ -191,6 +192,10 @@ def _parse_safetensors(data, header: Mapping[str, Any], header_len: int, where: 
     after another from the start of the data to its end, with no hole and no overlap. Views at an offset not
     aligned to their element size (a file no safetensors writer makes) are copied out instead.
 
+    A tensor of shape [n, *rest] is rows of a view of the whole buffer as rows of ``rest`` (one per dtype, row
+    shape and phase: a few per file), taken by indexing, which keeps the GIL; a ``view(shape)`` per tensor
+    would release it and wait to take it back (see the module docstring).
+
     (safetensors' own ``load`` copies every tensor into a new bytes object, holding the GIL: the adapter loader
     threads, reading side by side, then took turns; on a 2-core machine 8 rank-64 reads at once took 2.5x as
     long as one after another.)"""
@@ -219,6 +224,8 @@ def _parse_safetensors(data, header: Mapping[str, Any], header_len: int, where: 
     if header_len + end != len(data):
         raise _invalid_weights(where, f"its tensors end at byte {header_len + end} of {len(data)}")
     out: dict[str, torch.Tensor] = {}
+    flat: dict[torch.dtype, torch.Tensor] = {}  # all of data as each dtype: torch.frombuffer keeps the GIL
+    rows: dict[tuple[torch.dtype, tuple[int, ...], int], torch.Tensor] = {}  # (dtype, shape[1:], phase) -> rows
     for begin, stop, key, dtype, shape in entries:
         at = header_len + begin
         count = (stop - begin) // dtype.itemsize
@@ -227,7 +234,23 @@ def _parse_safetensors(data, header: Mapping[str, Any], header_len: int, where: 
         elif at % dtype.itemsize:
             out[key] = torch.frombuffer(bytearray(memoryview(data)[at:stop + header_len]), dtype=dtype).view(shape)
         else:
-            out[key] = torch.frombuffer(data, dtype=dtype, count=count, offset=at).view(shape)
+            if dtype not in flat:
+                flat[dtype] = torch.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
+            first = at // dtype.itemsize  # the tensor's first element in flat[dtype]
+            if len(shape) < 2:
+                out[key] = flat[dtype][first:first + count] if shape else flat[dtype][first]
+                continue
+            # A view of flat[dtype] as rows of shape[1:], starting at this tensor's phase: the tensor is rows
+            # [first // width, + shape[0]) of it, an indexing that keeps the GIL, where a .view(shape) per
+            # tensor would release it (the rows views are a few per file: one per dtype, row shape and phase).
+            width = math.prod(shape[1:])
+            phase = first % width
+            base = rows.get((dtype, tuple(shape[1:]), phase))
+            if base is None:
+                whole = (flat[dtype].numel() - phase) // width
+                base = rows[(dtype, tuple(shape[1:]), phase)] = (
+                    flat[dtype][phase:phase + whole * width].view(whole, *shape[1:]))
+            out[key] = base[first // width:first // width + shape[0]]
     return out
 
 
