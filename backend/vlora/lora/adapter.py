@@ -18,7 +18,9 @@ so a file padded out is refused before it is read into memory.
 Magnitude. A module's delta is ``scale * B @ A``; its gain (operator norm) is at most
 ``|scale| * ||B||_F * ||A||_F``. An adapter is refused at load when a scale is not finite or above
 ``MAX_LORA_SCALE``, or when that bound exceeds ``MAX_LORA_GAIN`` (1e4; the demo adapters are below 20):
-such an adapter would drive activations to inf/NaN and fail every batch it joins.
+such an adapter would drive activations to inf/NaN and fail every batch it joins. The norms are taken in fp32
+(fp64 for fp64 weights) for all of an adapter's weights at once, in a few batched torch calls
+(peft_format._l2_norms), then checked in load order.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from vlora.lora.peft_format import (  # noqa: F401 (ATTN_MODULES, MLP_MODULES: r
     _record_weight,
     _target_of,
     HostArena,
+    _l2_norms,
     _tensor,
     _whole_file,
 )
@@ -256,10 +259,14 @@ def load_adapter(
             keys = [k for step in plan for k in step[3:5]
                     if pin_memory or _ST_DTYPES.get(header[k].get("dtype")) != dtype]
             arena = HostArena([(tuple(header[k]["shape"]), dtype) for k in keys], pin_memory=pin_memory)
+        # Every weight's norm, in a few batches of torch calls (each torch call releases the GIL); the checks
+        # below read them in load order, so the first bad tensor is still the one named.
+        order = [k for step in plan for k in step[3:5]]
+        norms = dict(zip(order, _l2_norms([tensors.get(k) for k in order])))
         pairs: dict[tuple[int, str], LoraPair] = {}
         for layer, module, module_name, key_a, key_b, scale in plan:
-            a, norm_a = _tensor(tensors, header, key_a, where, dtype, arena)
-            b, norm_b = _tensor(tensors, header, key_b, where, dtype, arena)
+            a, norm_a = _tensor(tensors, header, key_a, where, dtype, arena, norms[key_a])
+            b, norm_b = _tensor(tensors, header, key_b, where, dtype, arena, norms[key_b])
             _check_magnitude(where, module_name, scale, norm_a, norm_b)
             pairs[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
         del tensors

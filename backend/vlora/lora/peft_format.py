@@ -15,6 +15,11 @@ embedding, DoRA magnitudes, biases, a module the served model does not have) is 
 The safetensors file. Its header is read first (``_safetensors_header``: every entry has a shape); the data
 only once every key and shape was checked, and only up to what those shapes can hold (``_whole_file``: 8
 bytes an element); each tensor must match its header and hold finite floating-point values (``_tensor``).
+
+GIL. The parse and the checks take a few torch calls per adapter, not a few per tensor: each torch call that
+runs an operator releases the GIL and must take it back, which beside a busy thread (the engine's) waits up to
+the switch interval (5 ms) each time. The tensors are indexed out of a few row views of the file's buffer
+(``_parse_safetensors``), their norms taken in batches (``_l2_norms``).
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import math
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -187,6 +192,10 @@ def _parse_safetensors(data, header: Mapping[str, Any], header_len: int, where: 
     after another from the start of the data to its end, with no hole and no overlap. Views at an offset not
     aligned to their element size (a file no safetensors writer makes) are copied out instead.
 
+    A tensor of shape [n, *rest] is rows of a view of the whole buffer as rows of ``rest`` (one per dtype, row
+    shape and phase: a few per file), taken by indexing, which keeps the GIL; a ``view(shape)`` per tensor
+    would release it and wait to take it back (see the module docstring).
+
     (safetensors' own ``load`` copies every tensor into a new bytes object, holding the GIL: the adapter loader
     threads, reading side by side, then took turns; on a 2-core machine 8 rank-64 reads at once took 2.5x as
     long as one after another.)"""
@@ -215,6 +224,8 @@ def _parse_safetensors(data, header: Mapping[str, Any], header_len: int, where: 
     if header_len + end != len(data):
         raise _invalid_weights(where, f"its tensors end at byte {header_len + end} of {len(data)}")
     out: dict[str, torch.Tensor] = {}
+    flat: dict[torch.dtype, torch.Tensor] = {}  # all of data as each dtype: torch.frombuffer keeps the GIL
+    rows: dict[tuple[torch.dtype, tuple[int, ...], int], torch.Tensor] = {}  # (dtype, shape[1:], phase) -> rows
     for begin, stop, key, dtype, shape in entries:
         at = header_len + begin
         count = (stop - begin) // dtype.itemsize
@@ -223,7 +234,23 @@ def _parse_safetensors(data, header: Mapping[str, Any], header_len: int, where: 
         elif at % dtype.itemsize:
             out[key] = torch.frombuffer(bytearray(memoryview(data)[at:stop + header_len]), dtype=dtype).view(shape)
         else:
-            out[key] = torch.frombuffer(data, dtype=dtype, count=count, offset=at).view(shape)
+            if dtype not in flat:
+                flat[dtype] = torch.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
+            first = at // dtype.itemsize  # the tensor's first element in flat[dtype]
+            if len(shape) < 2:
+                out[key] = flat[dtype][first:first + count] if shape else flat[dtype][first]
+                continue
+            # A view of flat[dtype] as rows of shape[1:], starting at this tensor's phase: the tensor is rows
+            # [first // width, + shape[0]) of it, an indexing that keeps the GIL, where a .view(shape) per
+            # tensor would release it (the rows views are a few per file: one per dtype, row shape and phase).
+            width = math.prod(shape[1:])
+            phase = first % width
+            base = rows.get((dtype, tuple(shape[1:]), phase))
+            if base is None:
+                whole = (flat[dtype].numel() - phase) // width
+                base = rows[(dtype, tuple(shape[1:]), phase)] = (
+                    flat[dtype][phase:phase + whole * width].view(whole, *shape[1:]))
+            out[key] = base[first // width:first // width + shape[0]]
     return out
 
 
@@ -271,9 +298,11 @@ class HostArena:
 
 
 def _tensor(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], key: str, where: str,
-            dtype: torch.dtype = torch.float32, arena: Optional[HostArena] = None) -> tuple[torch.Tensor, float]:
+            dtype: torch.dtype = torch.float32, arena: Optional[HostArena] = None,
+            norm: Optional[float] = None) -> tuple[torch.Tensor, float]:
     """Tensor ``key`` in ``dtype`` (in ``arena`` if given: one copy from the parsed file), and its
-    L2 norm, taken in fp32 on the file's values. A non-finite value is refused by name.
+    L2 norm, taken in fp32 on the file's values (``norm``: already taken by ``_l2_norms``, which takes every
+    tensor's in a few batches; else taken here). A non-finite value is refused by name.
 
     The norm is the one pass over the values: it is finite exactly when every value is finite and the
     squares do not overflow fp32; only then is ``isfinite`` (four times the cost) run, to tell the two
@@ -283,7 +312,8 @@ def _tensor(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], key:
         raise _invalid_weights(where, f"tensor {key!r} does not match its header")
     if not t.is_floating_point():
         raise AdapterError(f"{where}: {key!r} has dtype {t.dtype}; expected a floating-point tensor")
-    norm = _l2(t)
+    if norm is None:
+        norm = _l2_norms([t])[0]
     if not math.isfinite(norm) and not bool(torch.isfinite(t).all()):
         raise AdapterError(f"{where}: {key!r} holds non-finite values")
     if t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu" and (arena is None or not arena.pin_memory):
@@ -295,29 +325,61 @@ def _tensor(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], key:
     return t.to(dtype).contiguous(), norm
 
 
-_scratch = threading.local()  # each loader thread's fp32 buffer for _l2
+_scratch = threading.local()  # each loader thread's buffers for _l2_norms, by dtype
+NORM_BATCH_BYTES = 16 << 20  # _l2_norms converts at most this much (or one tensor, if larger) per batch
+NORM_BATCH_TENSORS = 16
 
 
-def _l2(t: torch.Tensor) -> float:
-    """The L2 norm of ``t``'s values in fp32 (fp64 for fp64): the values converted into a reused per-thread
-    buffer, then one dot product. 2-3x ``vector_norm``'s speed on half types, and no fresh memory per tensor
-    (a new 1 MB buffer per tensor is new pages to fault in, 256 times per rank-64 q/k/v/o adapter)."""
-    n = t.numel()
-    if n == 0:
-        return 0.0
-    dtype = _norm_dtype(t)
-    if t.dtype == dtype:
-        flat = t.reshape(-1)
-    else:
-        buf = getattr(_scratch, "buf", None)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = _scratch.buf = torch.empty(max(n, 1 << 20), dtype=dtype)
-        flat = buf[:n]
-        flat.copy_(t.reshape(-1))
-    return math.sqrt(float(torch.dot(flat, flat)))
+def _l2_norms(ts: Sequence[Optional[torch.Tensor]]) -> list[float]:
+    """The L2 norm of each tensor of ``ts``, taken in fp32 (fp64 for fp64) on its values: NaN where the
+    norm is not taken (None, or not floating-point: ``_tensor`` refuses those by name before it reads a
+    norm). Infinite when a value is, or when the squares overflow; NaN when a value is.
+
+    A few torch calls per load, not a few per tensor: each torch call releases the GIL and must take it
+    back, which beside a busy thread (the engine's) waits up to the switch interval (5 ms) each time.
+    Tensors already in their norm's dtype (fp32, fp64) are normed in one ``_foreach_norm`` call; the
+    others (half types, fp8) are grouped by shape and copied, ``NORM_BATCH_TENSORS`` or
+    ``NORM_BATCH_BYTES`` at a time, into a reused per-thread fp32 buffer (one ``_foreach_copy_``: no fresh
+    memory per tensor, whose pages would be faulted in anew each time), then normed in one
+    ``vector_norm`` over the batch. The norms come back as one tensor, read with one ``tolist``."""
+    out = [math.nan] * len(ts)
+    direct: dict[torch.dtype, list[int]] = {}  # norm dtype -> indices of tensors already in it
+    convert: dict[tuple[torch.dtype, tuple[int, ...]], list[int]] = {}  # (norm dtype, shape) -> indices
+    for i, t in enumerate(ts):
+        if t is None or not t.is_floating_point():
+            continue
+        dtype = _norm_dtype(t)
+        if t.dtype == dtype:
+            direct.setdefault(dtype, []).append(i)
+        else:
+            convert.setdefault((dtype, tuple(t.shape)), []).append(i)
+    order: list[int] = []
+    parts: list[torch.Tensor] = []
+    for dtype, idx in direct.items():
+        parts.append(torch.stack(torch._foreach_norm([ts[i] for i in idx], 2)))
+        order += idx
+    for (dtype, shape), idx in convert.items():
+        n = math.prod(shape)
+        k = max(1, min(NORM_BATCH_TENSORS, NORM_BATCH_BYTES // max(1, n * dtype.itemsize)))
+        rows = (min(k, len(idx)), *shape) if shape else (min(k, len(idx)), 1)  # a 0-d tensor is normed as [1]
+        buf = getattr(_scratch, str(dtype), None)
+        if buf is None or buf.numel() < math.prod(rows):
+            buf = torch.empty(max(math.prod(rows), NORM_BATCH_BYTES // dtype.itemsize), dtype=dtype)
+            setattr(_scratch, str(dtype), buf)
+        batch = buf[:math.prod(rows)].view(rows)
+        dims = tuple(range(1, batch.dim()))
+        for j in range(0, len(idx), k):
+            group = idx[j:j + k]
+            x = batch[:len(group)]
+            torch._foreach_copy_([x[r] for r in range(len(group))], [ts[i] for i in group])
+            parts.append(torch.linalg.vector_norm(x, dim=dims))
+            order += group
+    if parts:
+        for i, v in zip(order, torch.cat(parts).tolist()):
+            out[i] = v
+    return out
 
 
 def _norm_dtype(t: torch.Tensor) -> torch.dtype:
     """fp32 accumulation for half types and fp32; fp64 stays fp64 (a norm cannot be taken in a narrower type)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
