@@ -111,7 +111,7 @@ class LoraLinear(nn.Module):
     def copy_slot(self, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor], scale: float,
                   put: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
         """The data of :meth:`set_slot`, on the stream the caller chose (on CUDA the slot-copy stream, from the
-        adapter copy threads: vlora.lora.transfers.SlotCopies, whose ``put`` moves host tensors)."""
+        adapter copy thread: vlora.lora.transfers.SlotCopies, whose ``put`` moves host tensors)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if a is not None and b is not None:
