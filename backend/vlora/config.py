@@ -324,7 +324,7 @@ class RunnerConfig:
     that ran something), CPU ops of the engine thread and the device's kernels
     (:mod:`vlora.engine.step_profiler`): what the server's steps spend, to set beside a benchmark's in-process
     profile; null: none. ``host_threads``: PyTorch's intra-op CPU threads for the process (``torch.set_num_threads``,
-    set before the model loads); ``auto``: 1 on a CUDA device, PyTorch's default (the cores) on a CPU, where the
+    set once the model's weights are loaded); ``auto``: 1 on a CUDA device, PyTorch's default (the cores) on a CPU, where the
     model computes on them. On a GPU the host's torch work is small copies and checks on several threads at once
     (adapter loaders, the slot-copy thread, image workers), and each thread that runs a parallel op gets its own team
     of OpenMP threads: with the host's cores busy (clients, Triton, the engine thread) a team waits at its barrier

@@ -1,4 +1,4 @@
-"""engine.host_threads: PyTorch's intra-op CPU threads, set before the model loads (auto: 1 on CUDA, unchanged on a
+"""engine.host_threads: PyTorch's intra-op CPU threads, set once the model's weights are loaded (auto: 1 on CUDA, unchanged on a
 CPU, where the model computes on them); a bad value is refused with the key's name."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from vlora.config import ConfigError, EngineConfig
 from vlora.engine.builder import build_engine
 
 
-def test_host_threads_is_set_before_the_model_loads(tiny_model_dir):
+def test_host_threads_is_set_when_the_engine_is_built(tiny_model_dir):
     before = torch.get_num_threads()
     try:
         build_engine(EngineConfig().with_overrides({

@@ -73,15 +73,20 @@ def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) 
     everything is built with that device current: events, side streams, graph captures and kernels that
     launch on the current device (Triton's, the ATMM extension's) all land on it."""
     device = resolve_device(config.model.device)
-    threads = config.engine.host_threads
-    if threads == "auto":
-        threads = 1 if device.type == "cuda" else None
-    if threads is not None and threads != torch.get_num_threads():
-        torch.set_num_threads(threads)  # before any thread of the engine runs a parallel op (RunnerConfig says why)
     if device.type == "cuda":
         with torch.cuda.device(device):
             return _build_engine(config, metrics, device)
     return _build_engine(config, metrics, device)
+
+
+def _set_host_threads(threads, device) -> None:
+    """``engine.host_threads`` (RunnerConfig says why): PyTorch's intra-op threads, before any thread of the
+    engine (loaders, copy thread, image workers, the engine loop, the warm-up's) runs a parallel op; a thread
+    takes the setting at its first one."""
+    if threads == "auto":
+        threads = 1 if device.type == "cuda" else None
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
 
 
 def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device) -> LLMEngine:
@@ -98,6 +103,7 @@ def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device
     model_dir, adapter_root = resolve_model_and_adapters(config)
     t0 = time.perf_counter()
     loaded = load_model(model_dir, dtype, device)
+    _set_host_threads(config.engine.host_threads, device)  # loading the weights kept every core
     max_model_len = min(config.model.max_model_len or loaded.max_model_len, loaded.max_model_len)
     runner = ModelRunner(loaded.model, image_token_id=loaded.image_token_id, num_slots=config.lora.max_gpu_adapters,
                          max_rank=config.lora.max_rank, target_modules=config.lora.target_modules, loaded=loaded,
