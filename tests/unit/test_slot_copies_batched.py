@@ -30,7 +30,8 @@ def test_copy_slots_matches_the_per_layer_copy():
         calls.append(len(dsts))
         torch._foreach_copy_(dsts, srcs)
 
-    LoraLinear.copy_slots(1, list(zip(layers, pairs)), put_many)
+    LoraLinear.copy_slots(1, [(layer, None, None, 0.0) if p is None else (layer, p.a, p.b, p.scale)
+                              for layer, p in zip(layers, pairs)], put_many)
     assert calls == [6]  # one call for the six tensors of the three layers the adapter has
     for layer, pair, (a0, b0) in zip(layers, pairs, before):
         assert torch.equal(layer.lora_a[0], a0[0]) and torch.equal(layer.lora_b[2], b0[2])  # other slots untouched

@@ -10,7 +10,7 @@ graphs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -108,45 +108,45 @@ class LoraLinear(nn.Module):
         self.copy_slot(slot, a, b, scale)
         self.note_slot(slot, 0 if a is None or b is None else a.shape[0], scale)
 
-    def copy_slot(self, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor], scale: float,
-                  put: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
-        """The data of :meth:`set_slot`, on the stream the caller chose (on CUDA the slot-copy stream, from the
-        adapter copy thread: vlora.lora.transfers.SlotCopies, whose ``put`` moves host tensors)."""
+    def copy_slot(self, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor], scale: float) -> None:
+        """The data of :meth:`set_slot`, on the current stream: on a CPU, B folded with its scale in fp32; on a
+        device, :meth:`copy_slots` for this layer alone."""
+        if self.lora_a.device.type != "cpu":
+            LoraLinear.copy_slots(slot, [(self, a, b, scale)])
+            return
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if a is not None and b is not None:
             r = a.shape[0]
-            dst = self.lora_b[slot, :, :r]
-            if dst.device.type == "cpu":
-                self.lora_a[slot, :r].copy_(a)
-                dst.copy_(b.float() * float(scale))  # folded in fp32
-            else:
-                put = put or (lambda d, s: d.copy_(s, non_blocking=True))
-                put(self.lora_a[slot, :r], a)
-                put(dst, b)
-                dst.mul_(float(scale))
+            self.lora_a[slot, :r].copy_(a)
+            self.lora_b[slot, :, :r].copy_(b.float() * float(scale))  # folded in fp32
 
     @staticmethod
-    def copy_slots(slot: int, layers: "Sequence[tuple[LoraLinear, Optional[Any]]]",
-                   put_many: Callable[[list, list], None]) -> None:
-        """:meth:`copy_slot` of ``slot`` for many layers on a device, with the same result, in a few batched calls
-        (each zeroes, copies or scales every layer's tensors at once): ``layers`` pairs each wrapper with the
-        adapter's :class:`~vlora.lora.adapter.LoraPair` for it (None: the adapter skips that layer), and
-        ``put_many(dsts, srcs)`` copies host tensors to the device. A thread that makes one call per tensor (six
-        per layer, a thousand for a rank-64 q/k/v/o adapter) waits for the GIL at each beside a busy engine thread."""
+    def copy_slots(slot: int, entries: "Sequence[tuple[LoraLinear, Optional[torch.Tensor], Optional[torch.Tensor], float]]",
+                   put_many: Optional[Callable[[list, list], None]] = None) -> None:
+        """Copy one adapter into ``slot`` of many layers on a device, in a few batched calls (each zeroes, copies or
+        scales every layer's tensors at once): ``entries`` are (wrapper, A [r, d_in], B [d_out, r], scale), A and B
+        None where the adapter skips that layer. The slot is zeroed, A goes into its first r rows and B into its
+        first r columns, then is scaled in the slots' dtype. ``put_many(dsts, srcs)`` moves the host tensors (on
+        CUDA the copy thread's page-locked staging, vlora.lora.transfers.SlotCopies.put_many; default: plain
+        asynchronous copies). A thread that made one call per tensor (six per layer, a thousand for a rank-64
+        q/k/v/o adapter) waited for the GIL at each beside a busy engine thread."""
         zero, dsts, srcs, scaled, scales = [], [], [], [], []
-        for wrapper, pair in layers:
+        for wrapper, a, b, scale in entries:
             zero += [wrapper.lora_a[slot], wrapper.lora_b[slot]]
-            if pair is not None:
-                r = pair.a.shape[0]
+            if a is not None and b is not None:
+                r = a.shape[0]
                 b_dst = wrapper.lora_b[slot, :, :r]
                 dsts += [wrapper.lora_a[slot, :r], b_dst]
-                srcs += [pair.a, pair.b]
+                srcs += [a, b]
                 scaled.append(b_dst)
-                scales.append(float(pair.scale))
+                scales.append(float(scale))
         torch._foreach_zero_(zero)
         if dsts:
-            put_many(dsts, srcs)
+            if put_many is None:
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            else:
+                put_many(dsts, srcs)
             torch._foreach_mul_(scaled, scales)
 
     def note_slot(self, slot: int, rank: int, scale: float) -> None:

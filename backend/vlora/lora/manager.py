@@ -553,15 +553,15 @@ class LoraManager:
 
         layers = [(wrapper, w.pairs.get(key)) for key, wrapper in self.layers.items()]  # pair None: layer skipped
 
+        entries = [(wrapper, None, None, 0.0) if pair is None else (wrapper, pair.a, pair.b, pair.scale)
+                   for wrapper, pair in layers]
+
         def copy() -> None:  # on CUDA on the copy thread: the data only, in a few batched calls
             if self.copies.cuda:
-                LoraLinear.copy_slots(slot, layers, self.copies.put_many)
-                return
-            for wrapper, pair in layers:
-                if pair is None:
-                    wrapper.copy_slot(slot, None, None, 0.0)
-                else:
-                    wrapper.copy_slot(slot, pair.a, pair.b, pair.scale)
+                LoraLinear.copy_slots(slot, entries, self.copies.put_many)
+            else:
+                for entry in entries:
+                    entry[0].copy_slot(slot, *entry[1:])
 
         issued = time.perf_counter()
 

@@ -127,13 +127,9 @@ class SlotCopies:
         # seconds the thread took to enqueue it (the CPU copies into the staging buffers and the waits for them).
         self.on_timed: Optional[Callable[[float, float], None]] = None
 
-    def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Inside an issued ``copy``: copy host ``src`` into the slot tensor ``dst`` (through the copy thread's
-        page-locked buffers on CUDA)."""
-        self.put_many([dst], [src])
-
     def put_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        """``put`` for many tensors in a few batched calls (:meth:`PinnedStager.put_many`)."""
+        """Inside an issued ``copy``: copy the host tensors ``srcs`` into the slot tensors ``dsts``, in a few batched
+        calls (through the copy thread's page-locked buffers on CUDA: :meth:`PinnedStager.put_many`)."""
         if self.stager is None:
             torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
         else:
