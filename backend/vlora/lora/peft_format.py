@@ -298,11 +298,10 @@ class HostArena:
 
 
 def _tensor(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], key: str, where: str,
-            dtype: torch.dtype = torch.float32, arena: Optional[HostArena] = None,
-            norm: Optional[float] = None) -> tuple[torch.Tensor, float]:
+            dtype: torch.dtype, arena: Optional[HostArena], norm: float) -> tuple[torch.Tensor, float]:
     """Tensor ``key`` in ``dtype`` (in ``arena`` if given: one copy from the parsed file), and its
-    L2 norm, taken in fp32 on the file's values (``norm``: already taken by ``_l2_norms``, which takes every
-    tensor's in a few batches; else taken here). A non-finite value is refused by name.
+    L2 norm ``norm``, taken in fp32 on the file's values by ``_l2_norms`` (every tensor's, in a few batches).
+    A non-finite value is refused by name.
 
     The norm is the one pass over the values: it is finite exactly when every value is finite and the
     squares do not overflow fp32; only then is ``isfinite`` (four times the cost) run, to tell the two
@@ -312,8 +311,6 @@ def _tensor(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], key:
         raise _invalid_weights(where, f"tensor {key!r} does not match its header")
     if not t.is_floating_point():
         raise AdapterError(f"{where}: {key!r} has dtype {t.dtype}; expected a floating-point tensor")
-    if norm is None:
-        norm = _l2_norms([t])[0]
     if not math.isfinite(norm) and not bool(torch.isfinite(t).all()):
         raise AdapterError(f"{where}: {key!r} holds non-finite values")
     if t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu" and (arena is None or not arena.pin_memory):
