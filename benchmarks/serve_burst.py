@@ -435,8 +435,9 @@ def adapter_root(model_dir: Path, root: Path, names: int, scale: Scale, bf16: bo
     return out
 
 
-def start(model_dir: Path, adapters: Path, work: Path, device: str, scale: Scale, cuda: bool):
-    """``vlora serve`` on the model with room for every adapter of the run in device slots and host memory."""
+def start(model_dir: Path, adapters: Path, work: Path, device: str, scale: Scale, cuda: bool, extra: Sequence[str] = ()):
+    """``vlora serve`` on the model with room for every adapter of the run in device slots and host memory, with the
+    arguments ``extra`` added (``--serve-arg``)."""
     import yaml
 
     from vlora_load.server import start_server
@@ -448,7 +449,7 @@ def start(model_dir: Path, adapters: Path, work: Path, device: str, scale: Scale
            "limits": {"max_images": 1}}
     path = work / "serve-burst.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    args = [f"--model {model_dir}", f"--adapters {adapters}", f"--config {path}"] + (["--dtype bfloat16"] if cuda else [])
+    args = [f"--model {model_dir}", f"--adapters {adapters}", f"--config {path}"] + (["--dtype bfloat16"] if cuda else []) + list(extra)
     server, _token = start_server(work / "burst-server", device, args)  # its log: burst-server/ws/tritonserver.log
     return server
 
@@ -623,7 +624,8 @@ def summary(result: dict) -> str:
         parts.append(f"{r['requests']} one-image requests at once ({r['adapters']} adapters): "
                      f"{r['requests_per_s']:.1f} req/s, TTFT p50 {r['ttft_ms_p50']:.0f} / p99 {r['ttft_ms_p99']:.0f} ms "
                      f"(roofline {roof} req/s){_refused(r)}")
-    return f"{name}: " + "; ".join(parts) + " (new prompts, images and adapters)"
+    given = f"; served with {' '.join(result['serve_args'])}" if result.get("serve_args") else ""
+    return f"{name}: " + "; ".join(parts) + f" (new prompts, images and adapters{given})"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -641,6 +643,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--work", default="/tmp/vlora-bench", help="where the model and adapters are written (and reused)")
     ap.add_argument("--out", default=str(RESULTS), help="folder for the JSON (default benchmarks/results)")
     ap.add_argument("--no-record", action="store_true", help="no line in RESULTS.md, no copy in benchmarks/results")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="more vlora serve arguments (repeatable), e.g. --serve-arg='--set engine.switch_interval_ms=5'; "
+                         "named in the results")
     args = ap.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
     if bad := [r for r in rows if r not in ROWS]:
@@ -670,7 +675,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rates = measure_rates(torch.device(device))  # before the server holds the device
     t1 = time.perf_counter()
     served = work / f"burst-adapters-r{scale.rank}" / "served"
-    server = start(model_dir, served, work, device, scale, cuda)
+    server = start(model_dir, served, work, device, scale, cuda, args.serve_arg)
     ready_s = time.perf_counter() - t1
     from vlora_load.server import log_offset, server_error_lines
 
@@ -678,7 +683,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     clients = None
     result: dict = {"benchmark": "serve-burst", "device": device_name() if cuda else "cpu", "commit": git_commit(),
                     "preset": args.preset or args.model or "tiny-llava", "scale": dataclasses.asdict(scale), "rates": rates,
-                    "ready_s": round(ready_s, 1), "client_procs": args.client_procs, "rows": {}}
+                    "ready_s": round(ready_s, 1), "client_procs": args.client_procs, "serve_args": args.serve_arg,
+                    "rows": {}}
     try:
         clients = Clients(server.grpc_url, args.client_procs)
         run = Run(server, clients, model_dir, served, scale, rates, cuda, warm, cold)
