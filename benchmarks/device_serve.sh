@@ -10,7 +10,10 @@
 #   issue 36's rows through the server at the same dimensions (benchmarks/serve_burst.py: 32 new short prompts at once,
 #   32 x 256 tokens base / resident / cold adapters, 64 new images at once; about 3 minutes, 4 with the model to write;
 #   run it alone: STEPS=burst); "overhead": what the Triton path adds per request and per token over the in-process
-#   engine, HTTP and gRPC at 1, 32 and 128 streams (benchmarks/server_overhead.py; run it alone: STEPS=overhead)
+#   engine, HTTP and gRPC at 1, 32 and 128 streams (benchmarks/server_overhead.py; run it alone: STEPS=overhead);
+#   "burst-scaling": serve_burst on 1, 2 and 4 GPUs of this host (BURST_GPUS, default "1 4 2": the order they run in),
+#   the load scaled with the GPUs (32 x n requests, 64 x n images), vlora serve's default routing (issue 40); each
+#   count's JSON is copied to $OUT as soon as it is done (about 2, 4 and 3 minutes; run it alone on a 4-GPU machine)
 # Writes under $OUT (default benchmarks/device_out): log.txt (every step's output), bundle.tgz (server logs,
 # the results JSON and RESULTS.md lines this run wrote), and the built extension (few files: the device
 # tool brings back at most 8).
@@ -52,6 +55,16 @@ if want openai 240; then
 fi
 if want burst 240; then
   python3 -m benchmarks.serve_burst --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench || rc=1
+fi
+if want burst-scaling 200; then
+  for n in ${BURST_GPUS:-1 4 2}; do
+    want burst-scaling 150 || break
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 280 python3 -m benchmarks.serve_burst \
+      --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench --requests $((32 * n)) --images $((64 * n)) || rc=1
+    cp benchmarks/results/serve-burst-*.json "$OUT/serve-burst-${n}gpu.json" 2>/dev/null
+    mkdir -p /tmp/bundle
+    tail -c 200000 /tmp/vlora-bench/burst-server/ws/tritonserver.log > "/tmp/bundle/burst-${n}gpu-tritonserver.log" 2>/dev/null
+  done
 fi
 if want overhead 240; then
   python3 -m benchmarks.server_overhead --device cuda --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench || rc=1

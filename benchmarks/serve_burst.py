@@ -321,9 +321,15 @@ COUNTERS = ("vlora_engine_steps_total", "vlora_prefill_tokens_total", "vlora_dec
             "nv_inference_compute_infer_duration_us")
 
 
+PER_DEVICE = {"vlora_adapter_host_loads_total": "host_loads", "vlora_adapter_gpu_loads_total": "gpu_loads",
+              "vlora_decode_tokens_total": "decode_tokens", "vlora_prefill_tokens_total": "prefill_tokens"}
+
+
 def counters(metrics_url: str) -> dict[str, float]:
-    """The server's counters of :data:`COUNTERS` summed over their labels, and each engine stage's
-    ``stage:<name>:sum`` / ``stage:<name>:count`` (``vlora_stage_seconds``)."""
+    """The server's counters of :data:`COUNTERS` summed over their labels, each engine stage's
+    ``stage:<name>:sum`` / ``stage:<name>:count`` (``vlora_stage_seconds``), the counters of :data:`PER_DEVICE`
+    per engine (``device:<engine>:<figure>``, an engine named by its model and device labels), and the adapters
+    resident in device slots per engine (``resident:<engine>``)."""
     import urllib.request
 
     from vlora_load.scrape import parse_prometheus
@@ -337,6 +343,12 @@ def counters(metrics_url: str) -> dict[str, float]:
         elif name.startswith("vlora_stage_seconds_") and "stage" in labels:
             key = f"stage:{labels['stage']}:{name.rsplit('_', 1)[1]}"
             out[key] = out.get(key, 0.0) + value
+        engine = " ".join(labels[k] for k in ("model", "device") if labels.get(k))  # routed: vlora_gpu<i>
+        if name in PER_DEVICE and engine:
+            key = f"device:{engine}:{PER_DEVICE[name]}"
+            out[key] = out.get(key, 0.0) + value
+        elif name == "vlora_adapters_resident" and labels.get("tier") == "gpu" and engine:
+            out[f"resident:{engine}"] = value
     return out
 
 
@@ -372,6 +384,10 @@ def engine_figures(before: dict, after: dict) -> dict:
             out[f"{stage}_ms_mean"] = round(1e3 * d[f"stage:{stage}:sum"] / n, 3)
     if d.get("stage:adapter_read:count"):
         out["adapter_read_count"] = int(d["stage:adapter_read:count"])
+    devices = sorted({k.split(":")[1] for k in d if k.startswith("device:")})
+    if len(devices) > 1:  # several engines (adapter-aware routing): what each did, and its adapters in slots after
+        out["per_device"] = {dev: {**{f: int(d.get(f"device:{dev}:{f}", 0)) for f in PER_DEVICE.values()},
+                                   "resident_gpu_adapters": int(after.get(f"resident:{dev}", 0))} for dev in devices}
     return out
 
 
@@ -586,6 +602,16 @@ def _refused(r: dict) -> str:
     return f" ({r['refused']} refused: {r.get('refusal')})" if r.get("refused") else ""
 
 
+def _per_gpu(r: dict) -> str:
+    """With several engines: the decode tokens, adapter reads (host loads) and adapters in slots of each."""
+    per = r.get("per_device")
+    if not per:
+        return ""
+    col = lambda f: "/".join(str(v[f]) for v in per.values())  # noqa: E731
+    return (f" [per GPU {', '.join(per)}: decode tokens {col('decode_tokens')}, adapter reads {col('host_loads')}, "
+            f"adapters in slots {col('resident_gpu_adapters')}]")
+
+
 def summary(result: dict) -> str:
     rows, parts = result["rows"], []
     name = Path(result["preset"]).stem
@@ -603,7 +629,7 @@ def summary(result: dict) -> str:
         parts.append(f"{r['base']['requests']} x {r['base']['max_tokens']} tokens: base {r['base']['output_tok_per_s']:.0f} "
                      f"tok/s, {r['lora']['distinct_adapters']} resident adapters {r['lora']['output_tok_per_s']:.0f} "
                      f"(lora/base {r['lora_over_base']:.2f}; server/engine steps "
-                     f"{r['lora'].get('server_over_engine', 0):.2f})")
+                     f"{r['lora'].get('server_over_engine', 0):.2f}){_per_gpu(r['lora'])}")
     if "cold32" in rows:
         r = rows["cold32"]
         reads = r["adapter_reads"]
@@ -617,13 +643,13 @@ def summary(result: dict) -> str:
         else:
             rate = f"read >= {r['gb_per_s_lower_bound']:.2f} GB/s (bytes / last TTFT; the server reports no read rate)"
         parts.append(f"{r['distinct_adapters']} cold adapters ({r['adapter_file_gb']:.2f} GB): TTFT p50 "
-                     f"{r['ttft_ms_p50']:.0f} ms, {r['output_tok_per_s']:.0f} tok/s, {rate}{_refused(r)}")
+                     f"{r['ttft_ms_p50']:.0f} ms, {r['output_tok_per_s']:.0f} tok/s, {rate}{_refused(r)}{_per_gpu(r)}")
     if "image64" in rows:
         r = rows["image64"]
         roof = r["roofline"].get("roofline_rps")
         parts.append(f"{r['requests']} one-image requests at once ({r['adapters']} adapters): "
                      f"{r['requests_per_s']:.1f} req/s, TTFT p50 {r['ttft_ms_p50']:.0f} / p99 {r['ttft_ms_p99']:.0f} ms "
-                     f"(roofline {roof} req/s){_refused(r)}")
+                     f"(roofline {roof} req/s){_refused(r)}{_per_gpu(r)}")
     given = f"; served with {' '.join(result['serve_args'])}" if result.get("serve_args") else ""
     return f"{name}: " + "; ".join(parts) + f" (new prompts, images and adapters{given})"
 
