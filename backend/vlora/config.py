@@ -58,9 +58,6 @@ class LoraConfig:
     # the model family lists (vlora.models.base.ModelFamily.vision_lora_modules); off: adapters that target them are refused at load.
     vision_lora: bool = True
     load_timeout_s: float = 30.0  # an adapter read (on the loader threads) that takes longer is refused
-    # Threads that copy adapters into device slots on CUDA, each with its own side stream and page-locked staging
-    # buffers (vlora.lora.transfers.SlotCopies).
-    copy_threads: int = 1
     # An unload waits this long for the adapter's running and waiting requests to finish, then answers
     # with state "unloading" (the unload still completes when the last one finishes; 0: answer at once).
     unload_timeout_s: float = 30.0
@@ -74,8 +71,6 @@ class LoraConfig:
         _require(self.admin_token_file is None or (isinstance(self.admin_token_file, str) and self.admin_token_file),
                  "lora.admin_token_file must be a file path or null")
         _require(self.load_timeout_s > 0, "lora.load_timeout_s must be > 0")
-        _require(isinstance(self.copy_threads, int) and not isinstance(self.copy_threads, bool) and 1 <= self.copy_threads <= 16,
-                 "lora.copy_threads must be an integer in [1, 16]")
         _require(self.unload_timeout_s >= 0, "lora.unload_timeout_s must be >= 0")
         _require(self.max_cpu_adapters >= self.max_gpu_adapters, "lora.max_cpu_adapters must be >= lora.max_gpu_adapters")
         _require(1 <= self.max_rank <= 256, "lora.max_rank must be in [1, 256]")
@@ -335,12 +330,6 @@ class RunnerConfig:
     of OpenMP threads: with the host's cores busy (clients, Triton, the engine thread) a team waits at its barrier
     for a descheduled member, and a 0.5 MB copy took 8-12 ms against 0.014 ms on one thread (the 2-core CPU, its
     other core busy).
-    ``switch_interval_ms``: the interpreter's thread switch interval (``sys.setswitchinterval``, set with
-    ``host_threads``); ``auto``: 0.5 ms on a CUDA device, Python's own (5 ms) on a CPU. The engine thread runs Python
-    for most of a step; every other thread of the process (adapter loaders, slot copies, image workers, Triton's
-    request threads) needs the GIL back after each torch call, and a thread waiting for it asks the holder to drop it
-    only after one interval: with Python's 5 ms a call that took 0.35 ms alone took 57 ms beside a thread running
-    Python in 1 ms stretches (2-core CPU, three such threads), 2.1 ms at 0.5 ms, and the busy thread ran as fast.
     """
 
     cuda_graphs: str = "auto"
@@ -355,13 +344,8 @@ class RunnerConfig:
     profile_dir: Optional[str] = None
     profile_steps: tuple[int, ...] = (20, 40)
     host_threads: Any = "auto"
-    switch_interval_ms: Any = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.switch_interval_ms == "auto" or (isinstance(self.switch_interval_ms, (int, float))
-                                                       and not isinstance(self.switch_interval_ms, bool)
-                                                       and 0.01 <= self.switch_interval_ms <= 100),
-                 "engine.switch_interval_ms must be auto or a number of milliseconds in [0.01, 100]")
         _require(self.host_threads == "auto" or (isinstance(self.host_threads, int) and not isinstance(self.host_threads, bool)
                                                  and 1 <= self.host_threads <= 1024),
                  "engine.host_threads must be auto or an integer in [1, 1024]")

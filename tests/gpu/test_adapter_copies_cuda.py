@@ -111,26 +111,3 @@ def test_pinned_stager_put_many_batches_exactly():
     stream.synchronize()
     for big, src in zip(bigs, srcs):
         assert torch.equal(big[:, :64].cpu(), src) and not big[:, 64:].any()
-
-
-def test_several_copy_threads_fill_their_slots_exactly():
-    """SlotCopies with four copy threads: eight slots' copies issued at once run on the threads' own streams and
-    staging buffers; each slot holds exactly its source once ready, and each copy is timed once."""
-    from vlora.lora.transfers import SlotCopies
-
-    device = torch.device("cuda")
-    copies = SlotCopies(device, num_slots=8, threads=4)
-    timed = []
-    copies.on_timed = lambda q, w: timed.append((q, w))
-    g = torch.Generator().manual_seed(2)
-    slots = [torch.zeros(40, 4096, 64, dtype=torch.bfloat16, device=device) for _ in range(8)]  # 20 MiB each
-    sources = [[torch.randn(4096, 64, generator=g).to(torch.bfloat16) for _ in range(40)] for _ in range(8)]
-    noted = []
-    for i in range(8):
-        def copy(i=i):
-            copies.put_many([slots[i][j] for j in range(40)], sources[i])
-        copies.issue(i, copy, sources[i], note=lambda i=i: noted.append(i))
-    copies.synchronize()
-    assert sorted(noted) == list(range(8)) and len(timed) == 8
-    for i in range(8):
-        assert torch.equal(slots[i].cpu(), torch.stack(sources[i]))

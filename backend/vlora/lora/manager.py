@@ -17,7 +17,7 @@ side-stream copies are transfers.py's AdapterLoader and SlotCopies):
 
 - a host-tier miss (an adapter evicted since it was validated) is read on a loader thread, and
   ``try_acquire`` answers "not yet" until it is there;
-- the host-to-device copy into a slot runs on one of the copy threads, on its side CUDA stream, with an event per
+- the host-to-device copy into a slot runs on the copy thread, on a side CUDA stream, with an event per
   slot, and ``try_acquire`` pins the slot only once that event has completed; the slot's host-side record
   (ranks, scales) changes then, on the engine thread. A request waits for its own adapter while the others
   keep decoding; ``wait_ready`` makes the compute stream wait on the events of the slots a step reads, so
@@ -113,10 +113,10 @@ class LoraManager:
         first = next(iter(layers.values()), None)
         self.device = first.lora_a.device if first is not None else None
         self.dtype = first.lora_a.dtype if first is not None else torch.float32
-        self.copies = copies or SlotCopies(self.device, cfg.max_gpu_adapters, threads=cfg.copy_threads)
+        self.copies = copies or SlotCopies(self.device, cfg.max_gpu_adapters)
         self.copies.on_timed = self._copy_timed
         # On CUDA the host copies are staged in the slots' dtype, one buffer per adapter, in pageable memory:
-        # page-locking fresh memory is slow and stalls the engine's launches (SlotCopies), whose copy threads move them.
+        # page-locking fresh memory is slow and stalls the engine's launches (SlotCopies), whose copy thread moves them.
         self._stage_for_cuda = self.copies.cuda
         self.copies.on_failed = self._copy_failed
 
@@ -513,7 +513,7 @@ class LoraManager:
         return w
 
     def _stage(self, w: AdapterWeights) -> AdapterWeights:
-        """On CUDA: the weights in the slots' dtype, for the copy threads (SlotCopies)."""
+        """On CUDA: the weights in the slots' dtype, for the copy thread (SlotCopies)."""
         if not self._stage_for_cuda:
             return w
         pairs = {key: LoraPair(a=p.a.to(self.dtype).contiguous(), b=p.b.to(self.dtype).contiguous(), scale=p.scale)
@@ -556,7 +556,7 @@ class LoraManager:
         entries = [(wrapper, None, None, 0.0) if pair is None else (wrapper, pair.a, pair.b, pair.scale)
                    for wrapper, pair in layers]
 
-        def copy() -> None:  # on CUDA on a copy thread: the data only, in a few batched calls
+        def copy() -> None:  # on CUDA on the copy thread: the data only, in a few batched calls
             if self.copies.cuda:
                 LoraLinear.copy_slots(slot, entries, self.copies.put_many)
             else:
@@ -590,7 +590,7 @@ class LoraManager:
         self.metrics.stage("adapter_copy_work", work_s)
 
     def _copy_failed(self, slot: int, error: BaseException) -> None:
-        """Engine thread: the copy into ``slot`` failed (a CUDA error on a copy thread). The slot holds nothing
+        """Engine thread: the copy into ``slot`` failed (a CUDA error on the copy thread). The slot holds nothing
         usable: its adapter is forgotten there, and the next request for it fills a slot again."""
         log.error("copying adapter %s into device slot %d failed: %s: %s", self._name_in[slot], slot,
                   type(error).__name__, error)

@@ -1,10 +1,9 @@
 """Moving adapters between residency tiers without making the engine thread wait: AdapterLoader runs the
 reads from disk (or memory) on daemon loader threads, SlotCopies runs the host-to-device copies into
-adapter slots on copy threads, each with a side CUDA stream, with one event per slot. LoraManager (manager.py)
+adapter slots on a copy thread and a side CUDA stream, with one event per slot. LoraManager (manager.py)
 drives both."""
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -13,11 +12,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-log = logging.getLogger(__name__)
-
 
 class _Copy:
-    """One slot's copy on a copy thread: its data moves (``copy``) once the compute stream has passed
+    """One slot's copy on the copy thread: its data moves (``copy``) once the compute stream has passed
     ``after``; ``note`` (the slot's host-side bookkeeping) runs on the engine thread once it is complete."""
 
     __slots__ = ("copy", "note", "source", "after", "event", "issued", "error", "queued_at", "started_at", "enqueued_at")
@@ -27,14 +24,14 @@ class _Copy:
         self.event: Optional[Any] = None  # recorded on the side stream after the copy
         self.issued = threading.Event()  # set once ``event`` is recorded (or the copy failed)
         self.error: Optional[BaseException] = None
-        # perf_counter: queued by the engine thread, taken by a copy thread, every copy enqueued on the stream
+        # perf_counter: queued by the engine thread, taken by the copy thread, every copy enqueued on the stream
         self.queued_at = time.perf_counter()
         self.started_at = self.enqueued_at = self.queued_at
 
 
 class PinnedStager:
     """Host-to-device copies from pageable memory through a few page-locked buffers allocated once and reused,
-    on a copy thread: each source is copied into the current buffer on the CPU, then from there to the device
+    on the copy thread: each source is copied into the current buffer on the CPU, then from there to the device
     asynchronously on the side stream; a buffer is reused once the copies out of it have completed. A copy
     straight from pageable memory ran at 6.8 GB/s on an H200's host when alone, and at about 2 GB/s beside a
     serving engine and reading loaders; from page-locked memory at 55 GB/s. Sources larger than a buffer, and
@@ -101,57 +98,42 @@ class PinnedStager:
             self._done[self._i] = event
 
 
-STAGING_BUFFERS = 4  # page-locked 32 MiB staging buffers, shared out among the copy threads (at least 2 each)
-
-
-class _CopyThread:
-    """One copy thread's side stream and page-locked staging buffers (made on the thread at its start)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device=device)
-        self.stager: Optional[PinnedStager] = None
-
-
 class SlotCopies:
-    """Host-to-device copies into adapter slots, off the engine thread: on CUDA ``threads`` copy threads take the
-    slots' copies in turn, each running one on its own side stream and recording an event; the engine thread only
-    queues them and asks.
+    """Host-to-device copies into adapter slots, off the engine thread: on CUDA a copy thread runs each
+    slot's copies on a side stream and records an event; the engine thread only queues them and asks.
 
     ``issue`` queues a slot's copy (``copy``: the data; ``note``: the slot's host-side bookkeeping, run on the
     engine thread when the copy is complete); ``ready`` says (without blocking) whether it has completed;
     ``wait`` makes the compute stream wait for the copies into some slots. Off CUDA a copy and its note run
     at once and every slot is always ready.
 
-    Why threads: the host tier holds adapters in pageable memory (page-locking fresh memory ran at 1.7-2.2 GB/s
+    Why a thread: the host tier holds adapters in pageable memory (page-locking fresh memory ran at 1.7-2.2 GB/s
     on an H200's host, did not scale with threads, and stalled other threads' kernel launches for 17 ms at the
-    median while it ran: 32 cold adapters took 6.9 s to their first tokens). A copy stages its adapter through
-    page-locked buffers on the CPU first, on the thread that runs it, never the engine's (``threads``:
-    ``lora.copy_threads``).
+    median while it ran: 32 cold adapters took 6.9 s to their first tokens). A copy from pageable memory blocks
+    the thread that issues it, at 6.8 GB/s there: that is the copy thread, never the engine's.
     """
 
-    def __init__(self, device: Optional[torch.device], num_slots: int, threads: int = 1) -> None:
+    def __init__(self, device: Optional[torch.device], num_slots: int) -> None:
         self.device = device
         self.cuda = device is not None and device.type == "cuda"
-        self._threads = [_CopyThread(device) for _ in range(max(1, threads))] if self.cuda else []
-        self.stream = self._threads[0].stream if self._threads else None  # the first copy thread's
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self._jobs: list[Optional[_Copy]] = [None] * num_slots
         self._queue: "queue.SimpleQueue[_Copy]" = queue.SimpleQueue()
-        self._started = False
-        self._local = threading.local()  # on a copy thread: its _CopyThread
+        self._thread: Optional[threading.Thread] = None
+        self.stager: Optional[PinnedStager] = None  # the copy thread's, made there at its first copy
         # Called on the engine thread with (slot, error) when a slot's copy failed: the slot holds nothing usable.
         self.on_failed: Optional[Callable[[int, BaseException], None]] = None
-        # Called on the engine thread when a copy has completed, with its seconds in the copy threads' queue and the
-        # seconds its thread took to enqueue it (the CPU copies into the staging buffers and the waits for them).
+        # Called on the engine thread when a copy has completed, with its seconds in the copy thread's queue and the
+        # seconds the thread took to enqueue it (the CPU copies into the staging buffers and the waits for them).
         self.on_timed: Optional[Callable[[float, float], None]] = None
 
     def put_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         """Inside an issued ``copy``: copy the host tensors ``srcs`` into the slot tensors ``dsts``, in a few batched
-        calls (through its copy thread's page-locked buffers on CUDA: :meth:`PinnedStager.put_many`)."""
-        worker = getattr(self._local, "worker", None)
-        if worker is None or worker.stager is None:
+        calls (through the copy thread's page-locked buffers on CUDA: :meth:`PinnedStager.put_many`)."""
+        if self.stager is None:
             torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
         else:
-            worker.stager.put_many(dsts, srcs)
+            self.stager.put_many(dsts, srcs)
 
     def issue(self, slot: int, copy: Callable[[], None], source: Any, note: Optional[Callable[[], None]] = None) -> None:
         if not self.cuda:
@@ -165,31 +147,25 @@ class SlotCopies:
         after.record(torch.cuda.current_stream(self.device))
         job = _Copy(copy, note, source, after)
         self._jobs[slot] = job
-        if not self._started:
-            self._started = True
-            for i, worker in enumerate(self._threads):
-                threading.Thread(target=self._work, args=(worker,), name=f"vlora-adapter-copies-{i + 1}",
-                                 daemon=True).start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="vlora-adapter-copies", daemon=True)
+            self._thread.start()
         self._queue.put(job)
 
-    def _work(self, worker: _CopyThread) -> None:
+    def _work(self) -> None:
         torch.cuda.set_device(self.device)
-        self._local.worker = worker
-        try:
-            worker.stager = PinnedStager(buffers=max(2, STAGING_BUFFERS // len(self._threads)))
-        except BaseException:  # no page-locked memory: straight from pageable memory, as put_many does then
-            log.exception("page-locked staging buffers for the adapter copies could not be made")
         while True:
             job = self._queue.get()
             job.started_at = time.perf_counter()
             try:
-                worker.stream.wait_event(job.after)
-                with torch.cuda.stream(worker.stream):
+                if self.stager is None:
+                    self.stager = PinnedStager()
+                self.stream.wait_event(job.after)
+                with torch.cuda.stream(self.stream):
                     job.copy()
-                    if worker.stager is not None:
-                        worker.stager.close_buffer()
+                    self.stager.close_buffer()
                     event = torch.cuda.Event()
-                    event.record(worker.stream)
+                    event.record(self.stream)
                 job.event = event
             except BaseException as e:  # the engine thread raises it from ready()
                 job.error = e
