@@ -46,9 +46,11 @@ from __future__ import annotations
 import argparse
 import base64
 import dataclasses
+import faulthandler
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import threading
@@ -673,6 +675,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="more vlora serve arguments (repeatable), e.g. --serve-arg='--set engine.switch_interval_ms=5'; "
                          "named in the results")
     args = ap.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack, if a run hangs
     rows = [r for r in args.rows.split(",") if r]
     if bad := [r for r in rows if r not in ROWS]:
         ap.error(f"unknown rows {bad}; choose from {list(ROWS)}")
@@ -714,9 +717,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         clients = Clients(server.grpc_url, args.client_procs)
         run = Run(server, clients, model_dir, served, scale, rates, cuda, warm, cold)
+        print("warm-up: 4 text requests and an image", flush=True)
         run.warm_up()
         if any(r in rows for r in ("lora32", "image64")):  # every resident adapter read and in a slot, once
             use = warm if "lora32" in rows else warm[:scale.image_adapters]
+            print(f"reading {len(use)} adapters into slots, one request each", flush=True)
             run.clients.burst([job(p, 1, a) for (p, _), a in zip(run.prompts(13, 13 + len(use), len(use)), use)])
         for row in rows:
             t = time.perf_counter()
