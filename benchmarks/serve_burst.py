@@ -330,8 +330,8 @@ PER_DEVICE = {"vlora_adapter_host_loads_total": "host_loads", "vlora_adapter_gpu
 def counters(metrics_url: str) -> dict[str, float]:
     """The server's counters of :data:`COUNTERS` summed over their labels, each engine stage's
     ``stage:<name>:sum`` / ``stage:<name>:count`` (``vlora_stage_seconds``), the counters of :data:`PER_DEVICE`
-    per engine (``device:<engine>:<figure>``, an engine named by its model and device labels), and the adapters
-    resident in device slots per engine (``resident:<engine>``)."""
+    per engine (``device|<engine>|<figure>``, an engine named by its model and device labels), and the adapters
+    resident in device slots per engine (``resident|<engine>``)."""
     import urllib.request
 
     from vlora_load.scrape import parse_prometheus
@@ -347,10 +347,10 @@ def counters(metrics_url: str) -> dict[str, float]:
             out[key] = out.get(key, 0.0) + value
         engine = " ".join(labels[k] for k in ("model", "device") if labels.get(k))  # routed: vlora_gpu<i>
         if name in PER_DEVICE and engine:
-            key = f"device:{engine}:{PER_DEVICE[name]}"
+            key = f"device|{engine}|{PER_DEVICE[name]}"  # a device label holds a colon (cuda:0)
             out[key] = out.get(key, 0.0) + value
         elif name == "vlora_adapters_resident" and labels.get("tier") == "gpu" and engine:
-            out[f"resident:{engine}"] = value
+            out[f"resident|{engine}"] = value
     return out
 
 
@@ -386,10 +386,10 @@ def engine_figures(before: dict, after: dict) -> dict:
             out[f"{stage}_ms_mean"] = round(1e3 * d[f"stage:{stage}:sum"] / n, 3)
     if d.get("stage:adapter_read:count"):
         out["adapter_read_count"] = int(d["stage:adapter_read:count"])
-    devices = sorted({k.split(":")[1] for k in d if k.startswith("device:")})
+    devices = sorted({k.split("|")[1] for k in d if k.startswith("device|")})
     if len(devices) > 1:  # several engines (adapter-aware routing): what each did, and its adapters in slots after
-        out["per_device"] = {dev: {**{f: int(d.get(f"device:{dev}:{f}", 0)) for f in PER_DEVICE.values()},
-                                   "resident_gpu_adapters": int(after.get(f"resident:{dev}", 0))} for dev in devices}
+        out["per_device"] = {dev: {**{f: int(d.get(f"device|{dev}|{f}", 0)) for f in PER_DEVICE.values()},
+                                   "resident_gpu_adapters": int(after.get(f"resident|{dev}", 0))} for dev in devices}
     return out
 
 

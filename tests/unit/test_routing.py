@@ -24,7 +24,7 @@ from vlora.server.routing import BOARD_PARAM, CANCEL_PREFIX, ROUTE_PREFIX, SLOT_
 from vlora.server.routing.admin_merge import EngineError, merge_admin
 from vlora.server.routing.board import RECORD_BYTES, BoardReader, BoardWriter, EngineLoad, create_board
 from vlora.server.routing.engine_side import ADMITTED_HOLD_S, BoardPublisher, RouteIndex
-from vlora.server.routing.policy import choose_engine, rendezvous
+from vlora.server.routing.policy import choose_engine, rendezvous, with_sent
 
 
 def load(depth=0, resident=(), loading=(), active=0, kv=0.0, t=0.0) -> EngineLoad:
@@ -85,6 +85,48 @@ def test_stale_engines_are_skipped_and_none_fresh_falls_back_to_the_hash():
     assert choose_engine("a", [None, load(9), None]) == 1
     pick = choose_engine("a", [None, None, None])
     assert pick == max(range(3), key=lambda i: rendezvous("a", i))
+
+
+def _burst(adapters, records, margin=8):
+    """Where a burst lands when every placement reads the same records (published before the burst, at t=0) and the
+    router's own requests since then (policy.with_sent): the requests per engine."""
+    sent = []
+    for k, adapter in enumerate(adapters):
+        i = choose_engine(adapter, with_sent(records, sent), margin=margin, key=str(k))
+        sent.append((i, adapter, 1.0 + k))
+    return [sum(1 for i, _, _ in sent if i == e) for e in range(len(records))]
+
+
+def test_a_burst_of_base_requests_is_split_evenly_though_the_records_do_not_move():
+    assert _burst([None] * 64, [load(0), load(0)]) == [32, 32]
+    assert _burst([None] * 128, [load(0)] * 4) == [32] * 4
+
+
+def test_a_burst_for_resident_adapters_spreads_past_the_margin():
+    """Eight adapters, resident five on one engine and three on the other, 128 requests at once (serve_burst's
+    image64 on two GPUs): with the records alone every request went to its adapter's holder; counting what was
+    sent, no engine gets more than the margin over the other."""
+    five, three = {f"a{k}" for k in range(5)}, {f"a{k}" for k in range(5, 8)}
+    counts = _burst([f"a{k % 8}" for k in range(128)], [load(0, resident=five), load(0, resident=three)])
+    assert sum(counts) == 128 and abs(counts[0] - counts[1]) <= 8 + 1, counts
+    without = [choose_engine(f"a{k % 8}", [load(0, resident=five), load(0, resident=three)]) for k in range(128)]
+    assert without.count(0) == 80  # the records alone: 80 / 48
+
+
+def test_a_cold_adapter_sent_once_counts_as_loading_there():
+    """The second request for a cold adapter follows the first, before any record shows it loading."""
+    records = [load(0), load(0), load(0)]
+    first = choose_engine("new", records)
+    sent = [(first, "new", 1.0)]
+    assert with_sent(records, sent)[first].loading == {"new"} and with_sent(records, sent)[first].active == 1
+    others = [(i, f"x{i}", 1.0) for i in range(3) if i != first] * 3  # the others got more base work meanwhile
+    assert choose_engine("new", with_sent(records, sent + others)) == first
+
+
+def test_requests_a_record_already_shows_are_not_counted_twice():
+    records = [load(3, t=5.0), load(0, t=5.0)]
+    out = with_sent(records, [(0, None, 4.0), (1, None, 6.0)])
+    assert out[0] == records[0] and out[1].waiting == 1 and out[1].depth == 1
 
 
 # The board.

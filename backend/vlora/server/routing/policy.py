@@ -14,11 +14,17 @@
 
 Engines whose load is None (never published, or stale: see :class:`vlora.server.routing.board.BoardReader`) are
 skipped; when none is fresh, the rendezvous hash alone decides, so placement stays affine without a board.
+
+An engine publishes a few times a second, so a burst of arrivals would all read the same records: every request
+for an adapter would go to its holder, however deep its queue grew. :func:`with_sent` adds what the router itself
+sent since each record was published (its requests in flight, their adapters as loading there), so the placement
+of the next request in a burst sees the ones before it.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from vlora.server.routing.board import EngineLoad
 
@@ -30,6 +36,32 @@ def rendezvous(key: str, engine: int) -> int:
     """A stable 64-bit score of (key, engine): the same on every router instance and every run."""
     digest = hashlib.blake2b(f"{key}\x00{engine}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def with_sent(loads: Sequence[Optional[EngineLoad]], sent: Iterable[tuple[int, Optional[str], float]]
+              ) -> list[Optional[EngineLoad]]:
+    """``loads`` with the router's own requests that each record cannot show yet: ``sent`` holds (engine index,
+    adapter or None, time.monotonic() when sent) of the requests in flight; one sent after its engine's record
+    was published counts as waiting there, and its adapter as loading there (one more active adapter when it
+    was neither resident nor loading)."""
+    count = [0] * len(loads)
+    adapters: list[set] = [set() for _ in loads]
+    for i, adapter, at in sent:
+        load = loads[i] if 0 <= i < len(loads) else None
+        if load is None or at <= load.t:
+            continue
+        count[i] += 1
+        if adapter is not None:
+            adapters[i].add(adapter)
+    out: list[Optional[EngineLoad]] = []
+    for i, load in enumerate(loads):
+        if load is None or not count[i]:
+            out.append(load)
+            continue
+        new = adapters[i] - load.resident - load.loading
+        out.append(dataclasses.replace(load, waiting=load.waiting + count[i], loading=load.loading | adapters[i],
+                                       active=load.active + len(new)))
+    return out
 
 
 def choose_engine(adapter: Optional[str], loads: Sequence[Optional[EngineLoad]], *, margin: int = DEFAULT_MARGIN,

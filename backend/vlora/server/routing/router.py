@@ -31,7 +31,7 @@ from typing import Any
 from vlora.server.routing import BOARD_PARAM, CANCEL_PREFIX, ENGINES_PARAM, MARGIN_PARAM, ROUTE_PREFIX
 from vlora.server.routing.admin_merge import EngineError, merge_admin
 from vlora.server.routing.board import BoardReader
-from vlora.server.routing.policy import DEFAULT_MARGIN, choose_engine
+from vlora.server.routing.policy import DEFAULT_MARGIN, choose_engine, with_sent
 from vlora.server.wire import ADMIN_KEY, Wire
 
 RELAY_THREADS = 2048  # relays at once per router instance (threads start on demand; each waits on its engine)
@@ -44,10 +44,11 @@ FINAL_OUTPUT = "finish_reason"  # every final answer of the engine model carries
 class _Relay:
     """One routed request: its BLS request to the engine, and its client's response sender."""
 
-    __slots__ = ("bls", "sender", "engine", "route", "cancelled")
+    __slots__ = ("bls", "sender", "engine", "route", "cancelled", "index", "adapter", "sent_at")
 
-    def __init__(self, bls, sender, engine: str, route: str) -> None:
+    def __init__(self, bls, sender, engine: str, route: str, index: int = -1, adapter=None) -> None:
         self.bls, self.sender, self.engine, self.route, self.cancelled = bls, sender, engine, route, False
+        self.index, self.adapter, self.sent_at = index, adapter, time.monotonic()  # for the placements after it
 
 
 class TritonPythonModel:
@@ -102,8 +103,19 @@ class TritonPythonModel:
         route = uuid.uuid4().hex
         with self._board_lock:
             loads = self._board.read()
-        engine = self._engines[choose_engine(adapter, loads, margin=self._margin, key=route)]
-        self._relays.submit(self._relay, _Relay(self._bls(request, engine, ROUTE_PREFIX + route), sender, engine, route))
+        with self._inflight_lock:  # what this instance sent that the records cannot show yet (policy.with_sent)
+            sent = [(r.index, r.adapter, r.sent_at) for r in self._inflight.values()]
+        index = choose_engine(adapter, with_sent(loads, sent), margin=self._margin, key=route)
+        engine = self._engines[index]
+        relay = _Relay(self._bls(request, engine, ROUTE_PREFIX + route), sender, engine, route, index, adapter)
+        with self._inflight_lock:
+            self._inflight[route] = relay
+        try:
+            self._relays.submit(self._relay, relay)
+        except BaseException:
+            with self._inflight_lock:
+                self._inflight.pop(route, None)
+            raise
 
     def _bls(self, request, engine: str, request_id: str):
         raw = request.parameters()
@@ -141,9 +153,7 @@ class TritonPythonModel:
     def _relay(self, relay: _Relay) -> None:
         """Send the request to its engine and every response on; the request gets exactly one final answer."""
         pb, sender = self._pb, relay.sender
-        final = False
-        with self._inflight_lock:
-            self._inflight[relay.route] = relay
+        final = False  # the relay is in self._inflight from its placement (_route) to its end here
         try:
             responses = relay.bls.exec(decoupled=True)
             for response in responses:
