@@ -212,3 +212,33 @@ def test_after_outputs_wakes_a_buffering_consumer_once_per_step(tiny_model_dir, 
             assert rid not in since_wake, "two events of one request without a wake-up between them"
             since_wake.add(rid)
     assert biggest >= 2, "no wake-up covered the events of a batched step"
+
+
+def test_preparing_counts_requests_on_the_image_workers(tiny_model_dir, demo_adapter_root, monkeypatch):
+    """AsyncEngine.preparing (what the routing board adds to an engine's waiting requests): a request whose image
+    is decoded on the image workers counts from generate() until it is submitted, and not after."""
+    import io
+
+    from PIL import Image
+
+    aeng = AsyncEngine(tiny_config(tiny_model_dir, demo_adapter_root, **{"limits.inline_image_pixels": 0}))
+    try:
+        gate = threading.Event()
+        real = aeng.inputs.preprocess
+
+        def slow(checked):
+            gate.wait(30)
+            return real(checked)
+
+        monkeypatch.setattr(aeng.inputs, "preprocess", slow)
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 32), (10, 200, 30)).save(buf, format="PNG")
+        col, refused = Collector(), []
+        aeng.generate(GenerationRequest("img", "USER: <image>\nWhat? ASSISTANT:", images=[buf.getvalue()],
+                                        sampling=SamplingParams(max_tokens=2)), col, refused.append)
+        assert aeng.preparing() == 1 and not refused
+        gate.set()
+        col.wait(1)
+        assert aeng.preparing() == 0 and not refused
+    finally:
+        aeng.shutdown()

@@ -210,6 +210,20 @@ def test_board_publisher_forwards_and_publishes(tmp_path):
     assert inner.closed
 
 
+def test_requests_being_prepared_are_published_as_waiting(tmp_path):
+    """AsyncEngine.preparing (requests on the image workers or in the loop's inbox) is added to the waiting ones: a
+    burst of image requests counts on its engine while it is decoded, not only once it is queued."""
+    path = create_board(tmp_path / "board", 1)
+    pub = BoardPublisher(_Metrics(), path, 0, slots=8, interval_s=3600)
+    pub.queue_depth(2, 1)
+    preparing = [5]
+    pub.preparing = lambda: preparing[0]
+    assert (pub.snapshot().running, pub.snapshot().waiting) == (2, 6)
+    preparing[0] = 0
+    assert pub.snapshot().waiting == 1
+    pub.close()
+
+
 def test_board_publisher_wraps_only_routed_models(tmp_path):
     inner = _Metrics()
     assert BoardPublisher.wrap(inner, {"parameters": {}}, 8) is inner

@@ -117,6 +117,8 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"vlora: model {self._engine.model_info}; adapters {self._engine.list_adapters()}"
         )
+        if isinstance(self._metrics, BoardPublisher):  # requests still being prepared count as waiting there
+            self._metrics.preparing = self._engine.preparing
         self._routes = RouteIndex(self._engine.cancel)  # the router's cancellations of routed requests
         self._response_thread = threading.Thread(target=self._response_loop, name="vlora-responses", daemon=True)
         self._response_thread.start()

@@ -46,6 +46,9 @@ class BoardPublisher:
         self._resident: set[str] = set()
         self._adapters: tuple[dict, dict] = ({}, {})
         self._admitted: dict[str, float] = {}  # adapter -> when a request for it was last admitted here
+        # Requests taken but not in the scheduler yet (AsyncEngine.preparing: image workers, the loop's inbox),
+        # published as waiting: a burst of image requests is otherwise invisible here while it is decoded.
+        self.preparing: Optional[Callable[[], int]] = None
         self._stop = threading.Event()
         self.publish()
         self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="vlora-board", daemon=True)
@@ -101,8 +104,10 @@ class BoardPublisher:
                     del self._admitted[name]
             resident = frozenset(self._resident)
             loading = frozenset((busy | set(self._admitted)) - resident)
-            return EngineLoad(t=now, resident=resident, loading=loading, active=len(busy),
-                              running=self._depth[0], waiting=self._depth[1], kv=self._kv, slots=self._slots)
+            depth = self._depth
+        preparing = self.preparing() if self.preparing is not None else 0
+        return EngineLoad(t=now, resident=resident, loading=loading, active=len(busy),
+                          running=depth[0], waiting=depth[1] + preparing, kv=self._kv, slots=self._slots)
 
     def publish(self) -> None:
         self._writer.publish(self.snapshot())
