@@ -13,7 +13,8 @@
 #   engine, HTTP and gRPC at 1, 32 and 128 streams (benchmarks/server_overhead.py; run it alone: STEPS=overhead);
 #   "burst-scaling": serve_burst on 1, 2 and 4 GPUs of this host (BURST_GPUS, default "1 4 2": the order they run in),
 #   the load scaled with the GPUs (32 x n requests, 64 x n images), vlora serve's default routing (issue 40); each
-#   count's JSON is copied to $OUT as soon as it is done (about 2, 4 and 3 minutes; run it alone on a 4-GPU machine)
+#   count's JSON is copied to $OUT as soon as it is done (about 2, 4 and 3 minutes; run it alone on a 4-GPU machine),
+#   after tests/gpu/test_routing_gpus.py on every GPU
 # Writes under $OUT (default benchmarks/device_out): log.txt (every step's output), bundle.tgz (server logs,
 # the results JSON and RESULTS.md lines this run wrote), and the built extension (few files: the device
 # tool brings back at most 8).
@@ -57,9 +58,12 @@ if want burst 240; then
   python3 -m benchmarks.serve_burst --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench || rc=1
 fi
 if want burst-scaling 200; then
+  # The router on every GPU of the host first (a hang fails it with the server's log within 2 minutes).
+  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_routing_gpus.py 2>&1 | tail -30 || rc=1
   for n in ${BURST_GPUS:-1 4 2}; do
     want burst-scaling 150 || break
-    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 280 python3 -m benchmarks.serve_burst \
+    # A hang: SIGUSR1 makes serve_burst print every thread's stack (then it is killed 20 s later).
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout -s USR1 -k 20 280 python3 -m benchmarks.serve_burst \
       --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench --requests $((32 * n)) --images $((64 * n)) || rc=1
     cp benchmarks/results/serve-burst-*.json "$OUT/serve-burst-${n}gpu.json" 2>/dev/null
     mkdir -p /tmp/bundle

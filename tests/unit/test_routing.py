@@ -380,3 +380,30 @@ def test_a_relayed_response_that_fails_ends_the_request_and_its_engine_work():
     ((response, flags),) = sender.sent
     assert flags == COMPLETE_FINAL and "relaying a response failed" in response.error().message()
     assert router._inflight == {}
+
+
+def test_a_relay_silent_for_a_minute_is_named_in_the_log_once(monkeypatch):
+    """A request whose engine has sent nothing for SILENT_WARN_S is named (its route, its engine, how many relays
+    are in flight), once: a stuck engine or relay shows in the log instead of as a client that waits forever."""
+    from fake_pb_utils import FakeRequest, fake_pb_utils
+    from vlora.server.routing import router as router_module
+    from vlora.server.routing.router import TritonPythonModel, _Relay
+    from vlora.server.wire import Wire
+
+    pb = fake_pb_utils()
+    router = TritonPythonModel()
+    router._pb, router._wire = pb, Wire(pb)
+    router._inflight, router._inflight_lock = {}, threading.Lock()
+    relay = _Relay(None, router._wire.sender(FakeRequest()), "vlora_gpu3", "r9")
+    relay.heard_at = relay.sent_at = relay.sent_at - router_module.SILENT_WARN_S - 1
+    router._inflight["r9"] = relay
+    waits = iter([False, False, True])  # two passes of the watcher, then stop
+
+    class Stop:
+        def wait(self, _s):
+            return next(waits)
+
+    router._stop = Stop()
+    router._watch_cancellations()
+    warned = [line for line in pb.Logger.lines if "no response" in str(line)]
+    assert len(warned) == 1 and "r9" in str(warned[0]) and "vlora_gpu3" in str(warned[0]), pb.Logger.lines

@@ -38,17 +38,19 @@ RELAY_THREADS = 2048  # relays at once per router instance (threads start on dem
 ADMIN_FANOUT_THREADS = 16
 DRAIN_S = 30.0  # how long finalize() waits for the relays in flight
 CANCEL_POLL_S = 0.25  # how often the relays' clients are checked for cancellation (one IPC each)
+SILENT_WARN_S = 60.0  # a relay that has had nothing from its engine for this long is named in the log, once
 FINAL_OUTPUT = "finish_reason"  # every final answer of the engine model carries it; errors are final too
 
 
 class _Relay:
     """One routed request: its BLS request to the engine, and its client's response sender."""
 
-    __slots__ = ("bls", "sender", "engine", "route", "cancelled", "index", "adapter", "sent_at")
+    __slots__ = ("bls", "sender", "engine", "route", "cancelled", "index", "adapter", "sent_at", "heard_at", "warned")
 
     def __init__(self, bls, sender, engine: str, route: str, index: int = -1, adapter=None) -> None:
         self.bls, self.sender, self.engine, self.route, self.cancelled = bls, sender, engine, route, False
         self.index, self.adapter, self.sent_at = index, adapter, time.monotonic()  # for the placements after it
+        self.heard_at, self.warned = self.sent_at, False  # the engine's last response; named once if silent
 
 
 class TritonPythonModel:
@@ -157,6 +159,7 @@ class TritonPythonModel:
         try:
             responses = relay.bls.exec(decoupled=True)
             for response in responses:
+                relay.heard_at = time.monotonic()
                 if final:  # nothing follows a final answer (or the client is gone); drain the iterator
                     continue
                 try:
@@ -207,7 +210,14 @@ class TritonPythonModel:
         while not self._stop.wait(CANCEL_POLL_S):
             with self._inflight_lock:
                 relays = [r for r in self._inflight.values() if not r.cancelled]
+            now = time.monotonic()
             for relay in relays:
+                if not relay.warned and now - relay.heard_at > SILENT_WARN_S:  # a stuck engine or relay, named
+                    relay.warned = True
+                    self._pb.Logger.log_warn(
+                        f"vlora router: request {relay.route} on {relay.engine} has had no response for "
+                        f"{now - relay.heard_at:.0f} s ({'none yet' if relay.heard_at == relay.sent_at else 'some'} "
+                        f"before; {len(relays)} relays in flight)")
                 if Wire.client_gone(relay.sender):
                     relay.cancelled = True
                     self._send_cancel(relay)
