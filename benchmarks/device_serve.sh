@@ -14,7 +14,8 @@
 #   "burst-scaling": serve_burst on 1, 2 and 4 GPUs of this host (BURST_GPUS, default "1 4 2": the order they run in),
 #   the load scaled with the GPUs (32 x n requests, 64 x n images), vlora serve's default routing (issue 40); each
 #   count's JSON is copied to $OUT as soon as it is done (about 2, 4 and 3 minutes; run it alone on a 4-GPU machine),
-#   after tests/gpu/test_routing_gpus.py on every GPU
+#   after tests/gpu/test_routing_gpus.py on every GPU; "adapter-host" (after "burst"): a cold adapter's read and
+#   staging with no server beside them, one at a time and four at once (benchmarks/host_transfers.py --only-adapters)
 # Writes under $OUT (default benchmarks/device_out): log.txt (every step's output), bundle.tgz (server logs,
 # the results JSON and RESULTS.md lines this run wrote), and the built extension (few files: the device
 # tool brings back at most 8).
@@ -56,6 +57,10 @@ if want openai 240; then
 fi
 if want burst 240; then
   python3 -m benchmarks.serve_burst --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench || rc=1
+fi
+if want adapter-host 60; then  # after burst: its adapters and model are on disk
+  timeout 120 python3 -m benchmarks.host_transfers --only-adapters --adapters /tmp/vlora-bench/burst-adapters-r64/served \
+    --model /tmp/vlora-bench/llava-1.5-7b || rc=1
 fi
 if want burst-scaling 200; then
   # The router on every GPU of the host first (a hang fails it with the server's log within 2 minutes).

@@ -1,9 +1,14 @@
 """What a cold adapter's bytes cost on the host, before the GPU sees them: page-locking fresh host memory
 (cudaHostAlloc through PyTorch's pinned allocator), filling fresh pageable memory, and the host-to-device
 copy from each, on one thread and on the adapter loader's 8 threads at once; and how long a thread that
-launches kernels (the engine's) stalls while the loaders page-lock memory.
+launches kernels (the engine's) stalls while the loaders page-lock memory. With ``--adapters DIR --model DIR``
+(serve_burst's adapters and model: ``/tmp/vlora-bench/burst-adapters-r64/served``, ``/tmp/vlora-bench/llava-1.5-7b``),
+also a cold adapter's two host stages with no server beside them: the read (``load_adapter``, as the engine's
+loader threads call it) and the slot copy's staging (``PinnedStager.put_many`` into device memory), one at a time
+and four at once; set beside serve_burst's ``adapter_read`` and ``adapter_copy_work`` they tell the host's own
+cost from the cost of sharing it with a running server (benchmarks/NOTES.md).
 
-    python -m benchmarks.host_transfers [--gb 2] [--threads 8]
+    python -m benchmarks.host_transfers [--gb 2] [--threads 8] [--adapters DIR --model DIR [--only-adapters]]
 
 Writes ``benchmarks/results/host-transfers-<device>.json`` (``--no-record``: only prints).
 """
@@ -90,13 +95,91 @@ def launch_stall(dev: torch.device, busy, seconds: float = 1.0) -> dict:
             "beside_p99_ms": round(1e3 * beside[int(0.99 * (len(beside) - 1))], 3), "launches_beside": len(beside)}
 
 
+def adapter_stages(adapters: Path, model: Path, dev: torch.device, count: int = 8, threads: int = 4) -> dict:
+    """Read ``count`` adapters of ``adapters`` (one at a time, then ``threads`` at once, each name once: the files
+    in the page cache after a first untimed pass), and stage each read adapter into device memory through a
+    PinnedStager of its own thread (one at a time, then ``threads`` at once). Figures per adapter: ms and GB/s."""
+    from transformers import AutoConfig
+
+    from vlora.lora.adapter import decoder_module_dims, load_adapter
+    from vlora.lora.transfers import PinnedStager
+
+    names = sorted(p.name for p in adapters.iterdir() if (p / "adapter_model.safetensors").is_file())[:2 * count]
+    if len(names) < 2 * count:
+        raise SystemExit(f"host_transfers: {adapters} holds {len(names)} adapters; {2 * count} are needed")
+    text = AutoConfig.from_pretrained(model)
+    text = getattr(text, "text_config", None) or text
+    dims = decoder_module_dims(text)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+    def read(name: str):
+        return load_adapter(adapters, name, num_layers=text.num_hidden_layers, module_dims=dims, max_rank=256,
+                            supported_modules=tuple(dims), dtype=dtype, one_buffer=dev.type == "cuda")
+
+    for name in names:  # into the page cache, untimed
+        (adapters / name / "adapter_model.safetensors").read_bytes()
+    nbytes = [0]
+
+    def timed_reads(batch: list[str], n: int) -> tuple[float, list]:
+        out: list = [None] * len(batch)
+
+        def work(i: int) -> None:
+            for k in range(i, len(batch), n):
+                out[k] = read(batch[k])
+        seconds = _in_threads(n, work)
+        nbytes[0] = sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in out[0].pairs.values())
+        return seconds, out
+
+    one_s, weights = timed_reads(names[:count], 1)
+    many_s, more = timed_reads(names[count:], threads)
+    size = nbytes[0]
+    r = {"adapters": count, "adapter_mb": round(size / 1e6, 1), "threads": threads,
+         "read_ms_one_at_a_time": round(1e3 * one_s / count, 1), "read_gbs_one_at_a_time": round(size * count / one_s / 1e9, 2),
+         f"read_ms_{threads}_at_once": round(1e3 * many_s / count * threads, 1),
+         f"read_gbs_{threads}_at_once": round(size * count / many_s / 1e9, 2)}
+    if dev.type != "cuda":
+        return r
+    slots = [[torch.empty_like(t, device=dev) for p in w.pairs.values() for t in (p.a, p.b)] for w in weights + more]
+    sources = [[t for p in w.pairs.values() for t in (p.a, p.b)] for w in weights + more]
+
+    def timed_staging(items: list[int], n: int) -> float:
+        def work(i: int) -> None:
+            stager = PinnedStager()
+            stream = torch.cuda.Stream(dev)
+            with torch.cuda.stream(stream):
+                for k in items[i::n]:
+                    stager.put_many(slots[k], sources[k])
+                    stager.close_buffer()
+            stream.synchronize()
+        work_s = _in_threads(n, work)
+        return work_s
+
+    timed_staging([0], 1)  # the page-locked buffers of one stager, once (the server makes them at start)
+    one_s = timed_staging(list(range(count)), 1)
+    many_s = timed_staging(list(range(count, 2 * count)), threads)
+    r.update({"staging_ms_one_at_a_time": round(1e3 * one_s / count, 1),
+              "staging_gbs_one_at_a_time": round(size * count / one_s / 1e9, 2),
+              f"staging_ms_{threads}_at_once": round(1e3 * many_s / count * threads, 1),
+              f"staging_gbs_{threads}_at_once": round(size * count / many_s / 1e9, 2)})
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=2.0, help="bytes per measurement, in GB")
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--adapters", help="a folder of PEFT adapters (16 or more) to time a cold adapter's host stages on")
+    ap.add_argument("--model", help="the model folder those adapters are for (its dimensions)")
+    ap.add_argument("--only-adapters", action="store_true", help="only the adapter stages (on a CPU: only the reads)")
     args = ap.parse_args()
+    if args.only_adapters:
+        if not (args.adapters and args.model):
+            ap.error("--only-adapters needs --adapters and --model")
+        dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        print(json.dumps(adapter_stages(Path(args.adapters), Path(args.model), dev), indent=1))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("host_transfers: needs CUDA")
     dev = torch.device("cuda", 0)
@@ -113,6 +196,8 @@ def main() -> None:
     r["h2d_gbs_from_pageable"] = round(copy_rate(torch.ones(total // 4, dtype=torch.uint8), dev), 3)
     r["launch_stall_while_pinning"] = launch_stall(dev, lambda: pin_rate(total // 2, 8 << 20, n))
     r["launch_stall_while_pageable_fill"] = launch_stall(dev, lambda: pageable_rate(total, n))
+    if args.adapters and args.model:
+        r["adapter_stages"] = adapter_stages(Path(args.adapters), Path(args.model), dev)
     print(json.dumps(r, indent=1))
     if not args.no_record:
         out = Path(args.out)
