@@ -407,3 +407,31 @@ def test_a_relay_silent_for_a_minute_is_named_in_the_log_once(monkeypatch):
     router._watch_cancellations()
     warned = [line for line in pb.Logger.lines if "no response" in str(line)]
     assert len(warned) == 1 and "r9" in str(warned[0]) and "vlora_gpu3" in str(warned[0]), pb.Logger.lines
+
+
+def test_a_relay_cancelled_before_its_thread_took_it_never_reaches_its_engine():
+    """The cancellation watcher sees a relay from its placement on: one whose client left before a relay thread
+    took it is answered as cancelled, and its request is never sent to the engine."""
+    from fake_pb_utils import COMPLETE_FINAL, FakeRequest, fake_pb_utils
+    from vlora.server.routing.router import TritonPythonModel, _Relay
+    from vlora.server.wire import Wire
+
+    pb = fake_pb_utils()
+    router = TritonPythonModel()
+    router._pb, router._wire = pb, Wire(pb)
+    router._inflight, router._inflight_lock = {}, threading.Lock()
+    sent = []
+
+    class Bls:
+        def exec(self, decoupled):
+            sent.append(1)
+            return iter(())
+
+    request = FakeRequest()
+    relay = _Relay(Bls(), router._wire.sender(request), "vlora_gpu0", "r2")
+    relay.cancelled = True
+    router._inflight["r2"] = relay
+    router._relay(relay)
+    ((response, flags),) = request.sender.sent
+    assert not sent and flags == COMPLETE_FINAL and "cancelled" in response.error().message()
+    assert router._inflight == {}

@@ -157,6 +157,10 @@ class TritonPythonModel:
         pb, sender = self._pb, relay.sender
         final = False  # the relay is in self._inflight from its placement (_route) to its end here
         try:
+            if relay.cancelled:  # its client left before this thread took it: the engine never sees it
+                final = True
+                self._wire.send_cancelled(sender)
+                return
             responses = relay.bls.exec(decoupled=True)
             for response in responses:
                 relay.heard_at = time.monotonic()
