@@ -672,7 +672,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default=str(RESULTS), help="folder for the JSON (default benchmarks/results)")
     ap.add_argument("--no-record", action="store_true", help="no line in RESULTS.md, no copy in benchmarks/results")
     ap.add_argument("--serve-arg", action="append", default=[],
-                    help="more vlora serve arguments (repeatable), e.g. --serve-arg='--set engine.switch_interval_ms=5'; "
+                    help="more vlora serve arguments (repeatable), e.g. --serve-arg='--routing off'; "
                          "named in the results")
     args = ap.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack, if a run hangs

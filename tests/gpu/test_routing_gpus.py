@@ -1,5 +1,5 @@
-"""Adapter-aware routing on real GPUs: `vlora serve --device cuda` on two GPUs runs the router model `vlora` in front of
-one engine model per GPU (the CPU tests stand in for them with --routing-cpu-engines). Text, an adapter's request
+"""Adapter-aware routing on real GPUs: `vlora serve --device cuda` on every visible GPU (two or more) runs the router
+model `vlora` in front of one engine model per GPU (the CPU tests stand in for them with --routing-cpu-engines). Text, an adapter's request
 and an image request are each answered through the router over HTTP, every engine model answers, and the answers
 equal those of the engine model asked directly. Skips with fewer than two GPUs."""
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _generate(url: str, model: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def test_the_router_answers_on_two_gpus(tmp_path):
+def test_the_router_answers_on_every_gpu(tmp_path):
     from e2e_helpers import b64, png_bytes, start_server
 
     from vlora.config import default_cache_dir
@@ -45,7 +45,7 @@ def test_the_router_answers_on_two_gpus(tmp_path):
             except Exception as e:  # a hang or an error: what the server logged
                 pytest.fail(f"{body['text_input']!r}: {type(e).__name__}: {e}\n--- server log ---\n{srv.server_log(120)}")
             assert routed.get("finish_reason") == "length", routed
-            for engine in ("vlora_gpu0", "vlora_gpu1"):  # each engine model answers alike when asked directly
+            for engine in (f"vlora_gpu{i}" for i in range(torch.cuda.device_count())):  # each answers alike, asked directly
                 direct = _generate(srv.http_url, engine, body)
                 assert direct["text_output"] == routed["text_output"], (engine, body)
     finally:
