@@ -169,6 +169,25 @@ def test_a_cancelled_stream_is_cancelled_in_its_engine(routed):
 
 
 
+def test_a_burst_for_a_resident_adapter_spreads_past_the_margin(routed):
+    """40 requests at once for an adapter one engine holds: the router counts what it sent since the engines'
+    records (policy.with_sent), so past the margin (8) the burst also goes to the other engine, which then loads
+    the adapter too. With the records alone (published every 0.1 s) a burst went to the holder only."""
+    client = VloraClient(routed.grpc_url, timeout_s=120)
+    name = "demo-r16-attn"
+    time.sleep(0.5)  # the metrics of the tests before are applied (every 0.2 s)
+    before = per_model(routed.metrics(), "vlora_requests_total", name)
+    assert client.generate("USER: hi ASSISTANT:", lora_name=name, max_tokens=1).num_output_tokens == 1  # resident
+    with ThreadPoolExecutor(40) as pool:
+        done = list(pool.map(lambda i: client.generate(f"USER: Burst {i}. ASSISTANT:", lora_name=name,
+                                                        max_tokens=1).num_output_tokens, range(40)))
+    assert done == [1] * 40
+    total = sum(before.values()) + 41
+    after = wait_for(lambda: (c := per_model(routed.metrics(), "vlora_requests_total", name)) and sum(c.values()) >= total and c)
+    burst = {m: after.get(m, 0.0) - before.get(m, 0.0) for m in ENGINES}  # the first request and the burst
+    assert min(burst.values()) >= 8, f"the burst's requests per engine model: {burst}"
+
+
 def test_many_short_requests_at_once_leave_the_server_up(routed):
     """Requests that finish while the router's watcher polls its relays for cancellation: Triton 2.51 crashed
     (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled) when a poll reached a request its relay had just answered,
