@@ -250,3 +250,24 @@ def test_tritonserver_child_keeps_its_files_private_despite_boosts_fchmod(tmp_pa
     child = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "b")], umask=lockdown.SERVER_UMASK,
                            preexec_fn=lockdown._server_child_setup, capture_output=True, text=True, check=True).stdout.split()
     assert child == ["0o600", "0o640"]
+
+
+def test_a_small_dev_shm_is_named(monkeypatch, tmp_path):
+    """Triton's Python backend passes requests, images and responses through /dev/shm: below 1 GiB free (a
+    container's 64 MB default) vlora serve warns at start and vlora doctor flags it; unreadable, it says so."""
+    import os
+    from types import SimpleNamespace
+
+    from vlora.server import launcher
+
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_bavail=16384, f_frsize=4096))  # 64 MiB
+    low = launcher.shm_shortage(tmp_path)
+    assert low is not None and "64 MiB free" in low and "--shm-size" in low
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_bavail=1 << 20, f_frsize=4096))  # 4 GiB
+    assert launcher.shm_shortage(tmp_path) is None
+
+    def unreadable(p):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(os, "statvfs", unreadable)
+    assert "cannot be read" in launcher.shm_shortage(tmp_path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import platform
 import sys
 
@@ -39,6 +40,17 @@ def collect() -> list[tuple[str, str, bool]]:
     except importlib.metadata.PackageNotFoundError:
         rows.append(("tritonclient", "not installed (needed by vlora-client)", False))
     rows.append(("atmm extension", _atmm_report(), True))
+    try:
+        from vlora.server.launcher import SHM_DIR, shm_shortage
+
+        low = shm_shortage()
+        if low is None:
+            st = os.statvfs(SHM_DIR)
+            rows.append(("shared memory", f"{SHM_DIR}: {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free", True))
+        else:
+            rows.append(("shared memory", low, False))
+    except ImportError as e:
+        rows.append(("shared memory", f"launcher not importable: {e}", False))
     return rows
 
 

@@ -83,6 +83,7 @@ OPENAI_FAILED_EXIT = 4  # `vlora serve`'s exit code when the OpenAI front end ex
 ENGINE_FAILED_MARK = "vlora: ENGINE FAILED"  # the line model.py logs (its ENGINE_FAILED)
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
+SHM_LOW_BYTES = 1 << 30  # less free in SHM_DIR than this: vlora serve warns at start and vlora doctor flags it
 POLL_S = 0.25  # how often serve_forever looks at the server, its stubs and its log
 KILL_MARGIN_S = 15.0  # after a SIGTERM, how much longer than --exit-timeout-secs before SIGKILL
 DEAD_STUB_GRACE_S = 5.0  # after a stub died, how long the server may take to stop before SIGKILL
@@ -183,6 +184,8 @@ class TritonServer(ServerUrls):
         """Prepare everything, start tritonserver, and return once it is ready (or raise LaunchError)."""
         opts = self.options
         dist = TritonDistribution.locate()
+        if (low := shm_shortage()) is not None:
+            _say(self._out, f"warning: {low}")
         for port in (opts.http_port, opts.grpc_port, opts.metrics_port) + ((opts.openai_port,) if opts.openai_port else ()):
             _check_port_free(opts.host, port)
         source = opts.model_repository or source_repository()
@@ -554,6 +557,21 @@ class TritonServer(ServerUrls):
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def shm_shortage(path: Path = SHM_DIR) -> Optional[str]:
+    """Why ``path`` (/dev/shm) is too small for serving, or None. The Python backend passes every request (its images
+    too), every response and every BLS call of the router through shared-memory regions there; a container's default
+    (64 MB in Docker) runs out under load."""
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        return f"{path} cannot be read ({e}): Triton's Python backend needs it"
+    free = st.f_bavail * st.f_frsize
+    if free >= SHM_LOW_BYTES:
+        return None
+    return (f"{path} has {free / 2**20:.0f} MiB free: Triton's Python backend passes requests, images and responses "
+            f"through it; give it 1 GiB or more (in a container: --shm-size=1g or larger)")
 
 
 def _say(out: TextIO, text: str) -> None:
