@@ -31,6 +31,7 @@ STEPS=${STEPS:-"tests serve heads engine"}
 source benchmarks/device_env.sh
 source benchmarks/build_atmm.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+df -h /dev/shm | tail -1  # Triton's Python backend passes requests and responses through it
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 want() {  # want STEP SECONDS: the step is asked for and about SECONDS are left
   [[ " $STEPS " == *" $1 "* ]] || return 1
