@@ -118,7 +118,6 @@ def adapter_stages(adapters: Path, model: Path, dev: torch.device, count: int = 
 
     for name in names:  # into the page cache, untimed
         (adapters / name / "adapter_model.safetensors").read_bytes()
-    nbytes = [0]
 
     def timed_reads(batch: list[str], n: int) -> tuple[float, list]:
         out: list = [None] * len(batch)
@@ -126,13 +125,11 @@ def adapter_stages(adapters: Path, model: Path, dev: torch.device, count: int = 
         def work(i: int) -> None:
             for k in range(i, len(batch), n):
                 out[k] = read(batch[k])
-        seconds = _in_threads(n, work)
-        nbytes[0] = sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in out[0].pairs.values())
-        return seconds, out
+        return _in_threads(n, work), out
 
     one_s, weights = timed_reads(names[:count], 1)
     many_s, more = timed_reads(names[count:], threads)
-    size = nbytes[0]
+    size = sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in weights[0].pairs.values())
     r = {"adapters": count, "adapter_mb": round(size / 1e6, 1), "threads": threads,
          "read_ms_one_at_a_time": round(1e3 * one_s / count, 1), "read_gbs_one_at_a_time": round(size * count / one_s / 1e9, 2),
          f"read_ms_{threads}_at_once": round(1e3 * many_s / count * threads, 1),
@@ -151,8 +148,7 @@ def adapter_stages(adapters: Path, model: Path, dev: torch.device, count: int = 
                     stager.put_many(slots[k], sources[k])
                     stager.close_buffer()
             stream.synchronize()
-        work_s = _in_threads(n, work)
-        return work_s
+        return _in_threads(n, work)
 
     timed_staging([0], 1)  # the page-locked buffers of one stager, once (the server makes them at start)
     one_s = timed_staging(list(range(count)), 1)

@@ -261,13 +261,14 @@ def test_a_small_dev_shm_is_named(monkeypatch, tmp_path):
     from vlora.server import launcher
 
     monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_bavail=16384, f_frsize=4096))  # 64 MiB
-    low = launcher.shm_shortage(tmp_path)
-    assert low is not None and "64 MiB free" in low and "--shm-size" in low
+    enough, low = launcher.shm_room(tmp_path)
+    assert not enough and "64 MiB free" in low and "--shm-size" in low
     monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_bavail=1 << 20, f_frsize=4096))  # 4 GiB
-    assert launcher.shm_shortage(tmp_path) is None
+    assert launcher.shm_room(tmp_path) == (True, f"{tmp_path}: 4.0 GiB free")
 
     def unreadable(p):
         raise FileNotFoundError(2, "No such file or directory")
 
     monkeypatch.setattr(os, "statvfs", unreadable)
-    assert "cannot be read" in launcher.shm_shortage(tmp_path)
+    enough, finding = launcher.shm_room(tmp_path)
+    assert not enough and "cannot be read" in finding

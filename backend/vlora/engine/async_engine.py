@@ -80,7 +80,6 @@ class AsyncEngine:
         self._cancels: set[str] = set()
         self._control: deque[tuple[Callable[[LLMEngine], Any], Future]] = deque()
         self._backlog = 0
-        self._deferred = 0  # requests on the image workers, not yet submitted or refused (preparing())
         self._stopping = False
         self._stopped = False
         self._cancel_all = False
@@ -211,23 +210,8 @@ class AsyncEngine:
 
         try:
             if checked.pixels > self.config.limits.inline_image_pixels:
-                self._count_deferred(1)
-
-                def run() -> None:
-                    try:
-                        self._enter(checked, callback, refuse_released, is_cancelled, fault, charge)
-                    finally:
-                        self._count_deferred(-1)
-
-                def refused(reason: Optional[str]) -> None:
-                    self._count_deferred(-1)
-                    refuse_released(EngineOverloaded(reason or "server is shutting down"))
-
-                try:
-                    self.defer(run, refused)
-                except BaseException:
-                    self._count_deferred(-1)
-                    raise
+                self.defer(lambda: self._enter(checked, callback, refuse_released, is_cancelled, fault, charge),
+                           lambda reason: refuse_released(EngineOverloaded(reason or "server is shutting down")))
                 return
         except Exception as e:
             refuse_released(e)
@@ -246,14 +230,12 @@ class AsyncEngine:
         except Exception as e:
             refuse(e)
 
-    def _count_deferred(self, n: int) -> None:
-        with self._cond:
-            self._deferred += n
-
     def preparing(self) -> int:
-        """Requests this engine took that its scheduler does not hold yet: on the image workers, or in the
-        loop's inbox (what the routing board adds to the engine's waiting requests: vlora.server.routing)."""
-        return self._deferred + len(self._inbox)
+        """Requests this engine took that its scheduler does not hold yet: on the image workers (each deferred
+        request is one job there, queued or running), or in the loop's inbox (what the routing board adds to the
+        engine's waiting requests: vlora.server.routing)."""
+        busy, queued = self.image_workers.load()
+        return busy + queued + len(self._inbox)
 
     def defer(self, run: Callable[[], None], refuse: Callable[[str], None]) -> None:
         """Run ``run()`` on the image workers (it preprocesses and submits a request, and answers its

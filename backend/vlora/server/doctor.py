@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import os
 import platform
 import sys
 
@@ -41,14 +40,10 @@ def collect() -> list[tuple[str, str, bool]]:
         rows.append(("tritonclient", "not installed (needed by vlora-client)", False))
     rows.append(("atmm extension", _atmm_report(), True))
     try:
-        from vlora.server.launcher import SHM_DIR, shm_shortage
+        from vlora.server.launcher import shm_room
 
-        low = shm_shortage()
-        if low is None:
-            st = os.statvfs(SHM_DIR)
-            rows.append(("shared memory", f"{SHM_DIR}: {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free", True))
-        else:
-            rows.append(("shared memory", low, False))
+        enough, finding = shm_room()
+        rows.append(("shared memory", finding, enough))
     except ImportError as e:
         rows.append(("shared memory", f"launcher not importable: {e}", False))
     return rows

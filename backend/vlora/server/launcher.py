@@ -184,8 +184,9 @@ class TritonServer(ServerUrls):
         """Prepare everything, start tritonserver, and return once it is ready (or raise LaunchError)."""
         opts = self.options
         dist = TritonDistribution.locate()
-        if (low := shm_shortage()) is not None:
-            _say(self._out, f"warning: {low}")
+        enough, shm = shm_room()
+        if not enough:
+            _say(self._out, f"warning: {shm}")
         for port in (opts.http_port, opts.grpc_port, opts.metrics_port) + ((opts.openai_port,) if opts.openai_port else ()):
             _check_port_free(opts.host, port)
         source = opts.model_repository or source_repository()
@@ -559,19 +560,19 @@ class TritonServer(ServerUrls):
         self.stop()
 
 
-def shm_shortage(path: Path = SHM_DIR) -> Optional[str]:
-    """Why ``path`` (/dev/shm) is too small for serving, or None. The Python backend passes every request (its images
-    too), every response and every BLS call of the router through shared-memory regions there; a container's default
-    (64 MB in Docker) runs out under load."""
+def shm_room(path: Path = SHM_DIR) -> tuple[bool, str]:
+    """Whether ``path`` (/dev/shm) has room for serving, and what it has. The Python backend passes every request (its
+    images too), every response and every BLS call of the router through shared-memory regions there; a container's
+    default (64 MB in Docker) runs out under load."""
     try:
         st = os.statvfs(path)
     except OSError as e:
-        return f"{path} cannot be read ({e}): Triton's Python backend needs it"
+        return False, f"{path} cannot be read ({e}): Triton's Python backend needs it"
     free = st.f_bavail * st.f_frsize
     if free >= SHM_LOW_BYTES:
-        return None
-    return (f"{path} has {free / 2**20:.0f} MiB free: Triton's Python backend passes requests, images and responses "
-            f"through it; give it 1 GiB or more (in a container: --shm-size=1g or larger)")
+        return True, f"{path}: {free / 2**30:.1f} GiB free"
+    return False, (f"{path} has {free / 2**20:.0f} MiB free: Triton's Python backend passes requests, images and "
+                   f"responses through it; give it 1 GiB or more (in a container: --shm-size=1g or larger)")
 
 
 def _say(out: TextIO, text: str) -> None:
