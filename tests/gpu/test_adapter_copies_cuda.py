@@ -78,7 +78,7 @@ def test_pinned_stager_copies_exactly_through_reused_buffers():
             src = torch.randn(rows, 64, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
             big = torch.zeros(rows, 128, dtype=src.dtype, device="cuda")
             dst = big[:, :64]  # strided
-            stager.put(dst, src)
+            stager.put_many([dst], [src])  # one at a time
             pairs.append((big, src))
         stager.close_buffer()
     stream.synchronize()

@@ -44,10 +44,6 @@ class PinnedStager:
         self._i = 0
         self._used = 0
 
-    def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` on the current (side) stream, ``src`` on the host."""
-        self.put_many([dst], [src])
-
     def put_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         """``dsts[i].copy_(srcs[i])`` for every i on the current (side) stream, sources on the host: two batched
         calls per buffer filled (the CPU copies into it, then the asynchronous copies out of it), not two per
