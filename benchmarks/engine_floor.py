@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional
 
 from benchmarks.common import (ROOT, RESULTS, Deadline, device_name, ensure_resident, free_memory, git_commit, model_folder, noise_png,
                                numbers, register_adapters, set_policy, sync_fn)
-from benchmarks.engine_floor_report import (NAME, evaluate_targets, floor_text, print_decode_row, print_media_row, print_tables,
+from benchmarks.engine_floor_report import (NAME, evaluate_targets, floor_text, media_label, print_decode_row, print_media_row, print_tables,
                                             write_outputs)
 from benchmarks.floors import (GIB, LORA_TARGETS, QWEN_IMAGE_SIDE, QWEN_TYPES, ModelDims, VisionDims, decode_floor, measure_rates,
                                media_floor, plan_slots, prefill_floor, vision_dims, vision_floor)
@@ -82,7 +82,7 @@ def make_model(args: argparse.Namespace, max_prompt: int, device) -> tuple[Path,
         return Path(args.model), 0.0
     work = Path(args.work)
     base = model_folder(args.preset or "tiny-llava", work, device.type == "cuda")
-    if args.preset is None:
+    if args.preset in (None, "tiny-llava", "tiny-qwen2-vl"):  # the tiny models: no preset YAML to stretch
         return base, time.perf_counter() - t0
     from vlora.models.random_init import load_preset
 
@@ -380,10 +380,11 @@ def _new_length(tokens: int) -> int:
     return n
 
 
-def _prefill_once(engine, tokens: int, label: str) -> float:
-    """Seconds of the step that prefills one new prompt of ``tokens`` tokens (its own tokens: no prefix hit)."""
+def _prefill_once(engine, tokens: int, label: str, adapter: Optional[str] = None) -> float:
+    """Seconds of the step that prefills one new prompt of ``tokens`` tokens (its own tokens: no prefix hit),
+    for ``adapter`` (resident: unmerged LoRA) or the base model."""
     _USED_LENGTHS.add(tokens)
-    run = BatchRun(engine, 1, tokens, [None], 1, label, seed=next(_PREFILL_SEEDS))
+    run = BatchRun(engine, 1, tokens, [adapter], 1, label, seed=next(_PREFILL_SEEDS))
     try:
         run.sync()
         t0 = time.perf_counter()
@@ -400,14 +401,16 @@ def _prefill_once(engine, tokens: int, label: str) -> float:
     return dt
 
 
-def prefill_point(engine, tokens: int, reps: int) -> dict:
+def prefill_point(engine, tokens: int, reps: int, adapter: Optional[str] = None) -> dict:
     """ms of the step that prefills one prompt, each prompt new to the engine (a prompt seen before would run
     only past its cached prefix): after one warm-up, ``reps`` prompts of lengths this process has never run
     (``tokens`` + 1, + 2, ...: the figure, ``ms``), then ``reps`` of exactly ``tokens`` (``repeated_ms``: what
-    per-shape plans and caches make of a length seen before)."""
-    _prefill_once(engine, tokens, f"prefill-{tokens}-warm")
-    new = [_prefill_once(engine, _new_length(tokens), f"prefill-{tokens}-new{i}") for i in range(reps)]
-    repeated = [_prefill_once(engine, tokens, f"prefill-{tokens}-again{i}") for i in range(reps)]
+    per-shape plans and caches make of a length seen before). With ``adapter``: each prompt for that resident
+    adapter (unmerged LoRA on every targeted projection)."""
+    tag = f"prefill-{tokens}" + (f"-{adapter}" if adapter else "")
+    _prefill_once(engine, tokens, f"{tag}-warm", adapter)
+    new = [_prefill_once(engine, _new_length(tokens), f"{tag}-new{i}", adapter) for i in range(reps)]
+    repeated = [_prefill_once(engine, tokens, f"{tag}-again{i}", adapter) for i in range(reps)]
     return {"ms": 1e3 * statistics.mean(new), "min_ms": 1e3 * min(new), "repeated_ms": 1e3 * statistics.mean(repeated),
             "new_lengths": True, "reps": reps}
 
@@ -526,6 +529,87 @@ def media_point(engine, m: dict, reps: int, seed0: int = 1) -> dict:
     if grid is not None:
         out["grid"] = grid.tolist()
     return out
+
+
+def profile_media(engine, m: dict, reps: int = 3, top: int = 15) -> dict:
+    """Where one image or video request's time goes, each request with new pixels: cProfile and torch.profiler
+    over ``inputs.prepare`` (``prepare``), over the vision tower and merger alone on its pixels (``vision``),
+    and over the engine step that prefills it (``step``), each part in its own profile (one warm-up request
+    first, unprofiled). Each part: the top kernels, the GPU's idle time per call (``timeline``) and the host's
+    Python functions by own time."""
+    import cProfile
+
+    import torch
+    from torch.profiler import profile, record_function
+
+    from vlora.engine.api import GenerationRequest, SamplingParams
+    from vlora.models.qwen2_vl import VIDEO_PLACEHOLDER
+
+    runner = engine.runner
+    loaded, family = runner.loaded, runner.loaded.family
+    video = m["kind"] == "video"
+    text = f"{VIDEO_PLACEHOLDER}What happens in this video?" if video else f"{family.image_placeholder}What is in this picture?"
+    sync = sync_fn(runner.device)
+    seeds = iter(range(7_000_000, 8_000_000, 1000))
+    errors: list = []
+
+    def request():
+        frames = [noise_png(next(seeds) + j, m["side"]) for j in range(m["images"])]
+        return GenerationRequest(f"profile-media-{time.monotonic_ns()}", text, images=frames,
+                                 sampling=SamplingParams(max_tokens=1))
+
+    def prepare():
+        return engine.inputs.prepare(request())
+
+    def pixels():
+        prepared = prepare()
+        return prepared.pixel_values.to(runner.device, runner.dtype), prepared.image_grid_thw
+
+    def vision(args):
+        with torch.inference_mode():
+            return family.encode_images(loaded, args[0], args[1], video=video)
+
+    def step(prepared):
+        engine.add_request(prepared, lambda out: errors.append(out.error) if out.finished and out.error else None)
+        ran = engine.step()
+        engine.flush()
+        if ran is None or ran.num_prefill != 1 or errors:
+            engine.fail_all("cancelled", "profile failed")
+            raise RuntimeError(f"the {m['kind']} prefill step did not run alone ({errors[:1]})")
+        if engine.has_work():
+            engine.fail_all("cancelled", "profile done")
+
+    out = {"what": f"media {media_label(m)}", "reps": reps}
+    for part, setup, fn in (("prepare", lambda: None, lambda _: prepare()), ("vision", pixels, vision), ("step", prepare, step)):
+        inputs = [setup() for _ in range(reps + 1)]
+        sync()
+        fn(inputs[0])  # warm-up
+        sync()
+        py = cProfile.Profile()
+        with profile(activities=activities(runner.device)) as prof:
+            for x in inputs[1:]:
+                with record_function("vlora_step"):
+                    py.enable()
+                    fn(x)
+                    sync()
+                    py.disable()
+        out[part] = {**kernel_table(prof, reps, top), "timeline": gpu_timeline(prof), "python": python_rows(py, reps, top)}
+    return out
+
+
+def print_media_profile(p: dict) -> None:
+    print(f"\nprofile: {p['what']}, {p['reps']} requests with new pixels, per request:", flush=True)
+    for k in ("prepare", "vision", "step"):
+        q = p[k]
+        t = q.get("timeline") or {}
+        print(f"  {k}: wall {t.get('wall', float('nan')):.2f} ms, GPU kernels {q['gpu_kernel_ms_per_step']:.2f} ms, "
+              f"{q['kernels_per_step']:.0f} kernels; GPU idle {t.get('before_first', float('nan')):.2f} before the first kernel, "
+              f"{t.get('between', float('nan')):.2f} between, {t.get('after_last', float('nan')):.2f} after the last", flush=True)
+        for r in q["top_kernels"][:8]:
+            print(f"    {r['us_per_step']:9.1f} us  {r['calls_per_step']:6.1f} calls  {r['name'][:100]}", flush=True)
+        for r in q["python"][:10]:
+            print(f"    py {r['own_us_per_step']:9.1f} us own {r['cum_us_per_step']:9.1f} cum {r['calls_per_step']:7.1f} calls  "
+                  f"{r['name'][:90]}", flush=True)
 
 
 def profile_decode(engine, batch: int, context: int, steps: int = 5, top: int = 15) -> dict:
@@ -654,6 +738,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--gemv-max-rows", type=int, help="engine.gemv_max_rows of the engine (default: the config's, 0)")
     p.add_argument("--gemv-rows", type=int, default=16, help="engine.gemv_max_rows of the gemv variant (default 16)")
     p.add_argument("--profile-prefill", type=int, help="also profile prefill steps of one prompt of this many tokens")
+    p.add_argument("--profile-media", action="store_true", help="also profile each --media request: prepare, vision "
+                   "tower, prefill step (torch.profiler and cProfile)")
     p.add_argument("--slow-host-x", type=float, default=3.0,
                    help="exit 3 (nothing recorded) when the first plain point takes more than this many times its "
                         "memory floor: some device hosts run every kernel 4-12x slow (0: no check)")
@@ -878,7 +964,14 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
         row = {"tokens": t, **prefill_floor(dims, t, rates["matmul_tflops"])}
         too_long = f"{t} + 1 tokens > max_model_len {engine.max_model_len}" if t + 1 > engine.max_model_len else None
         result["prefill"].append(measure(row, too_long, lambda row=row, t=t: row.update(prefill_point(engine, t, args.prefill_reps))))
-        print(f"prefill {t} tokens: {floor_text(row)}", flush=True)
+        if "lora" in variants and names and row.get("ms") is not None:
+            def lora_prefill(row=row, t=t) -> None:
+                p = prefill_point(engine, t, args.prefill_reps, adapter=names[0])
+                row.update(lora_ms=p["ms"], lora_repeated_ms=p["repeated_ms"], lora_x_base=p["ms"] / row["ms"])
+            measure(row, None, lora_prefill)
+        print(f"prefill {t} tokens: {floor_text(row)}"
+              + (f"; one rank-{args.rank} adapter {row['lora_ms']:.2f} ms ({row['lora_x_base']:.2f}x base)" if "lora_ms" in row else ""),
+              flush=True)
 
     for m in media:
         row = dict(m)
@@ -889,6 +982,14 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
 
         result["media"].append(measure(row, None, media_request))
         print_media_row(row)
+        if args.profile_media:
+            try:
+                row["profile"] = profile_media(engine, m)
+                print_media_profile(row["profile"])
+            except Exception as e:
+                row["profile"] = {"error": f"{type(e).__name__}: {e}"}
+                engine.fail_all("cancelled", "profile failed")
+                print(f"media profile failed: {row['profile']['error']}", flush=True)
 
     for n in images:
         row = {"images": n, **vision_floor(vdims, n, rates["matmul_tflops"])}
