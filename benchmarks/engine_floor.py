@@ -630,20 +630,20 @@ def profile_decode(engine, batch: int, context: int, steps: int = 5, top: int = 
             prof_wall = (time.perf_counter() - t0) / steps
     finally:
         run.close()
-    return {"what": "decode", "batch": batch, "context": context, "steps": steps, "cpu_wall_ms_per_step": 1e3 * plain_wall,
+    return {"what": "base decode", "batch": batch, "context": context, "steps": steps, "cpu_wall_ms_per_step": 1e3 * plain_wall,
             "profiled_wall_ms_per_step": 1e3 * prof_wall, **kernel_table(prof, steps, top)}
 
 
-def profile_prefill(engine, tokens: int, steps: int = 3, top: int = 15) -> dict:
+def profile_prefill(engine, tokens: int, steps: int = 3, top: int = 15, adapter: Optional[str] = None) -> dict:
     """torch.profiler over ``steps`` steps that each prefill one prompt of ``tokens`` tokens (after one
-    unprofiled warm-up): the same table as :func:`profile_decode`."""
+    unprofiled warm-up), for ``adapter`` or the base model: the same table as :func:`profile_decode`."""
     from torch.profiler import profile, record_function
 
-    plain_wall = prefill_point(engine, tokens, steps)["ms"]
+    plain_wall = prefill_point(engine, tokens, steps, adapter=adapter)["ms"]
     walls = []
     with profile(activities=activities(engine.runner.device)) as prof:
         for i in range(steps):
-            run = BatchRun(engine, 1, tokens, [None], 1, f"profile-prefill-{tokens}-{i}", seed=next(_PREFILL_SEEDS))
+            run = BatchRun(engine, 1, tokens, [adapter], 1, f"profile-prefill-{tokens}-{i}", seed=next(_PREFILL_SEEDS))
             try:
                 run.sync()
                 t0 = time.perf_counter()
@@ -653,19 +653,20 @@ def profile_prefill(engine, tokens: int, steps: int = 3, top: int = 15) -> dict:
                 walls.append(time.perf_counter() - t0)
             finally:
                 run.close()
-    return {"what": "prefill", "batch": 1, "context": tokens, "steps": steps, "cpu_wall_ms_per_step": plain_wall,
-            "profiled_wall_ms_per_step": 1e3 * statistics.mean(walls), **kernel_table(prof, steps, top),
-            "timeline": gpu_timeline(prof), "python": _python_profile(engine, tokens, steps, top)}
+    return {"what": "prefill" + (" with one adapter" if adapter else " (base)"), "batch": 1, "context": tokens, "steps": steps,
+            "cpu_wall_ms_per_step": plain_wall, "profiled_wall_ms_per_step": 1e3 * statistics.mean(walls),
+            **kernel_table(prof, steps, top), "timeline": gpu_timeline(prof),
+            "python": _python_profile(engine, tokens, steps, top, adapter)}
 
 
-def _python_profile(engine, tokens: int, steps: int, top: int) -> list[dict]:
+def _python_profile(engine, tokens: int, steps: int, top: int, adapter: Optional[str] = None) -> list[dict]:
     """cProfile over ``steps`` prefill steps: the host's Python functions by own time per step (where an
     eager step's host time goes, which torch.profiler's op table does not show)."""
     import cProfile
 
     prof = cProfile.Profile()
     for i in range(steps):
-        run = BatchRun(engine, 1, tokens, [None], 1, f"pyprofile-prefill-{tokens}-{i}", seed=next(_PREFILL_SEEDS))
+        run = BatchRun(engine, 1, tokens, [adapter], 1, f"pyprofile-prefill-{tokens}-{i}", seed=next(_PREFILL_SEEDS))
         try:
             run.sync()
             prof.enable()
@@ -737,7 +738,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefill-graph-tokens", type=int, help="engine.prefill_graph_tokens (default: the config's)")
     p.add_argument("--gemv-max-rows", type=int, help="engine.gemv_max_rows of the engine (default: the config's, 0)")
     p.add_argument("--gemv-rows", type=int, default=16, help="engine.gemv_max_rows of the gemv variant (default 16)")
-    p.add_argument("--profile-prefill", type=int, help="also profile prefill steps of one prompt of this many tokens")
+    p.add_argument("--profile-prefill", type=int, help="also profile prefill steps of one prompt of this many tokens "
+                   "(and, with the lora variant, of one for a resident adapter)")
     p.add_argument("--profile-media", action="store_true", help="also profile each --media request: prepare, vision "
                    "tower, prefill step (torch.profiler and cProfile)")
     p.add_argument("--slow-host-x", type=float, default=3.0,
@@ -948,7 +950,9 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
 
     profiles = {"profile": (args.profile, "", lambda: profile_decode(
                     engine, args.profile_batch if args.profile_batch in batches else max(batches), contexts[0])),
-                "profile_prefill": (args.profile_prefill, "prefill ", lambda: profile_prefill(engine, args.profile_prefill))}
+                "profile_prefill": (args.profile_prefill, "prefill ", lambda: profile_prefill(engine, args.profile_prefill)),
+                "profile_prefill_lora": (args.profile_prefill and "lora" in variants and names, "LoRA prefill ",
+                                         lambda: profile_prefill(engine, args.profile_prefill, adapter=names[0]))}
     for key, (wanted, what, run) in profiles.items():
         if not wanted:
             continue

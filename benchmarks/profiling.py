@@ -89,7 +89,7 @@ def python_rows(prof, steps: int, top: int) -> list[dict]:
 
 
 def print_profile(p: dict) -> None:
-    print(f"\nprofile: base {p.get('what', 'decode')} bs{p['batch']} ctx{p['context']}, {p['steps']} steps: wall {p['cpu_wall_ms_per_step']:.2f} ms/step "
+    print(f"\nprofile: {p.get('what', 'decode')} bs{p['batch']} ctx{p['context']}, {p['steps']} steps: wall {p['cpu_wall_ms_per_step']:.2f} ms/step "
           f"unprofiled ({p['profiled_wall_ms_per_step']:.2f} profiled), GPU kernels {p['gpu_kernel_ms_per_step']:.2f} ms/step, "
           f"{p['kernels_per_step']:.0f} kernels/step; launch calls/step: "
           + ", ".join(f"{k} {v:.0f}" for k, v in sorted(p["launch_calls_per_step"].items())), flush=True)
