@@ -297,9 +297,9 @@ class RunnerConfig:
     ``auto``: on for CUDA devices, off elsewhere (on a CPU nothing overlaps). ``prefill_graph_tokens``: with
     ``cuda_graphs: auto``, steps that hold a prefill of up to this many tokens (buckets 8 short of each
     multiple of 32 up to 1,024, then every 64 up to 2,048, then every 128: ``graphs.prefill_buckets``; a
-    step pads to the next) and no LoRA work
-    replay a graph of the decoder too, the embedding and images put in eagerly first; 0 runs every such
-    step eagerly. An eager prefill issues about 350 launches from Python and is bound by its host on most
+    step pads to the next) replay a graph of the decoder too, the embedding and images put in eagerly first,
+    with the step's unmerged adapters inside (one graph per bucket and LoRA variant, as the decode graphs);
+    0 runs every such step eagerly. An eager prefill issues about 350 launches from Python and is bound by its host on most
     machines seen: a 600-token prompt of the 7B model took 14.3-22 ms eagerly on H100 hosts against 12.3 ms
     of kernels. The default 1,024 covers a one-image LLaVA prompt; its 33 graphs take a few seconds to
     capture at load (7B on an H100: 3.4 s, 388 MiB) and share the decode graphs' memory pool.

@@ -215,6 +215,58 @@ def test_graph_capture_replays(kernels):
     assert ((y.float() - ref).norm() / ref.norm()).item() <= 1e-2
 
 
+@pytest.mark.parametrize("T", [24, 600, 1536])
+def test_rows_with_segment_bounds_on_the_device_replay_any_bounds(kernels, T):
+    """A prefill graph's call (``run_rows`` over ``even=False`` segments): captured once over S segment bounds and
+    slots in device buffers, then replayed with other bounds (uneven, some empty, the last short of T: rows past
+    it untouched) and slots (-1: none), each replay against the fp32 reference of that step's segments. Every
+    slot at r_max with scale +1, as the graphs run it (the slot buffers hold scale * B, zero past the rank)."""
+    from vlora.atmm.mapping import LoraBatchMapping
+
+    S, r_max, n = 8, 64, 4
+    g = torch.Generator(device="cuda").manual_seed(T)
+    ranks = (64, 16, 32, 64)
+    a, b = lora_weights(n, 4096, 4096, ranks, torch.bfloat16, "cuda", g)
+    x = torch.randn(T, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    y0 = torch.randn(T, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    indptr = torch.zeros(S + 1, dtype=torch.int32, device="cuda")
+    slots = torch.full((S,), -1, dtype=torch.int32, device="cuda")
+    mapping = LoraBatchMapping(seg_indptr=indptr, seg_slot=slots, seg_indptr_host=(0,) * (S + 1), seg_slot_host=(0,) * S,
+                               num_tokens=T, has_lora=True, even=False)
+    y = y0.clone()
+
+    def call():
+        assert kernels.run_rows(y, x, a, b, mapping, 1.0)
+
+    call()  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    rng = torch.Generator().manual_seed(T + 1)
+    for step in range(4):
+        used = int(torch.randint(1, S + 1, (1,), generator=rng))
+        real = T - int(torch.randint(0, max(1, T // 8), (1,), generator=rng))
+        cuts = sorted(torch.randint(0, real + 1, (used - 1,), generator=rng).tolist())
+        bounds = [0] + cuts + [real] + [real] * (S - used)
+        seg_slots = [int(torch.randint(-1, n, (1,), generator=rng)) for _ in range(used)] + [-1] * (S - used)
+        if step == 0:
+            seg_slots[0] = 0  # at least one adapter
+        indptr.copy_(torch.tensor(bounds, dtype=torch.int32))
+        slots.copy_(torch.tensor(seg_slots, dtype=torch.int32))
+        y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = ref_fp32(y0, x, a, b, (r_max,) * n, (1.0,) * n, LoraBatchMapping.from_segments(bounds, seg_slots))
+        assert torch.isfinite(y).all()
+        assert torch.equal(y[real:], y0[real:]), "rows past the last segment were modified"
+        delta = ref - y0.float()
+        if delta.norm() > 0:
+            err = ((y.float() - y0.float() - delta).norm() / delta.norm()).item()
+            assert err <= 2 * TOL[torch.bfloat16], f"step {step} {bounds} {seg_slots}: delta relative error {err:.2e}"
+        else:
+            assert torch.equal(y, y0)
+
+
 def test_refusals_name_the_problem(kernels):
     x, y0, a, b, mapping = make(8, 4096, 4096, torch.bfloat16, "one_long", seed=0)
     y_odd = torch.randn(8, 4090, device="cuda", dtype=torch.bfloat16)

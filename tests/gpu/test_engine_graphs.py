@@ -162,18 +162,34 @@ def test_prefill_graphs_match_eager_prefill(tiny_model_dir, demo_adapter_root, d
         assert rel <= rtol, f"{key}: relative error {rel:.2e} > {rtol:.0e}"
 
 
+@pytest.mark.parametrize("dtype, rtol, exact", [("float32", 1e-4, True), ("bfloat16", 6e-2, False)])
+def test_prefill_graphs_with_adapters_match_eager_prefill(tiny_model_dir, demo_adapter_root, dtype, rtol, exact):
+    """Prompts for three adapters (two requests share one) and the base model, prefilled together in one step
+    (a segment per sequence, uneven), unmerged and as a mixture (the merged adapter taken out for the other
+    rows), replayed from the prefill graphs' lora and mixture variants, against the same fast engine with
+    every prefill eager."""
+    graphed = make(tiny_model_dir, demo_adapter_root, dtype, fast=True, prefill_graphs=1024)
+    eager = make(tiny_model_dir, demo_adapter_root, dtype, fast=True, prefill_graphs=0)
+    pg = graphed.runner.prefill_graphs
+    assert {v for _, v in pg.graphs} >= {"base", "lora", "mixture"}
+    before = dict(pg.replays)
+    check_fast_against_eager(graphed, eager, {k: SCRIPTS[k] for k in ("unmerge", "mixture")}, run, MAX_NEW, rtol, exact)
+    used = {v for key, n in pg.replays.items() if n > before.get(key, 0) for v in [key[1]]}
+    assert {"lora", "mixture"} <= used, dict(pg.replays)
+
+
 def test_prefill_graph_padding_writes_no_cache(tiny_model_dir, demo_adapter_root):
     """A short prompt runs in the smallest graph (24 tokens): its padding tokens write no KV anywhere."""
     engine = make(tiny_model_dir, demo_adapter_root, "float32", fast=True, prefill_graphs=1024)
     kv = engine.runner.kv
     before_k = [k.clone() for k in kv.k]
-    replays = engine.runner.prefill_graphs.replays[24]  # the warm start ran its short prompts there too
+    replays = engine.runner.prefill_graphs.replays[(24, "base")]  # the warm start ran its short prompts there too
     req = GenerationRequest("short", "one two three", sampling=SamplingParams(max_tokens=1, ignore_eos=True))
     engine.add_request(engine.inputs.prepare(req), lambda out: None)
     seq = engine.waiting[-1]
     n = len(seq.req.prompt_ids)
     engine.step()
-    assert n < 24 and engine.runner.prefill_graphs.replays[24] == replays + 1
+    assert n < 24 and engine.runner.prefill_graphs.replays[(24, "base")] == replays + 1
     rows = set(kv.slots(seq.blocks, 0, n))
     for li, (k0, k1) in enumerate(zip(before_k, kv.k)):
         changed = set((k0 != k1).any(dim=(1, 2)).nonzero().flatten().tolist())

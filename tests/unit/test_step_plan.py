@@ -89,6 +89,30 @@ def test_an_m_rope_prefill_graph_pads_its_three_axes(kv):
     assert plan.positions.tolist() == [[0, 1, 2, 3, 0, 1, 0, 0], [0, 1, 1, 3, 0, 1, 0, 0], [0, 2, 2, 3, 0, 1, 0, 0]]
 
 
+def test_a_prefill_graph_step_writes_one_lora_segment_per_sequence(kv):
+    """A prefill graph's LoRA segments: each sequence one segment (its query offsets), its slot and deLoRA
+    slot; the padding sequences empty at the end, with no adapter; the capture's dummy step has one segment of
+    the whole bucket without an adapter. The mapping is a view of the buffers the graph captured."""
+    from vlora.engine.plan import PREFILL_GRAPH, sequence_mapping
+
+    builder = PlanBuilder(torch.device("cpu"), kv)
+    (lay,) = builder.graph_layouts([(16, 4, 6)])
+    shape = PlanShape(PREFILL_GRAPH, lay)
+    builder.dummy(PREFILL_GRAPH, lay, 16)
+    plus, minus = sequence_mapping(lay), sequence_mapping(lay, delora=True)
+    assert not plus.even and plus.num_tokens == 16 and plus.has_lora
+    assert plus.seg_indptr.tolist() == [0, 16, 16, 16, 16] and plus.seg_slot.tolist() == [-1] * 4
+    assert minus.seg_indptr.tolist() == [0, 16, 16, 16, 16] and minus.seg_slot.tolist() == [-1] * 4
+    a = SeqInput(token_ids=[1, 2, 3, 4, 5], start_pos=0, blocks=SequenceBlocks([0, 1]), slot=2)
+    b = SeqInput(token_ids=[6, 7], start_pos=4, blocks=SequenceBlocks([2, 3]), slot=-1, delora_slot=1)
+    c = SeqInput(token_ids=[8, 9, 10], start_pos=0, blocks=SequenceBlocks([4]), slot=0)
+    plan = builder.build([a, b, c], shape)
+    assert plan.lora is None and plan.delora is None  # the graph reads the layout's views instead
+    assert plus.seg_indptr.tolist() == [0, 5, 7, 10, 10] and plus.seg_slot.tolist() == [2, -1, 0, -1]
+    assert minus.seg_indptr.tolist() == [0, 5, 7, 10, 10] and minus.seg_slot.tolist() == [-1, 1, -1, -1]
+    assert plus.seg_slot.data_ptr() == lay.lora_views(4, False)[1].data_ptr()
+
+
 def test_a_decode_graph_step_pads_its_bucket_at_fixed_addresses(kv):
     builder = PlanBuilder(torch.device("cpu"), kv)
     lay4, lay8 = builder.graph_layouts([(4, 4, 6), (8, 8, 6)])
@@ -233,4 +257,29 @@ def test_the_graph_safe_path_adds_each_segments_slot(rows_per_segment):
     want = atmm_reference(y0.clone(), x, a, b, torch.full((3,), r), torch.ones(3), mapping)
     torch.testing.assert_close(got, want)
     back = lora_rows_torch(got, x, a, b, torch.tensor(slots, dtype=torch.int32), -1.0)
+    torch.testing.assert_close(back, y0, atol=1e-5, rtol=1e-5)
+
+
+def test_the_graph_safe_path_takes_uneven_segments_from_the_device():
+    """A prefill graph's mapping: one segment per sequence, bounds of any length in a device buffer (padding
+    sequences empty at the end, rows past the last one untouched), slot -1 adding nothing: what the segment
+    reference gives over the same segments; sign -1 takes the delta out again."""
+    from vlora.lora.backends import lora_rows_torch
+
+    g = torch.Generator().manual_seed(4)
+    lengths, slots, r, d_in, d_out = [5, 1, 0, 7, 3, 0, 0], [1, -1, 2, 1, 0, -1, -1], 4, 6, 5
+    T = sum(lengths) + 4  # a bucket of 20 rows for 16 tokens
+    indptr = [0]
+    for n in lengths:
+        indptr.append(indptr[-1] + n)
+    x = torch.randn(T, d_in, generator=g)
+    a, b = torch.randn(3, r, d_in, generator=g), torch.randn(3, d_out, r, generator=g)
+    y0 = torch.randn(T, d_out, generator=g)
+    dev_indptr, dev_slots = torch.tensor(indptr, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32)
+    got = lora_rows_torch(y0.clone(), x, a, b, dev_slots, 1.0, dev_indptr)
+    mapping = LoraBatchMapping.from_segments(indptr + [T], slots + [-1])
+    want = atmm_reference(y0.clone(), x, a, b, torch.full((3,), r), torch.ones(3), mapping)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[sum(lengths):], y0[sum(lengths):])
+    back = lora_rows_torch(got, x, a, b, dev_slots, -1.0, dev_indptr)
     torch.testing.assert_close(back, y0, atol=1e-5, rtol=1e-5)

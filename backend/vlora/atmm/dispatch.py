@@ -242,7 +242,8 @@ class AtmmKernels:
     def run_rows(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  mapping: LoraBatchMapping, sign: float, stream: int | None = None) -> bool:
         """The graph-safe call of a captured step: segments at fixed bounds (a decode graph: one per row,
-        ``mapping.seg_indptr`` 0..T; a vision graph: one per image), their slots read on the device
+        ``mapping.seg_indptr`` 0..T; a vision graph: one per image) or bounds read on the device (a prefill
+        graph: one per sequence, ``mapping.even`` False), their slots read on the device
         (``mapping.seg_slot``, -1: none), every slot at rank ``r_max`` and scale ``sign`` (the slot buffers
         hold scale * B, zero past each rank), so the launch arguments do not depend on which adapters the
         slots hold. The tiling is the table's for (T, width, r_max, S segments), chosen once. False (nothing launched) when the extension refuses the launch. The caller
@@ -252,13 +253,17 @@ class AtmmKernels:
         n_slots, r_max, d_in = lora_a.shape
         d_out = y.shape[1]
         T = x.shape[0]
-        S = mapping.seg_slot.shape[0]  # segments: T in a decode graph; a vision graph's images
+        S = mapping.seg_slot.shape[0]  # segments: T in a decode graph; a vision graph's images; a prefill graph's sequences
         key = (y.device, dtype, T, S, d_in, d_out, r_max, n_slots, float(sign))
         plan = self._row_plans.get(key)
         if plan is None:
-            hit = self.lookup("shrink", dtype, T, d_in, r_max, S)
+            # A prefill graph's segments (not even) change length every step, most of them empty: its kernels are
+            # the table's for one segment of all T rows, the usual prefill (every kernel finds each block's segment
+            # on the device, so any bounds are served; the grid covers T / BM + S row tiles).
+            plan_s = S if mapping.even else 1
+            hit = self.lookup("shrink", dtype, T, d_in, r_max, plan_s)
             shrink = (hit["config"], hit["split_k"])
-            expand = self.lookup("expand", dtype, T, d_out, r_max, S)["config"]
+            expand = self.lookup("expand", dtype, T, d_out, r_max, plan_s)["config"]
             split_k = int(shrink[1])
             need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
             workspace = torch.empty(max(need, 256), dtype=torch.uint8, device=y.device)

@@ -19,6 +19,10 @@ class LoraBatchMapping:
 
     Shape: ``seg_indptr`` int32 [S+1] and ``seg_slot`` int32 [S] on the compute device; the same
     values as Python tuples (``*_host``) for code that must not synchronise with the device.
+
+    A captured step's mapping (the backends' ``rows`` path) holds placeholder host tuples: only the device
+    buffers are read. ``even`` says whether its segments all hold ``num_tokens / S`` rows (a decode graph's
+    rows, a vision graph's images); False: a prefill graph's sequences, whose bounds only the device holds.
     """
 
     seg_indptr: torch.Tensor
@@ -27,6 +31,7 @@ class LoraBatchMapping:
     seg_slot_host: tuple[int, ...]
     num_tokens: int
     has_lora: bool  # False when no token uses an adapter: LoRA layers take the early exit
+    even: bool = True  # a captured step's segments are of equal length (see above)
 
     @property
     def num_segments(self) -> int:

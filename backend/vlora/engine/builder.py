@@ -158,14 +158,15 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int
     sizes += (config.scheduler.max_batch_size,)
     runner.graphs = DecodeGraphs(runner, sizes, max_model_len)
     # Only the vlora policy runs mixture steps; other policies would capture such a graph when first needed.
-    runner.graphs.capture_all(VARIANTS if config.orchestrator.policy == "vlora" else ("base", "lora"))
+    variants = VARIANTS if config.orchestrator.policy == "vlora" else ("base", "lora")
+    runner.graphs.capture_all(variants)
     info["cuda_graphs"] = {"batch_sizes": list(runner.graphs.sizes), "capture_s": round(runner.graphs.capture_s, 2),
                                         "memory_mib": round(runner.graphs.memory_bytes / 2**20, 1)}
     max_tokens = min(config.engine.prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
     if prefill_buckets(max_tokens):
         runner.prefill_graphs = PrefillGraphs(runner, max_tokens, config.scheduler.max_batch_size, max_model_len,
                                               pool=runner.graphs.pool)
-        runner.prefill_graphs.capture_all()
+        runner.prefill_graphs.capture_all(variants)
         info["cuda_graphs"]["prefill_tokens"] = list(runner.prefill_graphs.sizes)
         info["cuda_graphs"]["prefill_capture_s"] = round(runner.prefill_graphs.capture_s, 2)
         info["cuda_graphs"]["prefill_memory_mib"] = round(runner.prefill_graphs.memory_bytes / 2**20, 1)

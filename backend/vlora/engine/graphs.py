@@ -1,5 +1,5 @@
 """CUDA graphs of decode steps, one per batch-size bucket and LoRA variant, and of the decoder for
-prefill steps without LoRA work, one per token-count bucket (:class:`PrefillGraphs`).
+prefill steps, one per token-count bucket and LoRA variant (:class:`PrefillGraphs`).
 
 A decode step's shapes depend only on its batch size, so each bucket (``engine.graph_batch_sizes``) is
 captured once and replayed with the batch padded up to it. Everything a replay reads sits at a fixed
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from vlora.engine.plan import DECODE_GRAPH, PREFILL_GRAPH, PlanShape, row_mapping
+from vlora.engine.plan import DECODE_GRAPH, PREFILL_GRAPH, PlanShape, row_mapping, sequence_mapping
 
 if TYPE_CHECKING:
     from vlora.engine.model_runner import ModelRunner, SeqInput, ForwardOutput
@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VARIANTS = ("base", "lora", "mixture")
+
+
+def step_variant(seqs: list["SeqInput"]) -> str:
+    """The graph variant a step's sequences need: ``mixture`` when one takes a merged adapter out again,
+    ``lora`` when one adds an unmerged adapter, else ``base``."""
+    if any(s.delora_slot >= 0 for s in seqs):
+        return "mixture"
+    return "lora" if any(s.slot >= 0 for s in seqs) else "base"
 
 
 def smallest_at_least(sizes: tuple[int, ...], n: int) -> Optional[int]:
@@ -73,9 +81,7 @@ class DecodeGraphs:
 
     @staticmethod
     def variant(seqs: list["SeqInput"]) -> str:
-        if any(s.delora_slot >= 0 for s in seqs):
-            return "mixture"
-        return "lora" if any(s.slot >= 0 for s in seqs) else "base"
+        return step_variant(seqs)
 
     # -- capture ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -189,21 +195,25 @@ def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
 
 
 class PrefillGraphs:
-    """CUDA graphs of the decoder for steps that hold a prefill, one per token-count bucket.
+    """CUDA graphs of the decoder for steps that hold a prefill, one per token-count bucket and LoRA variant.
 
     An eager prefill issues about ten launches per layer from Python, and at a few hundred tokens its host
-    is slower than its GPU (600 tokens on an H200: 14-15 ms of wall against 12.3 ms of kernels). A replay
-    issues them all at once. What a step brings varies, so the graph starts after the embedding: the
-    step's token ids are embedded (and their images put in) eagerly into a fixed hidden-state buffer, and
-    the graph runs every decoder layer, the final norm and the LM head at the sequences' last tokens.
-    Fixed buffers hold positions, KV slots, the sequences' query offsets, context lengths and block
-    tables (as wide as the model's longest context) and the rows to read logits from. Padding tokens
-    belong to no sequence: their KV slot is -1 (not written), attention leaves them alone, and every
-    other kernel works row by row, so they touch no real row. Padding sequences have no tokens.
+    is slower than its GPU (600 tokens on an H200: 14-15 ms of wall against 12.3 ms of kernels; with one
+    rank-64 adapter, about 700 launches, 39-41 ms against 15). A replay issues them all at once. What a step
+    brings varies, so the graph starts after the embedding: the step's token ids are embedded (and their
+    images put in) eagerly into a fixed hidden-state buffer, and the graph runs every decoder layer, the
+    final norm and the LM head at the sequences' last tokens. Fixed buffers hold positions, KV slots, the
+    sequences' query offsets, context lengths and block tables (as wide as the model's longest context) and
+    the rows to read logits from. Padding tokens belong to no sequence: their KV slot is -1 (not written),
+    attention leaves them alone, and every other kernel works row by row, so they touch no real row.
+    Padding sequences have no tokens.
 
-    Served: steps with no LoRA work (base requests, merged mode), at most ``max_seqs`` sequences,
-    ``max_tokens`` tokens; an M-RoPE model's graphs read positions on three axes (prompts with images and
-    videos replay too). Everything else runs eagerly.
+    Variants as the decode graphs' (:func:`step_variant`): ``base`` (no LoRA kernels), ``lora`` (each
+    sequence's adapter through the LoRA backend's graph-safe ``rows`` path, one segment per sequence, its
+    bounds and slot in the plan's LoRA fields: :func:`vlora.engine.plan.sequence_mapping`; every slot at
+    the buffers' ``r_max``) and ``mixture`` (also the merged adapter taken out again). Served: at most
+    ``max_seqs`` sequences, ``max_tokens`` tokens, a variant that was captured; an M-RoPE model's graphs read
+    positions on three axes (prompts with images and videos replay too). Everything else runs eagerly.
     Attention inside the graphs is the Triton kernel (fresh prompts' cuDNN path reads host lengths).
     The graphs share the decode graphs' memory pool."""
 
@@ -224,21 +234,22 @@ class PrefillGraphs:
         self.shapes = {b: PlanShape(PREFILL_GRAPH, lay) for b, lay in self.layouts.items()}
         self.hidden = torch.zeros(self.max_tokens, runner.lm.embed_tokens.weight.shape[1], dtype=runner.dtype, device=dev)
         self.pool = pool
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.variants: tuple[str, ...] = ()  # captured by capture_all
+        self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.capture_s = 0.0
         self.memory_bytes = 0
-        self.replays: Counter = Counter()  # bucket -> replays
+        self.replays: Counter = Counter()  # (bucket, variant) -> replays
 
     def bucket(self, n: int) -> Optional[int]:
         return smallest_at_least(self.sizes, n)
 
     def serves(self, seqs: list["SeqInput"]) -> bool:
-        if not self.sizes or len(seqs) > self.max_seqs:
+        if not self.sizes or len(seqs) > self.max_seqs or step_variant(seqs) not in self.variants:
             return False
         total = 0
         limit = self.max_blocks * self.runner.kv.block_size
         for s in seqs:
-            if s.slot >= 0 or s.delora_slot >= 0 or s.start_pos + len(s.token_ids) > limit:
+            if s.start_pos + len(s.token_ids) > limit:
                 return False
             if not self.mrope and s.mrope_positions is not None and s.start_pos < s.mrope_positions.shape[1]:
                 return False
@@ -247,42 +258,45 @@ class PrefillGraphs:
 
     # -- capture ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_all(self) -> None:
+    def capture_all(self, variants: tuple[str, ...] = ("base",)) -> None:
+        """Capture every bucket in each of ``variants`` (``base``; ``lora`` and ``mixture`` where the runner
+        has adapter slots)."""
         if not self.sizes:
             return
         dev = self.runner.device
         torch.cuda.synchronize(dev)
         free0, reserved0 = torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev)
         t0 = time.perf_counter()
-        for i, b in enumerate(reversed(self.sizes)):  # largest first: smaller graphs reuse its memory
-            self._capture(b)
-            if (i + 1) % 8 == 0 or i + 1 == len(self.sizes):
-                log.info("CUDA graphs: captured %d/%d prefill graphs (%.1f s)", i + 1, len(self.sizes),
-                         time.perf_counter() - t0)
+        todo = [(b, v) for b in reversed(self.sizes) for v in variants]  # largest first: smaller graphs reuse its memory
+        for i, (b, v) in enumerate(todo):
+            self._capture(b, v)
+            if (i + 1) % 16 == 0 or i + 1 == len(todo):
+                log.info("CUDA graphs: captured %d/%d prefill graphs (%.1f s)", i + 1, len(todo), time.perf_counter() - t0)
+        self.variants = tuple(dict.fromkeys(self.variants + tuple(variants)))
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = max(0, free0 - torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev) - reserved0)
-        log.info("CUDA graphs: %d prefill graphs (%d to %d tokens, up to %d sequences) in %.1f s, "
-                 "%.0f MiB of device memory more", len(self.sizes), self.sizes[0], self.sizes[-1],
-                 self.max_seqs, self.capture_s, self.memory_bytes / 2**20)
+        log.info("CUDA graphs: %d prefill graphs (%d to %d tokens, up to %d sequences, variants %s) in %.1f s, "
+                 "%.0f MiB of device memory more", len(todo), self.sizes[0], self.sizes[-1], self.max_seqs,
+                 list(variants), self.capture_s, self.memory_bytes / 2**20)
 
-    def _capture(self, b: int) -> None:
+    def _capture(self, b: int, variant: str) -> None:
         r = self.runner
         r.plans.dummy(PREFILL_GRAPH, self.layouts[b], b)
         side = torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream(r.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: Triton compiles and cuBLAS picks its kernels outside the capture
-                self._body(b)
+                self._body(b, variant)
         torch.cuda.current_stream(r.device).wait_stream(side)
         g = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            logits, hidden = self._body(b)
-        self.graphs[b] = (g, logits, hidden)
+            logits, hidden = self._body(b, variant)
+        self.graphs[(b, variant)] = (g, logits, hidden)
 
-    def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _body(self, b: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner
         kv = r.kv
         lay = self.layouts[b]
@@ -292,8 +306,13 @@ class PrefillGraphs:
         def attend(q: torch.Tensor, li: int) -> torch.Tensor:
             return r.attention.prefill(q, kv.k[li], kv.v[li], meta, scale, kv.block_size)
 
-        r.lora_ctx.clear()  # no LoRA work in these graphs
-        return r._decoder(self.hidden[:b], lay.d_pos, lay.d_slot, attend, lay.d_last)
+        ctx = r.lora_ctx
+        ctx.bind(sequence_mapping(lay) if variant != "base" else None,
+                 sequence_mapping(lay, delora=True) if variant == "mixture" else None, rows=True)
+        try:
+            return r._decoder(self.hidden[:b], lay.d_pos, lay.d_slot, attend, lay.d_last)
+        finally:
+            ctx.clear()
 
     # -- replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -304,9 +323,10 @@ class PrefillGraphs:
         lengths = [len(s.token_ids) for s in seqs]
         n, ns = sum(lengths), len(seqs)
         b = self.bucket(n)
-        if b not in self.graphs:
-            self._capture(b)
-        g, logits, hidden = self.graphs[b]
+        variant = step_variant(seqs)
+        if (b, variant) not in self.graphs:
+            self._capture(b, variant)
+        g, logits, hidden = self.graphs[(b, variant)]
         plan = r.plans.build(seqs, self.shapes[b])
         ids = plan.ids
         if plan.pending:
@@ -319,5 +339,5 @@ class PrefillGraphs:
             self.hidden[n:b].zero_()  # padding rows start clean each step
         n_enc = r._insert_images(seqs, ids, self.hidden[:n])
         g.replay()
-        self.replays[b] += 1
+        self.replays[(b, variant)] += 1
         return ForwardOutput(logits=logits[:ns], hidden=hidden[:ns], num_images_encoded=n_enc)

@@ -19,7 +19,8 @@ width ``W``, M-RoPE or not) only, so the graph of a bucket reads the same addres
 - a decode graph of ``b`` rows: one token per row, padding rows read no context (length 0) and write their
   keys and values to the cache's scratch slot; LoRA per row (segment i is row i), padding rows no adapter;
 - a prefill graph of ``b`` tokens over ``max_seqs`` sequences: padding tokens belong to no sequence (KV slot
-  -1: nothing written), padding sequences are empty at the end; no LoRA work.
+  -1: nothing written), padding sequences are empty at the end; LoRA per sequence (segment i is sequence
+  i, its bounds the query offsets), padding sequences no adapter.
 
 The host staging is double-buffered: a build waits (on CUDA) for the copy of two steps ago, which has
 long finished, before it writes that buffer again. The device buffer grows when a step needs more than
@@ -134,6 +135,16 @@ class PlanShape:
 
     kind: str = EAGER
     layout: Optional[Layout] = None
+
+
+def sequence_mapping(layout: Layout, delora: bool = False) -> LoraBatchMapping:
+    """A prefill graph's LoRA mapping over ``layout``: segment i is sequence i (bounds and slots in the plan's
+    LoRA fields, the padding sequences empty and without an adapter). Its host tuples are placeholders: the
+    backends' ``rows`` path reads the device buffers only (``even`` False: the bounds vary per step)."""
+    S = layout.S
+    indptr, slots = layout.lora_views(S, delora)
+    return LoraBatchMapping(seg_indptr=indptr, seg_slot=slots, seg_indptr_host=(0,) * (S + 1), seg_slot_host=(0,) * S,
+                            num_tokens=layout.T, has_lora=True, even=False)
 
 
 def row_mapping(layout: Layout, indptr: torch.Tensor, n: int, delora: bool = False) -> LoraBatchMapping:
@@ -263,6 +274,8 @@ class PlanBuilder:
             h32[lay.cu] = 0
             h32[lay.cu + 1:lay.cu + S + 1] = b
             h32[lay.tables:lay.tables + W] = kv.scratch_block
+            for at in (lay.pi, lay.di):  # LoRA segments: the one sequence (no adapter), the rest empty
+                h32[at:at + S + 1] = h32[lay.cu:lay.cu + S + 1]
         for at in (lay.ps, lay.ds):
             h32[at:at + S] = -1
         self._copy(host, turn, lay)
@@ -373,6 +386,11 @@ class PlanBuilder:
             h64[lay.slot + n:lay.slot + T] = -1  # padding tokens write no KV
             h64[lay.last + ns:lay.last + S] = 0
             h32[lay.lens + ns:lay.lens + S] = 0
+            # LoRA: one segment per sequence (the query offsets), padding sequences empty and without an adapter
+            for at, slot_at, field in ((lay.pi, lay.ps, "slot"), (lay.di, lay.ds, "delora_slot")):
+                h32[at:at + S + 1] = cu
+                h32[slot_at:slot_at + ns] = [getattr(s, field) for s in seqs]
+                h32[slot_at + ns:slot_at + S] = -1
         plus = minus = None
         if lora and not graph:
             plus = self._segments(h32, lay, lengths, [s.slot for s in seqs], False)

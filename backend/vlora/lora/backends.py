@@ -9,10 +9,12 @@ device tensors are views of the step plan's buffers (:mod:`vlora.engine.plan`), 
 Every backend serves two kinds of step metadata:
 - ``segments``: an eager step's :class:`~vlora.atmm.mapping.LoraBatchMapping` (segments of a packed
   batch, with host copies of the segment bounds), the signature of :func:`vlora.atmm.atmm`;
-- ``rows``: a captured step's segments of equal, fixed length with their slots in a buffer at a fixed
-  device address (a decode graph: one token per row; a vision graph: one image's rows per segment; slot -1
-  for segments without an adapter). Nothing in it may read device values on the host, so that the
-  step can be captured once and replayed as a CUDA graph while the buffer's contents change.
+- ``rows``: a captured step's segments with their bounds and slots in buffers at fixed device addresses:
+  of equal, fixed length (a decode graph: one token per row; a vision graph: one image's rows per
+  segment) or, in a prefill graph, one per sequence of the bucket, of any length (``mapping.even``
+  False; empty padding sequences at the end); slot -1 for segments without an adapter. Nothing in it may
+  read device values on the host, so that the step can be captured once and replayed as a CUDA graph
+  while the buffers' contents change.
 
 The slot buffers hold ``lora_b`` pre-multiplied by each adapter's scale
 (:meth:`vlora.lora.layers.LoraLinear.set_slot`): backends pass a unit scale (``sign``: +1 adds the
@@ -35,16 +37,27 @@ log = logging.getLogger(__name__)
 
 
 def lora_rows_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                    row_slot: torch.Tensor, sign: float) -> torch.Tensor:
-    """Graph-safe LoRA in plain PyTorch over S segments of equal length T / S (a decode graph's rows: S = T;
-    a vision graph's images: S images of R rows), each segment's slot read on the device only (gathers each
-    segment's adapter: bytes grow with the segments).
+                    row_slot: torch.Tensor, sign: float, seg_indptr: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Graph-safe LoRA in plain PyTorch over S segments, each segment's slot read on the device only: of equal
+    length T / S (a decode graph's rows: S = T; a vision graph's images of R rows: gathers each segment's
+    adapter, so bytes grow with the segments), or, with ``seg_indptr`` [S+1] (a device buffer), of any lengths
+    (a prefill graph's sequences; rows past ``seg_indptr[S]`` untouched): every slot's rank-r product for every
+    row, each row keeping its own slot's (n_slots times the FLOPs: a fallback where no kernel serves).
 
     Semantics: y[rows of segment i] += sign * x @ A[s_i]^T @ B[s_i]^T  for segments with s_i = row_slot[i] >= 0
     Shape: y [T, d_out]  x [T, d_in]  lora_a [n, r, d_in]  lora_b [n, d_out, r]  row_slot [S] int32
     """
     idx = row_slot.clamp(min=0).long()
     S, T = row_slot.shape[0], x.shape[0]
+    if seg_indptr is not None:
+        n, r = lora_a.shape[0], lora_a.shape[1]
+        rows = torch.arange(T, device=x.device, dtype=seg_indptr.dtype)
+        seg = torch.searchsorted(seg_indptr[1:].contiguous(), rows, right=True)  # S for rows past the last segment
+        slot = torch.where(seg < S, row_slot.index_select(0, seg.clamp(max=S - 1)), -1).long()  # [T], -1: none
+        keep = torch.nn.functional.one_hot(slot.clamp(min=0), n).to(x.dtype) * (slot >= 0).to(x.dtype).unsqueeze(1)
+        v = (x @ lora_a.reshape(n * r, -1).t()).view(T, n, r) * (keep * sign).unsqueeze(2)  # [T, n, r]
+        y += torch.einsum("tnr,nor->to", v, lora_b)
+        return y
     if S == T:
         keep = (row_slot >= 0).to(y.dtype).unsqueeze(1) * sign
         v = torch.bmm(lora_a.index_select(0, idx), x.unsqueeze(2))  # [T, r, 1]
@@ -54,6 +67,11 @@ def lora_rows_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
     v = torch.bmm(x.reshape(S, T // S, -1), lora_a.index_select(0, idx).transpose(1, 2))  # [S, R, r]
     y += (torch.bmm(v, lora_b.index_select(0, idx).transpose(1, 2)) * keep).reshape(T, -1)
     return y
+
+
+def _rows_torch(y, x, lora_a, lora_b, mapping: LoraBatchMapping, sign: float) -> torch.Tensor:
+    """:func:`lora_rows_torch` over a captured step's ``mapping`` (even segments or a prefill graph's)."""
+    return lora_rows_torch(y, x, lora_a, lora_b, mapping.seg_slot, sign, None if mapping.even else mapping.seg_indptr)
 
 
 def lora_padded_einsum(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -101,7 +119,7 @@ class LoraBackend:
         raise NotImplementedError
 
     def rows(self, y, x, lora_a, lora_b, mapping: LoraBatchMapping, sign: float) -> torch.Tensor:
-        return lora_rows_torch(y, x, lora_a, lora_b, mapping.seg_slot, sign)
+        return _rows_torch(y, x, lora_a, lora_b, mapping, sign)
 
 
 class SegmentsBackend(LoraBackend):
@@ -219,7 +237,7 @@ class AtmmBackend(LoraBackend):
         if self._on and self._serves(y, x, layer):
             if self.kernels.run_rows(y, x, layer.lora_a, layer.lora_b, mapping, sign, stream=self._stream):
                 return y
-        return lora_rows_torch(y, x, layer.lora_a, layer.lora_b, mapping.seg_slot, sign)
+        return _rows_torch(y, x, layer.lora_a, layer.lora_b, mapping, sign)
 
     def segments(self, y, x, lora_a, lora_b, ranks, scales, mapping):
         return atmm(y, x, lora_a, lora_b, ranks, scales, mapping, kernels=self.kernels)
@@ -229,7 +247,7 @@ class AtmmBackend(LoraBackend):
                 y, x, lora_a, lora_b, (0,) * lora_a.shape[0], (0.0,) * lora_a.shape[0], mapping):
             if self.kernels.run_rows(y, x, lora_a, lora_b, mapping, sign):
                 return y
-        return lora_rows_torch(y, x, lora_a, lora_b, mapping.seg_slot, sign)
+        return _rows_torch(y, x, lora_a, lora_b, mapping, sign)
 
 
 class ReferenceBackend(LoraBackend):
