@@ -580,7 +580,7 @@ def profile_media(engine, m: dict, reps: int = 3, top: int = 15) -> dict:
             engine.fail_all("cancelled", "profile done")
 
     out = {"what": f"media {media_label(m)}", "reps": reps}
-    for part, setup, fn in (("prepare", lambda: None, lambda _: prepare()), ("vision", pixels, vision), ("step", prepare, step)):
+    for part, setup, fn in (("prepare", request, engine.inputs.prepare), ("vision", pixels, vision), ("step", prepare, step)):
         inputs = [setup() for _ in range(reps + 1)]
         sync()
         fn(inputs[0])  # warm-up
