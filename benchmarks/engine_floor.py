@@ -202,9 +202,10 @@ def run_plain(model_dir: Path, device, dtype, dims: ModelDims, batches: list[int
 # -- the engine -----------------------------------------------------------------------------------
 
 def build(args: argparse.Namespace, model_dir: Path, device, dtype_name: str, slots: int, max_batch: int, budget_tokens: int,
-          max_images: int = 8):
+          max_images: int = 8, media: Optional[list[dict]] = None):
     """The engine under test: unmerge-only, ``--attention``, and ``--prefill-graph-tokens`` / ``--gemv-max-rows``
-    where given (else the config's)."""
+    where given (else the config's); the ``media`` items' sizes captured at load where the tower takes many
+    grids (``engine.vision_graph_grids``, as a deployment names its cameras' sizes)."""
     from vlora.config import EngineConfig
     from vlora.engine.builder import build_engine
 
@@ -217,7 +218,10 @@ def build(args: argparse.Namespace, model_dir: Path, device, dtype_name: str, sl
         "atmm.tune_at_load": "never",  # no tuner sidecar sharing the GPU while we time
         "engine.attention": args.attention,
         **({"engine.prefill_graph_tokens": args.prefill_graph_tokens} if args.prefill_graph_tokens is not None else {}),
-        **({"engine.gemv_max_rows": args.gemv_max_rows} if args.gemv_max_rows is not None else {})})
+        **({"engine.gemv_max_rows": args.gemv_max_rows} if args.gemv_max_rows is not None else {}),
+        **({"engine.vision_graph_grids": sorted({f"{m['side']}x{m['side']}" if m["kind"] == "image" else
+                                                 f"{m['images']}x{m['side']}x{m['side']}" for m in media} | {"448x448"})}
+           if media else {})})
     return build_engine(cfg)
 
 
@@ -513,11 +517,11 @@ def media_point(engine, m: dict, reps: int, seed0: int = 1) -> dict:
     grid = prepared.image_grid_thw
     pv = prepared.pixel_values.to(runner.device, runner.dtype)
     with torch.inference_mode():
-        family.encode_images(loaded, pv, grid, video=video)
+        runner.encode(pv, grid, video=video)
         sync()
         t0 = time.perf_counter()
         for _ in range(reps):
-            family.encode_images(loaded, pv, grid, video=video)
+            runner.encode(pv, grid, video=video)
         sync()
     vision_ms = 1e3 * (time.perf_counter() - t0) / reps
     image_id = family.placeholder_id(loaded, video)
@@ -567,7 +571,7 @@ def profile_media(engine, m: dict, reps: int = 3, top: int = 15) -> dict:
 
     def vision(args):
         with torch.inference_mode():
-            return family.encode_images(loaded, args[0], args[1], video=video)
+            return runner.encode(args[0], args[1], video=video)
 
     def step(prepared):
         engine.add_request(prepared, lambda out: errors.append(out.error) if out.finished and out.error else None)
@@ -870,7 +874,7 @@ def run_engine(args, device, dtype_name: str, model_dir: Path, dims: ModelDims, 
     t0 = time.perf_counter()
     media = media or []
     engine = build(args, model_dir, device, dtype_name, slots, max(batches), max(16384, max(prefills) + 16),
-                   max_images=max([m["images"] for m in media], default=1))
+                   max_images=max([m["images"] for m in media], default=1), media=media)
     build_s = time.perf_counter() - t0
     probe = set_policy(engine, "unmerge-only")
     names = register_adapters(engine, slots, min(8, slots), args.rank, seed=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -306,7 +307,11 @@ class RunnerConfig:
     ``vision_graph_images``: with ``cuda_graphs: auto``, a vision tower of one fixed image size (LLaVA's CLIP)
     and its projector are captured per bucket of this many images, with vision-side LoRA inside
     (:mod:`vlora.engine.vision_graphs`); an eager CLIP forward is bound by its host (22 ms for one image on an
-    H200 against 0.5 ms of FLOPs); empty: eager. ``gemv_max_rows``: steps of at most this many
+    H200 against 0.5 ms of FLOPs); empty: eager. ``vision_graph_grids``: with ``cuda_graphs: auto`` and a vision
+    tower of many grids (Qwen2-VL), the item sizes captured at load, per bucket of ``vision_graph_images``:
+    images as ``HxW``, videos as ``FxHxW`` (F frames of H x W, one video per graph); other grids are captured the
+    second time a step meets them (:class:`vlora.engine.vision_graphs.GridGraphs`; one 448x448 image's
+    eager tower took 20-26 ms on an H200 against a 1.9 ms floor). ``gemv_max_rows``: steps of at most this many
     rows (tokens; 0..16) run their projections (q/k/v, o, gate/up with SiLU * up fused where the layer has
     no LoRA work, down, and the LM head) as memory-bound Triton kernels (:mod:`vlora.engine.gemv`) instead
     of cuBLAS, on CUDA in bf16/fp16 (fp32 keeps cuBLAS); a row gives the same bits in any step of up to that
@@ -336,6 +341,7 @@ class RunnerConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     prefill_graph_tokens: int = 1024
     vision_graph_images: tuple[int, ...] = (1, 2, 4, 8)
+    vision_graph_grids: tuple[str, ...] = ("448x448",)
     gemv_max_rows: int = 16
     gemv_table: Optional[str] = None
     attention: str = "auto"
@@ -359,6 +365,9 @@ class RunnerConfig:
                  "engine.prefill_graph_tokens must be an integer in [0, 16384]")
         _require(all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 64 for b in self.vision_graph_images),
                  "engine.vision_graph_images must be integers in [1, 64] (empty: the vision tower runs eagerly)")
+        _require(all(isinstance(g, str) and re.fullmatch(r"([1-9][0-9]{0,2}x)?[1-9][0-9]{0,4}x[1-9][0-9]{0,4}", g)
+                     for g in self.vision_graph_grids),
+                 "engine.vision_graph_grids must be sizes HxW (images) or FxHxW (videos of F frames), e.g. 448x448")
         _require(isinstance(self.gemv_max_rows, int) and not isinstance(self.gemv_max_rows, bool)
                  and 0 <= self.gemv_max_rows <= 16, "engine.gemv_max_rows must be an integer in [0, 16]")
         _require(self.gemv_table is None or (isinstance(self.gemv_table, str) and self.gemv_table),

@@ -178,6 +178,52 @@ def test_graphs_and_paged_attention_match_the_eager_reference(qwen, dtype, rtol,
     assert {v for _, v in fast.runner.graphs.graphs} >= {"base", "lora", "mixture"}
 
 
+def test_grid_graphs_match_the_eager_tower(qwen):
+    """The vision tower's grid graphs (fp32) against its eager forward on the same pixels: a grid captured at
+    load (engine.vision_graph_grids, the bucket of 4 serving 3 images: the padding item dropped), a grid met for
+    the first time (eager) and the second (captured then), a run of two grids in one call, and a video; the
+    counters say which ran."""
+    from vlora.models.qwen_vision import vision_forward
+
+    _, model_dir, root = qwen
+    engine = make_engine(model_dir, root, "float32", fast=True)
+    runner = engine.runner
+    gg, loaded = runner.grid_graphs, runner.loaded
+    assert gg is not None
+    visual = loaded.model.model.visual
+    eager = vision_forward(visual)
+    grid448 = loaded.family.item_grid(loaded, 448, 448)
+    assert (grid448, 4) in gg.graphs  # captured at load, every bucket
+
+    def pixels(grids, seed):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        rows = sum(t * h * w for t, h, w in grids)
+        return torch.randn(rows, gg.patch_dim, generator=g, device=DEV)
+
+    def check(grids, seed):
+        pv = pixels(grids, seed)
+        grid_t = torch.tensor(grids, dtype=torch.int64)
+        with torch.inference_mode():
+            got = torch.cat(runner.encode(pv, grid_t))
+            want = eager(pv, grids)
+        assert got.shape == want.shape
+        assert rel_err(got, want) <= 1e-4, grids
+
+    replays = gg.replays
+    check([grid448] * 3, 1)
+    assert gg.replays == replays + 1 and gg.eager_items == 0
+    other = (1, grid448[1] // 2, grid448[2] // 2 + 2)  # a size nobody captured
+    check([other], 2)
+    assert gg.eager_items == 1 and (other, 1) not in gg.graphs
+    check([other], 3)
+    assert (other, 1) in gg.graphs and gg.captures >= len(gg.sizes) + 1
+    check([other, other, grid448], 4)  # two runs: (other, 2) first met (eager), then grid448 at bucket 1
+    assert gg.eager_items == 3
+    check([(2, 4, 8)], 5)  # a 4-frame video's grid of the tiny model's frames
+    check([(2, 4, 8)], 6)
+    assert ((2, 4, 8), 1) in gg.graphs
+
+
 # -- kernels at Qwen2-7B's attention shape ---------------------------------------------------------------
 
 HQ, HKV, D, BS = 28, 4, 128, 16

@@ -64,3 +64,29 @@ def test_window_index_matches_transformers():
     want_index, want_bounds = vision_utils.get_vision_window_index(torch.tensor(grids), 2, 112, 14)
     index, bounds = window_index(grids, 2, 112, 14)
     assert torch.equal(index, want_index) and bounds == want_bounds.tolist()
+
+
+def test_item_grid_is_the_grid_preprocessing_makes(loaded):
+    """engine.vision_graph_grids names sizes; the family turns them into the grids its preprocessing gives an
+    image or a video of that size (what the grid graphs are captured for)."""
+    fam = loaded.family
+    for w, h in [(56, 56), (112, 84), (448, 448), (640, 480)]:
+        prompt = fam.prompt(loaded, "Describe.", _images([(w, h)]), False)
+        assert fam.item_grid(loaded, h, w) == tuple(prompt.image_grid_thw[0].tolist()), (w, h)
+    for frames in (2, 3, 4):
+        prompt = fam.prompt(loaded, fam.video_placeholder + "What happens?", _images([(84, 56)] * frames), False)
+        assert fam.item_grid(loaded, 56, 84, frames) == tuple(prompt.image_grid_thw[0].tolist()), frames
+
+
+def test_the_plan_and_run_split_is_the_whole_forward(loaded):
+    """QwenVisionForward.run over a plan made apart (what a grid graph replays) gives the forward's features."""
+    from vlora.models.qwen_vision import vision_forward
+
+    fam = loaded.family
+    prompt = fam.prompt(loaded, "Describe.", _images([(56, 56), (112, 84)]), False)
+    fwd = vision_forward(loaded.model.model.visual)
+    grids = prompt.image_grid_thw.tolist()
+    with torch.inference_mode():
+        plan = fwd.plan(grids, torch.device("cpu"))
+        assert plan.rows == prompt.pixel_values.shape[0]
+        torch.testing.assert_close(fwd.run(prompt.pixel_values, plan), fwd(prompt.pixel_values, grids))

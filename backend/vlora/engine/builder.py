@@ -178,6 +178,20 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int
         runner.vision_graphs.capture_all()
         info["cuda_graphs"]["vision_images"] = list(runner.vision_graphs.sizes)
         info["cuda_graphs"]["vision_capture_s"] = round(runner.vision_graphs.capture_s, 2)
+    elif config.engine.vision_graph_images and loaded is not None and loaded.family.grid_vision(loaded) is not None:
+        from vlora.engine.vision_graphs import GridGraphs
+
+        runner.grid_graphs = GridGraphs(runner, config.engine.vision_graph_images, pool=runner.graphs.pool)
+        for size in config.engine.vision_graph_grids:
+            *frames, h, w = (int(x) for x in size.split("x"))
+            grid = loaded.family.item_grid(loaded, h, w, frames[0] if frames else 0)
+            if grid is None:
+                log.warning("engine.vision_graph_grids: %s: this model's processor settings are not the ones the "
+                            "fast preprocessing reproduces; its grid is captured when a step first meets it twice", size)
+                continue
+            runner.grid_graphs.capture_grids([grid], video=bool(frames))
+        info["cuda_graphs"]["vision_grids"] = sorted({str(k[0]) for k in runner.grid_graphs.graphs})
+        info["cuda_graphs"]["vision_capture_s"] = round(runner.grid_graphs.capture_s, 2)
 
 
 def resolve_cost_model(config: EngineConfig, runner: ModelRunner, loras, orchestrator: Orchestrator, info: dict) -> None:

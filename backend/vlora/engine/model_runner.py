@@ -130,6 +130,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs (vlora.engine.graphs) once captured
         self.prefill_graphs = None  # PrefillGraphs (vlora.engine.graphs) once captured
         self.vision_graphs = None  # VisionGraphs (vlora.engine.vision_graphs) once captured
+        self.grid_graphs = None  # GridGraphs (vlora.engine.vision_graphs): a tower of many grids (Qwen2-VL)
         self._vision_timers: list = []  # (start, end) of each step's image encodes: CUDA events, or seconds on a CPU
         self.encoder_cache: Optional[EncoderCache] = None  # set_encoder_cache()
         # The family's vision-side projections that adapters may target; wrapped for LoRA with ``vision_lora``.
@@ -294,6 +295,8 @@ class ModelRunner:
         if self.vision_graphs is not None and self.vision_graphs.serves(pixel_values, image_grid_thw, video):
             return self.vision_graphs.run(pixel_values, vision_slots)
         if vision_slots is None or all(s < 0 for s in vision_slots):
+            if self.grid_graphs is not None and image_grid_thw is not None:
+                return self.grid_graphs.run(pixel_values, image_grid_thw)
             return family.encode_images(loaded, pixel_values, image_grid_thw, video=video)
         if self.vision_lora is None:
             raise RuntimeError("vision-side LoRA is off on this runner, but an image asks for an adapter slot")

@@ -1,4 +1,6 @@
-"""CUDA graphs of a fixed-size vision tower and its projector (LLaVA's CLIP), one per image-count bucket.
+"""CUDA graphs of the vision tower: of a fixed-size tower and its projector (LLaVA's CLIP), one per image-count
+bucket (:class:`VisionGraphs`), and of a tower of many grids (Qwen2-VL), one per item grid and bucket
+(:class:`GridGraphs`).
 
 An eager CLIP-L forward issues about 450 launches from Python and is bound by its host: one 336 px image
 took 22 ms on an H200 against 0.5 ms of FLOPs (benchmarks/RESULTS.md). A family whose tower takes one
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -129,3 +132,131 @@ class VisionGraphs:
             self.replays += 1
             out.extend(feats[:hi - lo].clone().unbind(0))
         return out
+
+
+class GridGraphs:
+    """CUDA graphs of a vision tower that takes items of many grids (Qwen2-VL / Qwen2.5-VL), one per (item grid,
+    bucket of items of that grid): the tower's device work (:meth:`QwenVisionForward.run
+    <vlora.models.qwen_vision.QwenVisionForward.run>`) over a fixed pixel buffer, with the plan of its grids
+    (rotary tables, window order, attention runs: made once at capture) kept beside it.
+
+    An eager forward issues about 25 launches per block from Python and is bound by its host: one 448x448
+    image took 20-26 ms on an H200 against a 1.9 ms FLOP floor (benchmarks/RESULTS.md). The grids of a
+    step's items are known on the host (``image_grid_thw`` is a CPU tensor from preprocessing), so each run
+    of neighbouring items of one grid replays the graph of its bucket (``engine.vision_graph_images``; the
+    padding items' rows are encoded and dropped: attention never crosses items), a run longer than the
+    largest bucket as several replays.
+
+    Which grids: those of ``engine.vision_graph_grids`` at load (sizes of images, and of videos as frames x
+    size), and any other on the second time a step meets it (the first runs eagerly: a one-off size never pays
+    a capture), at most ``max_graphs`` at once, least recently used out. ``captures``, ``replays`` and
+    ``eager_items`` count what happened. Items with vision-side LoRA run eagerly (the runner does not send
+    them here)."""
+
+    def __init__(self, runner: "ModelRunner", sizes: tuple[int, ...], pool=None, max_graphs: int = 32) -> None:
+        loaded = runner.loaded
+        self.forward = loaded.family.grid_vision(loaded)
+        if self.forward is None:
+            raise ValueError(f"{loaded.family.name}: no grid vision tower; no grid graphs")
+        self.runner, self.loaded = runner, loaded
+        visual = self.forward.visual
+        p = next(visual.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        pe = visual.patch_embed
+        self.patch_dim = int(pe.in_channels * pe.temporal_patch_size * pe.patch_size ** 2)
+        self.sizes = tuple(sorted(set(int(s) for s in sizes)))
+        self.max_items = self.sizes[-1]
+        self.max_graphs = max_graphs
+        self.pool = pool
+        self.graphs: "OrderedDict[tuple, tuple]" = OrderedDict()  # (grid, bucket) -> (graph, pixels, out, plan)
+        self.seen: Counter = Counter()  # keys met without a graph
+        self.captures = self.replays = self.eager_items = 0
+        self.capture_s = 0.0
+
+    def key_grids(self, grids: list[tuple[int, int, int]]) -> list[tuple]:
+        """The (grid, bucket) keys that encoding ``grids`` (in order) replays."""
+        keys, i = [], 0
+        while i < len(grids):
+            j = i
+            while j < len(grids) and grids[j] == grids[i] and j - i < self.max_items:
+                j += 1
+            keys.append((grids[i], smallest_at_least(self.sizes, j - i), i, j))
+            i = j
+        return keys
+
+    def capture_grids(self, grids: list[tuple[int, int, int]], video: bool = False) -> None:
+        """Capture each grid at every bucket (a video's: one item), before serving."""
+        t0 = time.perf_counter()
+        for g in grids:
+            for b in ((1,) if video else self.sizes):
+                self._capture((tuple(g), b))
+        torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - t0
+        log.info("CUDA graphs: %d grid vision graphs (grids %s, items %s) in %.1f s", len(self.graphs),
+                 sorted({k[0] for k in self.graphs}), list(self.sizes), self.capture_s)
+
+    @torch.inference_mode()
+    def _capture(self, key: tuple) -> tuple:
+        grid, b = key
+        rows = b * grid[0] * grid[1] * grid[2]
+        pixels = torch.zeros(rows, self.patch_dim, dtype=self.dtype, device=self.device)
+        plan = self.forward.plan([grid] * b, self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisation and library plans stay out of the graph
+                self.forward.run(pixels, plan)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            out = self.forward.run(pixels, plan)
+        entry = self.graphs[key] = (g, pixels, out, plan)
+        self.seen.pop(key, None)
+        self.captures += 1
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return entry
+
+    def _entry(self, key: tuple) -> Optional[tuple]:
+        e = self.graphs.get(key)
+        if e is not None:
+            self.graphs.move_to_end(key)
+            return e
+        if self.seen[key] >= 1:
+            return self._capture(key)
+        if len(self.seen) > 4096:  # the grids met once: a bounded memory of them
+            self.seen.clear()
+        self.seen[key] += 1
+        return None
+
+    @torch.inference_mode()
+    def run(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Each item's merged features, [tokens, hidden] (copies where a graph's output buffer holds them)."""
+        grids = [tuple(int(x) for x in g) for g in image_grid_thw.tolist()]  # a CPU tensor: no sync
+        pix = pixel_values.to(self.device, self.dtype)
+        starts = [0]
+        for t, h, w in grids:
+            starts.append(starts[-1] + t * h * w)
+        out: list[torch.Tensor] = []
+        unit = self.forward.unit
+        for grid, b, i, j in self.key_grids(grids):
+            chunk = pix[starts[i]:starts[j]]
+            tokens = grid[0] * grid[1] * grid[2] // unit
+            entry = self._entry((grid, b))
+            if entry is None:
+                merged = self.forward.run(chunk, self.forward.plan([grid] * (j - i), self.device))
+                self.eager_items += j - i
+            else:
+                g, pixels, feats, _ = entry
+                pixels[:chunk.shape[0]].copy_(chunk, non_blocking=True)
+                g.replay()
+                self.replays += 1
+                merged = feats[:(j - i) * tokens].clone()
+            out.extend(torch.split(merged, tokens))
+        return out
+
+    def stats(self) -> dict:
+        return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays,
+                "eager_items": self.eager_items, "capture_s": round(self.capture_s, 2)}

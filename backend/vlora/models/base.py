@@ -171,6 +171,12 @@ class ModelFamily:
         """Fixed-size families: [n, 3, H, W] -> [n, tokens per image, hidden], one tensor."""
         raise NotImplementedError
 
+    def grid_vision(self, loaded: LoadedModel):
+        """Families whose tower takes items of many grids (Qwen2-VL): the tower's two-part forward, a
+        :class:`vlora.models.qwen_vision.QwenVisionForward` (``plan(grids, device)`` on the host, ``run(pixels,
+        plan)`` device work only), so that one grid's items can be captured as a CUDA graph; None elsewhere."""
+        return None
+
     def item_tokens(self, loaded: LoadedModel, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
                     video: bool = False) -> list[int]:
         """Placeholder tokens of each image (or the video) of one request, in order."""

@@ -203,6 +203,25 @@ class Qwen2VLFamily(ModelFamily):
         return encode_features(vision_forward(visual), pixel_values.to(p.device, p.dtype), image_grid_thw.cpu(),
                                int(loaded.model.config.vision_config.spatial_merge_size))
 
+    def item_grid(self, loaded: LoadedModel, height: int, width: int, frames: int = 0) -> "tuple[int, int, int] | None":
+        """The (t, h, w) grid of an image of ``height`` x ``width`` (``frames`` 0), or of a video of that many
+        frames of that size, as this model's processors would make it; None where their settings are not
+        the ones :mod:`vlora.models.pixels` reproduces."""
+        from vlora.models import pixels
+
+        proc = loaded.image_processor
+        layout = pixels.qwen_layout(proc.video_processor if frames else proc.image_processor)
+        if layout is None:
+            return None
+        h, w = pixels.qwen_size(height, width, layout)
+        t = -(-frames // layout["temporal"]) if frames else 1
+        return t, h // layout["patch"], w // layout["patch"]
+
+    def grid_vision(self, loaded: LoadedModel):
+        from vlora.models.qwen_vision import vision_forward
+
+        return vision_forward(loaded.model.model.visual)
+
     def item_tokens(self, loaded: LoadedModel, pixel_values, image_grid_thw, video: bool = False) -> list[int]:
         merge = loaded.model.config.vision_config.spatial_merge_size
         return (image_grid_thw.prod(-1) // merge ** 2).tolist()

@@ -83,9 +83,24 @@ def _runs(bounds: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+class VisionPlan:
+    """What one forward over a list of grids reads besides the pixels, all made from the grids on the host:
+    the rotary cos/sin per patch and (Qwen2.5-VL) the window order and its inverse on the device, and the
+    runs of equal-length attention sequences (full and windowed) on the host. A CUDA graph of the tower
+    keeps the plan of its grids: a replay reads the same tensors."""
+
+    __slots__ = ("grids", "cos", "sin", "order", "inverse", "full_runs", "window_runs", "rows")
+
+    def __init__(self, grids, cos, sin, order, inverse, full_runs, window_runs, rows) -> None:
+        self.grids, self.cos, self.sin, self.order, self.inverse = grids, cos, sin, order, inverse
+        self.full_runs, self.window_runs, self.rows = full_runs, window_runs, rows
+
+
 class QwenVisionForward:
     """``visual(pixel_values, grid)`` of a loaded Qwen2-VL / Qwen2.5-VL model: the merged features of all
-    items, in order, [tokens, out_hidden]. ``grids``: the items' (t, h, w) on the host."""
+    items, in order, [tokens, out_hidden]. ``grids``: the items' (t, h, w) on the host. In two parts:
+    :meth:`plan` (from the grids alone) and :meth:`run` (the pixels through the tower: device work only,
+    no host sync and nothing made on the host, so it can be captured in a CUDA graph)."""
 
     def __init__(self, visual: nn.Module) -> None:
         self.visual = visual
@@ -101,37 +116,45 @@ class QwenVisionForward:
         self.inv_freq = visual.rotary_pos_emb.inv_freq
 
     def __call__(self, pixel_values: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return self.run(pixel_values, self.plan(grids, pixel_values.device))
 
-        v = self.visual
-        dev = pixel_values.device
-        grids = [tuple(int(x) for x in g) for g in grids]
+    def plan(self, grids: Sequence[Sequence[int]], device: torch.device) -> VisionPlan:
+        grids = tuple(tuple(int(x) for x in g) for g in grids)
         lengths = [h * w for t, h, w in grids for _ in range(t)]  # one attention sequence per frame
         full = [0]
         for n in lengths:
             full.append(full[-1] + n)
-        pos = _to(position_ids(grids, self.merge), dev)
+        pos = _to(position_ids(grids, self.merge), device)
         freqs = pos.unsqueeze(-1).float() * self.inv_freq.float()  # [N, 2, hd/4]
         emb = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
         emb = torch.cat([emb, emb], dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        x = v.patch_embed(pixel_values)
-        n_rows = x.shape[0]
-        order = None
+        order = inverse = None
         windows = full
         if self.windowed:
             index, windows = window_index(grids, self.merge, self.window, self.patch)
-            order = _to(index, dev)
-            x, cos, sin = (t.reshape(n_rows // self.unit, self.unit, -1)[order].reshape(n_rows, -1) for t in (x, cos, sin))
-        full_runs, window_runs = _runs(full), _runs(windows)
+            order = _to(index, device)
+            inverse = torch.argsort(order)
+            n_rows = full[-1]
+            cos, sin = (t.reshape(n_rows // self.unit, self.unit, -1)[order].reshape(n_rows, -1) for t in (cos, sin))
+        return VisionPlan(grids, cos, sin, order, inverse, _runs(full), _runs(windows), full[-1])
+
+    def run(self, pixel_values: torch.Tensor, plan: VisionPlan) -> torch.Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        v = self.visual
+        x = v.patch_embed(pixel_values)
+        n_rows = x.shape[0]
+        if plan.order is not None:
+            x = x.reshape(n_rows // self.unit, self.unit, -1)[plan.order].reshape(n_rows, -1)
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             for i, blk in enumerate(self.blocks):
-                runs = window_runs if self.windowed and i not in self.full_blocks else full_runs
-                x = x + self._attention(blk.attn, blk.norm1(x), cos, sin, runs)
+                runs = plan.window_runs if self.windowed and i not in self.full_blocks else plan.full_runs
+                x = x + self._attention(blk.attn, blk.norm1(x), plan.cos, plan.sin, runs)
                 x = x + blk.mlp(blk.norm2(x))
         merged = v.merger(x)
-        if order is not None:
-            merged = merged[torch.argsort(order)]
+        if plan.inverse is not None:
+            merged = merged[plan.inverse]
         return merged
 
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
