@@ -63,7 +63,9 @@ from vlora.models.tiny import (
 
 # Bump when anything below changes what is generated; it is part of the folder's hash.
 # 2: values from vlora.lora.demo.portable_randn (bit-identical on every CPU) instead of torch.randn.
-GENERATOR_VERSION = 2
+# 3: the video processor's cap_pixels_per_frame False (transformers' per-frame resize, as a Hub folder without
+#    a video config gets; True turned the fast preprocessing off on a machine with torchvision).
+GENERATOR_VERSION = 3
 SEED = 20250128
 
 TEXT = dict(
@@ -437,7 +439,7 @@ def image_processor_config(variant: QwenVariant) -> dict[str, Any]:
 
 def video_processor_config(variant: QwenVariant) -> dict[str, Any]:
     return {**_processor_config("video", variant, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS),
-            "min_frames": 2, "max_frames": 64, "do_sample_frames": False, "cap_pixels_per_frame": True}
+            "min_frames": 2, "max_frames": 64, "do_sample_frames": False, "cap_pixels_per_frame": False}
 
 
 # ---------------------------------------------------------------------------------------------------
