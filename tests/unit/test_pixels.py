@@ -83,3 +83,27 @@ def test_qwen_video_inputs_match_the_processor(qwen, frames):
         assert float(got["second_per_grid_ts"][0]) == float(torch.as_tensor(want["second_per_grid_ts"]).reshape(-1)[0])
     else:
         assert "second_per_grid_ts" not in got
+
+
+def test_the_video_fast_path_skips_resizes_it_does_not_reproduce():
+    """transformers' own video processor resizes with torchvision's antialiased bicubic, which the fast path does
+    not reproduce: frames already at the size it keeps take the fast path, others the processor; a processor that
+    resizes with Pillow (QwenVideoProcessorPil, where torchvision is missing) always the fast path."""
+    import numpy as np
+    from PIL import Image
+
+    from vlora.models.pixels import video_fast_path
+    from vlora.models.qwen_processing import QwenVideoProcessorPil
+
+    layout = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 768, "patch": 14, "merge": 2, "temporal": 2}
+
+    class Torchvision:  # what transformers' Qwen2VLVideoProcessor looks like to the check
+        pass
+
+    kept = [Image.new("RGB", (448, 336))] * 4
+    resized = [Image.new("RGB", (640, 480))] * 4
+    assert video_fast_path(Torchvision(), kept, layout)
+    assert video_fast_path(Torchvision(), [np.zeros((336, 448, 3), np.uint8)] * 2, layout)
+    assert not video_fast_path(Torchvision(), resized, layout)
+    assert not video_fast_path(Torchvision(), kept[:2] + [Image.new("RGB", (336, 448))], layout)  # sizes differ
+    assert video_fast_path(QwenVideoProcessorPil(), resized, layout)

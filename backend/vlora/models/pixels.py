@@ -267,6 +267,19 @@ def qwen_video_patches(frames: Sequence, layout: dict, device: torch.device) -> 
     return flat, torch.tensor([grid], dtype=torch.int64)
 
 
+def video_fast_path(processor, frames: Sequence, layout: dict) -> bool:
+    """Whether :func:`qwen_video_patches` gives what ``processor`` (a video processor whose :func:`qwen_layout`
+    is ``layout``) gives for ``frames``. A processor that resizes with Pillow's bicubic
+    (``resizes_with_pillow``: :class:`vlora.models.qwen_processing.QwenVideoProcessorPil`, what machines without
+    torchvision use) always; transformers' own video processor (torchvision's antialiased bicubic, which this
+    module does not reproduce) only when no frame is resized: every frame already at the size the processor
+    keeps (sides multiples of patch x merge, within the pixel bounds), as a camera's fixed frame size is."""
+    if getattr(processor, "resizes_with_pillow", False):
+        return True
+    sizes = {(f.size[1], f.size[0]) if hasattr(f, "size") and not hasattr(f, "shape") else tuple(f.shape[:2]) for f in frames}
+    return len(sizes) == 1 and qwen_size(*next(iter(sizes)), layout) == next(iter(sizes))
+
+
 _streams = threading.local()  # each thread's preprocessing stream (DeviceWork)
 
 

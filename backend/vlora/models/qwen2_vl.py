@@ -143,7 +143,7 @@ class Qwen2VLFamily(ModelFamily):
 
         processor = loaded.image_processor
         layout = pixels.qwen_layout(processor.video_processor)
-        if layout is None:
+        if layout is None or not pixels.video_fast_path(processor.video_processor, frames, layout):
             return processor(text=[text], videos=[frames], return_tensors="pt")
         with pixels.DeviceWork(next(loaded.model.parameters()).device) as work:
             pv, grid = pixels.qwen_video_patches(frames, layout, work.device)

@@ -85,6 +85,7 @@ class QwenVideoProcessorPil(_video_processor_base()):
 
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
     resample = 3  # PIL.Image.BICUBIC (vlora.models.pixels reproduces this processor on the model's device)
+    resizes_with_pillow = True  # vlora.models.pixels.video_fast_path
 
     def __init__(self, **kwargs):
         size = dict(kwargs.pop("size", None) or {})
