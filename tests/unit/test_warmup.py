@@ -26,7 +26,7 @@ def test_llava_warm_up_runs_every_path_before_ready(tiny_model_dir, demo_adapter
     info = engine.model_info["warmup"]
     names = {name for name, _ in warm_requests(engine)}
     assert set(info["paths"]) == names and "failed" not in info
-    assert {"text", "text-sampled", "image", "lora-text", "lora-image"} <= names
+    assert {"text", "text-sampled", "text-eager-48", "text-eager-49", "image", "lora-text", "lora-image"} <= names
     assert any(n.startswith("head-") for n in names)  # the first demo adapter carries task heads
     assert not engine.has_work() and not engine.running and not engine.waiting
     assert metrics.calls == []  # nothing reported until the engine is ready
@@ -44,7 +44,8 @@ def test_qwen_warm_up_includes_a_video(tmp_path_factory):
         "model.path": str(model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "256",
         "engine.warmup": "on"}))
     info = engine.model_info["warmup"]
-    assert set(info["paths"]) == {"text", "text-sampled", "image", "video"} and "failed" not in info
+    assert set(info["paths"]) == {"text", "text-sampled", "text-eager-48", "text-eager-49", "image", "video"}
+    assert "failed" not in info
 
 
 def test_warm_up_is_off_on_cpu_by_default(tiny_model_dir):
@@ -99,3 +100,27 @@ def test_the_warm_up_waits_instead_of_spinning_while_its_adapter_loads(monkeypat
     assert warmup._run(eng, GenerationRequest("warmup-x", "hi"), time.perf_counter() + 10) is None
     assert 0.3 <= time.perf_counter() - t0 < 5
     assert eng.steps <= 0.3 / warmup.IDLE_WAIT_S + 20  # ~150 steps, where a spinning loop makes hundreds of thousands
+
+
+def test_the_eager_paths_prefill_fresh_prompts_of_their_lengths_without_the_prefill_graphs(tiny_model_dir, monkeypatch):
+    """text-eager-N: a prompt of exactly N tokens, no cached prefix (its prefill starts at 0), run with the runner's
+    prefill graphs set aside and given back after."""
+    from vlora.engine import warmup
+
+    engine = build_engine(EngineConfig().with_overrides({
+        "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "256"}))
+    sentinel = object()
+    engine.runner.prefill_graphs = sentinel
+    seen = []
+    step = engine.step
+
+    def spy():
+        for s in engine.waiting:
+            seen.append((len(s.req.prompt_ids), s.cached_tokens, engine.runner.prefill_graphs is None))
+        return step()
+    monkeypatch.setattr(engine, "step", spy)
+    for name, req in warmup.warm_requests(engine):
+        if name.startswith("text-eager-"):
+            assert warmup._run(engine, req, 1e18, int(name.rsplit("-", 1)[1])) is None
+    assert engine.runner.prefill_graphs is sentinel
+    assert (48, 0, True) in seen and (49, 0, True) in seen

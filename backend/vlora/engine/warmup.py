@@ -4,7 +4,11 @@ loading (an H200 measured 1.35 s for LLaVA-7B's first image request after build,
 Qwen2-VL-7B's, against 34 and 60 ms for the next ones: Triton's kernel compilation, cuDNN's plans, the
 processors' first calls).
 
-The paths: a short text prompt, greedy and sampled (decode graphs, the sampler's kernels); a prompt with one
+The paths: a short text prompt, greedy and sampled (decode graphs, the sampler's kernels); the same prompt at
+two lengths (one a multiple of 16, one not: Triton specialises integer arguments on that) as eager prefill
+steps, with the prefill graphs set aside (a step past ``engine.prefill_graph_tokens`` runs eagerly, and its
+fresh-prompt attention is not the graphs'; with no eager step in the warm-up, the first such step of a
+burst took about 1.2 s on an H200); a prompt with one
 image of the family's (a new image size: preprocessing, the vision tower or its graphs, the multimodal
 prefill); a video where the family takes one; and, where the adapter root holds an adapter, the first by name
 through the same prompts (LoRA prefill and decode, vision-side LoRA where it has some) and each of its task
@@ -33,6 +37,9 @@ PROMPT = "Describe what you see in a few words."
 # copied in): the loader and copy threads need the GIL for each of their calls, and a loop that steps without
 # pause starves them (the lora-text path took 275 s on an H200 while the loop spun; with the wait, the server was ready in 30 s).
 IDLE_WAIT_S = 0.002
+
+# The eager prefill paths' prompt lengths (tokens): one a multiple of 16, one not.
+EAGER_LENGTHS = (48, 49)
 
 
 class GatedMetrics:
@@ -72,6 +79,8 @@ def warm_requests(engine: "LLMEngine") -> list[tuple[str, GenerationRequest]]:
     frames = [_png(320, 240, 10 + i) for i in range(min(4, limit))]
     out = [("text", GenerationRequest("warmup-text", PROMPT, sampling=greedy)),
            ("text-sampled", GenerationRequest("warmup-text-sampled", PROMPT, sampling=sampled)),
+           *((f"text-eager-{n}", GenerationRequest(f"warmup-text-eager-{n}", PROMPT, sampling=greedy))
+             for n in EAGER_LENGTHS),
            ("image", GenerationRequest("warmup-image", family.image_placeholder + PROMPT, images=[image], sampling=greedy))]
     if family.video_placeholder and len(frames) >= 2:
         out.append(("video", GenerationRequest("warmup-video", family.video_placeholder + PROMPT, images=frames,
@@ -100,7 +109,8 @@ def warm_up(engine: "LLMEngine", timeout_s: float = 600.0) -> dict:
         paths["attention-plans"] = round(time.perf_counter() - t0, 3)
     for name, req in warm_requests(engine):
         t = time.perf_counter()
-        error = _run(engine, req, t + timeout_s)
+        length = int(name.rsplit("-", 1)[1]) if name.startswith("text-eager-") else None
+        error = _run(engine, req, t + timeout_s, length)
         if error is None:
             paths[name] = round(time.perf_counter() - t, 3)
         else:
@@ -113,17 +123,32 @@ def warm_up(engine: "LLMEngine", timeout_s: float = 600.0) -> dict:
     return {"seconds": round(total, 3), "paths": paths, **({"failed": failed} if failed else {})}
 
 
-def _run(engine: "LLMEngine", req: GenerationRequest, deadline: float) -> Optional[str]:
+def _run(engine: "LLMEngine", req: GenerationRequest, deadline: float, length: Optional[int] = None) -> Optional[str]:
+    """``req`` to its end; with ``length``: its prompt's tokens repeated to that many, prefilled eagerly (the
+    runner's prefill graphs set aside for the request)."""
+    import dataclasses
+
     try:
         prepared = engine.inputs.prepare(req)
     except Exception as e:  # noqa: BLE001 - named in the log, the start goes on
         return f"{type(e).__name__}: {e}"
+    runner = engine.runner if length is not None else None
+    graphs = runner.prefill_graphs if runner is not None else None
+    if runner is not None:
+        ids = list(prepared.prompt_ids)[::-1]  # reversed and rotated per length: no prefix of another warm-up prompt,
+        ids = ids[length % len(ids):] + ids[:length % len(ids)]  # so each prefill is fresh (no cached block)
+        prepared = dataclasses.replace(prepared, prompt_ids=(ids * (length // len(ids) + 1))[:length])
+        runner.prefill_graphs = None
     done: list = []
-    engine.add_request(prepared, lambda out: done.append(out) if out.finished else None)
-    while not done and time.perf_counter() < deadline:
-        if engine.step() is None and not done:
-            time.sleep(IDLE_WAIT_S)
-    engine.flush()
+    try:
+        engine.add_request(prepared, lambda out: done.append(out) if out.finished else None)
+        while not done and time.perf_counter() < deadline:
+            if engine.step() is None and not done:
+                time.sleep(IDLE_WAIT_S)
+        engine.flush()
+    finally:
+        if runner is not None:
+            runner.prefill_graphs = graphs
     if not done:
         engine.abort(req.request_id)
         while engine.has_work():
