@@ -171,6 +171,11 @@ class ModelFamily:
         """Fixed-size families: [n, 3, H, W] -> [n, tokens per image, hidden], one tensor."""
         raise NotImplementedError
 
+    def item_grid(self, loaded: LoadedModel, height: int, width: int, frames: int = 0) -> Optional[tuple[int, int, int]]:
+        """Families of many grids: the (t, h, w) grid preprocessing gives an image of ``height`` x ``width``, or a
+        video of ``frames`` such frames (what ``engine.vision_graph_grids`` captures); None elsewhere."""
+        return None
+
     def grid_vision(self, loaded: LoadedModel):
         """Families whose tower takes items of many grids (Qwen2-VL): the tower's two-part forward, a
         :class:`vlora.models.qwen_vision.QwenVisionForward` (``plan(grids, device)`` on the host, ``run(pixels,
