@@ -11,7 +11,7 @@ import pytest
 from vlora.engine.api import GenerationRequest, SamplingParams
 from helpers import tiny_config
 from vlora.engine.builder import build_engine
-from vlora.engine.graphs import DecodeGraphs
+from vlora.engine.graphs import step_variant
 from vlora.orchestrator.policies import MERGE, MIXTURE, UNMERGE, Decision, Policy
 
 REQUESTS = {"a1": "demo-r8-qv", "a2": "demo-r8-qv", "b1": "demo-r32-mlp", "base": None}
@@ -44,7 +44,7 @@ def variants(engine, mode, merged, requests) -> Counter:
 
     def spy(seqs, prev_tokens=None):
         if all(len(s.token_ids) == 1 and s.pixel_values is None for s in seqs):
-            seen[(engine.orchestrator.mode, DecodeGraphs.variant(seqs))] += 1
+            seen[(engine.orchestrator.mode, step_variant(seqs))] += 1
         return forward(seqs, prev_tokens)
 
     engine.runner.forward = spy

@@ -9,7 +9,7 @@ says, with one copy from pinned host memory, the same buffer the eager steps rea
 slot buffers and the KV pools are allocated once. Padding rows read nothing (context length 0), write
 their keys and values to the cache's scratch block, and use no adapter.
 
-Three variants per bucket, chosen per step by :meth:`DecodeGraphs.variant` from the rows' slots: ``base``
+Three variants per bucket, chosen per step by :func:`step_variant` from the rows' slots: ``base``
 (no LoRA kernels at all: merged mode, a mixture step whose rows are all the merged adapter's, and base
 requests), ``lora`` (every row's adapter through the LoRA backend's graph-safe ``rows`` path: unmerged
 mode) and ``mixture`` (also the merged adapter taken out again for the rows of other adapters).
@@ -78,10 +78,6 @@ class DecodeGraphs:
     def serves(self, seqs: list["SeqInput"]) -> bool:
         return (len(seqs) <= self.max_batch and all(len(s.token_ids) == 1 and s.pixel_values is None for s in seqs)
                 and all(s.start_pos < self.max_blocks * self.runner.kv.block_size for s in seqs))
-
-    @staticmethod
-    def variant(seqs: list["SeqInput"]) -> str:
-        return step_variant(seqs)
 
     # -- capture ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -161,7 +157,7 @@ class DecodeGraphs:
         r = self.runner
         n = len(seqs)
         b = self.bucket(n)
-        variant = self.variant(seqs)
+        variant = step_variant(seqs)
         if (b, variant) not in self.graphs:
             self._capture(b, variant)
         g, logits, hidden = self.graphs[(b, variant)]

@@ -256,7 +256,3 @@ class GridGraphs:
                 merged = feats[:(j - i) * tokens].clone()
             out.extend(torch.split(merged, tokens))
         return out
-
-    def stats(self) -> dict:
-        return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays,
-                "eager_items": self.eager_items, "capture_s": round(self.capture_s, 2)}

@@ -89,10 +89,10 @@ class VisionPlan:
     runs of equal-length attention sequences (full and windowed) on the host. A CUDA graph of the tower
     keeps the plan of its grids: a replay reads the same tensors."""
 
-    __slots__ = ("grids", "cos", "sin", "order", "inverse", "full_runs", "window_runs", "rows")
+    __slots__ = ("cos", "sin", "order", "inverse", "full_runs", "window_runs", "rows")
 
-    def __init__(self, grids, cos, sin, order, inverse, full_runs, window_runs, rows) -> None:
-        self.grids, self.cos, self.sin, self.order, self.inverse = grids, cos, sin, order, inverse
+    def __init__(self, cos, sin, order, inverse, full_runs, window_runs, rows) -> None:
+        self.cos, self.sin, self.order, self.inverse = cos, sin, order, inverse
         self.full_runs, self.window_runs, self.rows = full_runs, window_runs, rows
 
 
@@ -137,7 +137,7 @@ class QwenVisionForward:
             inverse = torch.argsort(order)
             n_rows = full[-1]
             cos, sin = (t.reshape(n_rows // self.unit, self.unit, -1)[order].reshape(n_rows, -1) for t in (cos, sin))
-        return VisionPlan(grids, cos, sin, order, inverse, _runs(full), _runs(windows), full[-1])
+        return VisionPlan(cos, sin, order, inverse, _runs(full), _runs(windows), full[-1])
 
     def run(self, pixel_values: torch.Tensor, plan: VisionPlan) -> torch.Tensor:
         from torch.nn.attention import SDPBackend, sdpa_kernel
