@@ -26,6 +26,18 @@ def test_on_by_default_and_checked():
             EngineConfig().with_overrides({"engine.prefill_graph_tokens": bad})
 
 
+def test_vision_graph_grids_take_image_and_video_sizes_and_refuse_anything_else():
+    """engine.vision_graph_grids (the grid graphs of a Qwen2-VL tower): HxW images, FxHxW videos; a clear error
+    naming the setting for anything else."""
+    assert EngineConfig().engine.vision_graph_grids == ("448x448",)
+    ok = EngineConfig().with_overrides({"engine.vision_graph_grids": '["448x448", "16x448x448", "640x480"]'})
+    assert ok.engine.vision_graph_grids == ("448x448", "16x448x448", "640x480")
+    assert EngineConfig().with_overrides({"engine.vision_graph_grids": "[]"}).engine.vision_graph_grids == ()
+    for bad in ('["448"]', '["0x448"]', '["448x448x448x2"]', '["a448x448"]', "[448]"):
+        with pytest.raises(ConfigError, match="vision_graph_grids"):
+            EngineConfig().with_overrides({"engine.vision_graph_grids": bad})
+
+
 def test_the_plan_lays_out_a_prefill_graph_step_with_padding():
     """Two prompts (one continuing a cached prefix) and a decode row reading its token from the previous
     step, in the 64-token graph of 4 sequences: the step plan's one writer, as a prefill graph reads it."""
