@@ -141,7 +141,7 @@ def adapter_stages(adapters: Path, model: Path, dev: torch.device, count: int = 
 
     def timed_staging(items: list[int], n: int) -> float:
         def work(i: int) -> None:
-            stager = PinnedStager()
+            stager = PinnedStager(nbytes=size + 256 * len(slots[0]))  # an adapter per buffer, as the server sizes them
             stream = torch.cuda.Stream(dev)
             with torch.cuda.stream(stream):
                 for k in items[i::n]:

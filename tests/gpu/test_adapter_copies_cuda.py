@@ -111,3 +111,34 @@ def test_pinned_stager_put_many_batches_exactly():
     stream.synchronize()
     for big, src in zip(bigs, srcs):
         assert torch.equal(big[:, :64].cpu(), src) and not big[:, 64:].any()
+
+
+def test_slot_copies_zero_what_a_lower_rank_leaves_and_skip_it_for_a_full_rank():
+    """copy_slots into a slot that held another adapter: a full-rank adapter overwrites the whole slot (its zeroing
+    is skipped), a lower-rank one leaves zeros past its rank, a skipped layer is zero: each slot equals the
+    reference, through the copy thread's staging as the server runs it."""
+    from vlora.lora.layers import LoraContext, LoraLinear
+    from vlora.lora.transfers import SlotCopies
+
+    g = torch.Generator().manual_seed(2)
+    layers = [LoraLinear(torch.nn.Linear(64, 96, bias=False).cuda().to(torch.bfloat16), LoraContext(), num_slots=2,
+                         max_rank=16) for _ in range(3)]
+    copies = SlotCopies(torch.device("cuda"), 2, stage_bytes=1 << 20)
+    for ranks in ((8, 16, 4), (16, 16, 16), (4, None, 16), (16, 2, None)):
+        entries, want = [], []
+        for layer, r in zip(layers, ranks):
+            if r is None:
+                entries.append((layer, None, None, 0.0))
+                want.append((torch.zeros(16, 64), torch.zeros(96, 16)))
+                continue
+            a = torch.randn(r, 64, generator=g).to(torch.bfloat16)
+            b = torch.randn(96, r, generator=g).to(torch.bfloat16)
+            entries.append((layer, a, b, 0.5))
+            wa, wb = torch.zeros(16, 64), torch.zeros(96, 16)
+            wa[:r], wb[:, :r] = a.float(), (b * 0.5).float()
+            want.append((wa, wb))
+        copies.issue(1, lambda e=entries: LoraLinear.copy_slots(1, e, copies.put_many), None)
+        copies.synchronize()
+        for layer, (wa, wb) in zip(layers, want):
+            assert torch.equal(layer.lora_a[1].float().cpu(), wa)
+            assert torch.equal(layer.lora_b[1].float().cpu(), wb)

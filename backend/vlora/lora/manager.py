@@ -69,6 +69,7 @@ from vlora.lora.adapter import (
     validate_adapter_name,
 )
 from vlora.lora.layers import LoraLinear
+from vlora.lora.peft_format import HostArena
 from vlora.lora.transfers import AdapterLoader, SlotCopies
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class LoraManager:
         first = next(iter(layers.values()), None)
         self.device = first.lora_a.device if first is not None else None
         self.dtype = first.lora_a.dtype if first is not None else torch.float32
-        self.copies = copies or SlotCopies(self.device, cfg.max_gpu_adapters)
+        self.copies = copies or SlotCopies(self.device, cfg.max_gpu_adapters, stage_bytes=self._slot_bytes())
         self.copies.on_timed = self._copy_timed
         # On CUDA the host copies are staged in the slots' dtype, one buffer per adapter, in pageable memory:
         # page-locking fresh memory is slow and stalls the engine's launches (SlotCopies), whose copy thread moves them.
@@ -152,6 +153,12 @@ class LoraManager:
         with self._lock:
             for name in self._on_disk():
                 self._record(name)
+
+    def _slot_bytes(self) -> int:
+        """The bytes one slot holds over every layer (the largest adapter's copy), as the copy thread stages them."""
+        align = HostArena.ALIGN
+        return sum(-(-t[0].numel() * t.element_size() // align) * align
+                   for w in self.layers.values() for t in (w.lora_a, w.lora_b) if t.shape[0])
 
     def register(self, name: str, weights: AdapterWeights) -> None:
         """Make ``weights`` servable as ``name`` without a folder under the adapter root (benchmarks

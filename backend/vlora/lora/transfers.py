@@ -35,9 +35,16 @@ class PinnedStager:
     asynchronously on the side stream; a buffer is reused once the copies out of it have completed. A copy
     straight from pageable memory ran at 6.8 GB/s on an H200's host when alone, and at about 2 GB/s beside a
     serving engine and reading loaders; from page-locked memory at 55 GB/s. Sources larger than a buffer, and
-    page-locked ones, are copied directly."""
+    page-locked ones, are copied directly.
 
-    def __init__(self, buffers: int = 4, nbytes: int = 32 << 20) -> None:
+    SlotCopies sizes the buffers to hold a whole adapter (``nbytes``: a slot's bytes), two of them: one adapter
+    is then one CPU copy and one batch of device copies, and the next adapter fills the other buffer while the
+    first one's copies run. Each call releases the GIL and must take it back, which beside the engine thread
+    and the loader threads waited milliseconds each time: with four 32 MiB buffers a rank-64 q/k/v/o adapter
+    (134 MB) took about 25 such calls, 93 ms a copy, and 32 cold adapters queued behind one another for a
+    second at the median."""
+
+    def __init__(self, buffers: int = 2, nbytes: int = 32 << 20) -> None:
         self.nbytes = nbytes
         self._bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(buffers)]
         self._done: list[Optional[Any]] = [None] * buffers  # the event after the last copy out of each buffer
@@ -86,11 +93,13 @@ class PinnedStager:
             self._done[self._i] = None
         self._used = 0
 
-    def close_buffer(self) -> None:
-        """After the copies of one job: an event marks when the current buffer may be written again."""
+    def close_buffer(self, event: Optional[Any] = None) -> None:
+        """After the copies of one job: an event marks when the current buffer may be written again (``event``:
+        one just recorded on the current stream, after those copies; None: one is recorded here)."""
         if self._used:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream())
+            if event is None:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream())
             self._done[self._i] = event
 
 
@@ -109,14 +118,22 @@ class SlotCopies:
     the thread that issues it, at 6.8 GB/s there: that is the copy thread, never the engine's.
     """
 
-    def __init__(self, device: Optional[torch.device], num_slots: int) -> None:
+    # The page-locked staging of the copy thread: two buffers, each a slot's bytes (one adapter) up to this.
+    MAX_STAGE_BYTES = 512 << 20
+
+    def __init__(self, device: Optional[torch.device], num_slots: int, stage_bytes: int = 32 << 20) -> None:
+        """``stage_bytes``: what one adapter's copy stages (a slot's bytes; LoraManager says), for the size of the
+        page-locked buffers, made here on CUDA (page-locking them at start, not at the first cold adapter)."""
         self.device = device
         self.cuda = device is not None and device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self._jobs: list[Optional[_Copy]] = [None] * num_slots
         self._queue: "queue.SimpleQueue[_Copy]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
-        self.stager: Optional[PinnedStager] = None  # the copy thread's, made there at its first copy
+        # The copy thread's staging buffers (only that thread uses them).
+        self.stager: Optional[PinnedStager] = (
+            PinnedStager(buffers=2, nbytes=min(max(stage_bytes, 1 << 20), self.MAX_STAGE_BYTES))
+            if self.cuda and num_slots > 0 else None)
         # Called on the engine thread with (slot, error) when a slot's copy failed: the slot holds nothing usable.
         self.on_failed: Optional[Callable[[int, BaseException], None]] = None
         # Called on the engine thread when a copy has completed, with its seconds in the copy thread's queue and the
@@ -154,14 +171,13 @@ class SlotCopies:
             job = self._queue.get()
             job.started_at = time.perf_counter()
             try:
-                if self.stager is None:
-                    self.stager = PinnedStager()
                 self.stream.wait_event(job.after)
                 with torch.cuda.stream(self.stream):
                     job.copy()
-                    self.stager.close_buffer()
                     event = torch.cuda.Event()
                     event.record(self.stream)
+                    if self.stager is not None:
+                        self.stager.close_buffer(event)
                 job.event = event
             except BaseException as e:  # the engine thread raises it from ready()
                 job.error = e
