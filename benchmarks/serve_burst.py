@@ -380,7 +380,7 @@ def engine_figures(before: dict, after: dict) -> dict:
     if d["vlora_step_duration_seconds_sum"] > 0:
         out["engine_decode_tok_per_s"] = round(d["vlora_decode_tokens_total"] / d["vlora_step_duration_seconds_sum"], 1)
     for stage in ("queue", "prefill_step", "decode_step", "image_decode", "preprocess", "vision", "adapter_read",
-                  "adapter_copy", "adapter_copy_queue", "adapter_copy_work"):
+                  "adapter_copy", "adapter_copy_queue", "adapter_copy_work", "adapter_copy_host", "adapter_copy_wait"):
         n = d.get(f"stage:{stage}:count", 0)
         if n:
             out[f"{stage}_ms_mean"] = round(1e3 * d[f"stage:{stage}:sum"] / n, 3)
@@ -639,7 +639,8 @@ def summary(result: dict) -> str:
             rate = (f"one read {r['adapter_read_ms_mean']:.0f} ms ({r['gb_per_read_s']:.2f} GB/s per read, "
                     f"{r['adapter_reads_timed']} reads), one slot copy {r.get('adapter_copy_ms_mean', 0):.0f} ms "
                     f"({r.get('adapter_copy_queue_ms_mean', 0):.0f} queued, {r.get('adapter_copy_work_ms_mean', 0):.0f} "
-                    f"enqueueing)")
+                    f"enqueueing: {r.get('adapter_copy_host_ms_mean', 0):.0f} CPU copies, "
+                    f"{r.get('adapter_copy_wait_ms_mean', 0):.0f} buffer waits)")
         elif reads:
             rate = f"read {reads['gb_per_s_per_read']} GB/s per read (server log)"
         else:

@@ -17,9 +17,11 @@ STAGES = ("admit", "queue", "image_decode", "preprocess", "vision", "prefill_ste
 # An adapter's way in, timed by the LoRA manager: adapter_read (its files read, checked and staged in host
 # memory, on a loader thread) and adapter_copy (its slot copy from issue to completion, on the copy thread), which
 # splits into adapter_copy_queue (behind other adapters' copies) and adapter_copy_work (the copy thread enqueueing
-# it: the CPU copies into the page-locked buffers, the waits for them) before the transfer's own end. Only requests
-# whose adapter was not resident pay them.
-ADAPTER_STAGES = ("adapter_read", "adapter_copy", "adapter_copy_queue", "adapter_copy_work")
+# it: the CPU copies into the page-locked buffers, the waits for them) before the transfer's own end; of the work,
+# adapter_copy_host is the CPU copies and adapter_copy_wait the waits for a buffer (on CUDA; the rest is the copy
+# thread's own Python and its waits for the GIL). Only requests whose adapter was not resident pay them.
+ADAPTER_STAGES = ("adapter_read", "adapter_copy", "adapter_copy_queue", "adapter_copy_work", "adapter_copy_host",
+                  "adapter_copy_wait")
 EXPORTED_STAGES = STAGES + ADAPTER_STAGES  # the server's vlora_stage_seconds series
 
 

@@ -43,7 +43,7 @@ def test_copy_on_the_side_stream_delays_only_its_own_request(tiny_model_dir, dem
     engine.step()
     torch.cuda._sleep(200_000_000)  # keeps the compute stream busy: the side stream's copy, ordered after it, stays in flight
     timed = []
-    loras.copies.on_timed = lambda q, w: timed.append((q, w))  # the copy's queue and enqueueing seconds
+    loras.copies.on_timed = lambda q, w, *rest: timed.append((q, w))  # the copy's queue and enqueueing seconds
     engine.add_request(engine.inputs.prepare(_req("late", lora=ADAPTER)), cb)
     assert engine.step().request_ids == ["base"], "a request was admitted before its adapter's copy completed"
     (entry,) = loras.describe([ADAPTER])

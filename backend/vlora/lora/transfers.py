@@ -17,7 +17,8 @@ class _Copy:
     """One slot's copy on the copy thread: its data moves (``copy``) once the compute stream has passed
     ``after``; ``note`` (the slot's host-side bookkeeping) runs on the engine thread once it is complete."""
 
-    __slots__ = ("copy", "note", "source", "after", "event", "issued", "error", "queued_at", "started_at", "enqueued_at")
+    __slots__ = ("copy", "note", "source", "after", "event", "issued", "error", "queued_at", "started_at", "enqueued_at",
+                 "host_s", "wait_s")
 
     def __init__(self, copy: Callable[[], None], note: Optional[Callable[[], None]], source: Any, after: Any) -> None:
         self.copy, self.note, self.source, self.after = copy, note, source, after
@@ -27,6 +28,7 @@ class _Copy:
         # perf_counter: queued by the engine thread, taken by the copy thread, every copy enqueued on the stream
         self.queued_at = time.perf_counter()
         self.started_at = self.enqueued_at = self.queued_at
+        self.host_s = self.wait_s = 0.0  # of the enqueueing: the CPU copies into page-locked buffers, the waits for one
 
 
 class PinnedStager:
@@ -50,6 +52,8 @@ class PinnedStager:
         self._done: list[Optional[Any]] = [None] * buffers  # the event after the last copy out of each buffer
         self._i = 0
         self._used = 0
+        # seconds so far in the CPU copies into the buffers and in waits for a buffer's copies to leave it
+        self.host_s = self.wait_s = 0.0
 
     def put_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         """``dsts[i].copy_(srcs[i])`` for every i on the current (side) stream, sources on the host: two batched
@@ -79,7 +83,9 @@ class PinnedStager:
     def _flush(dsts: list, srcs: list, views: list) -> None:
         """The staged copies of the current buffer: into it on the CPU, then out of it to the device."""
         if views:
+            t0 = time.perf_counter()
             torch._foreach_copy_(views, srcs)
+            self.host_s += time.perf_counter() - t0
             torch._foreach_copy_(dsts, views, non_blocking=True)
             for lst in (dsts, srcs, views):
                 lst.clear()
@@ -89,7 +95,9 @@ class PinnedStager:
         self._i = (self._i + 1) % len(self._bufs)
         done = self._done[self._i]
         if done is not None:
+            t0 = time.perf_counter()
             done.synchronize()  # its copies have left it: it may be overwritten
+            self.wait_s += time.perf_counter() - t0
             self._done[self._i] = None
         self._used = 0
 
@@ -137,8 +145,9 @@ class SlotCopies:
         # Called on the engine thread with (slot, error) when a slot's copy failed: the slot holds nothing usable.
         self.on_failed: Optional[Callable[[int, BaseException], None]] = None
         # Called on the engine thread when a copy has completed, with its seconds in the copy thread's queue and the
-        # seconds the thread took to enqueue it (the CPU copies into the staging buffers and the waits for them).
-        self.on_timed: Optional[Callable[[float, float], None]] = None
+        # seconds the thread took to enqueue it (the CPU copies into the staging buffers and the waits for them), and
+        # of those the CPU copies and the waits (the rest: the thread's own Python, and its waits for the GIL).
+        self.on_timed: Optional[Callable[[float, float, float, float], None]] = None
 
     def put_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         """Inside an issued ``copy``: copy the host tensors ``srcs`` into the slot tensors ``dsts``, in a few batched
@@ -170,6 +179,8 @@ class SlotCopies:
         while True:
             job = self._queue.get()
             job.started_at = time.perf_counter()
+            stager = self.stager
+            host0, wait0 = (stager.host_s, stager.wait_s) if stager is not None else (0.0, 0.0)
             try:
                 self.stream.wait_event(job.after)
                 with torch.cuda.stream(self.stream):
@@ -182,6 +193,8 @@ class SlotCopies:
             except BaseException as e:  # the engine thread raises it from ready()
                 job.error = e
             job.enqueued_at = time.perf_counter()
+            if stager is not None:
+                job.host_s, job.wait_s = stager.host_s - host0, stager.wait_s - wait0
             job.issued.set()
 
     def ready(self, slot: int) -> bool:
@@ -192,7 +205,7 @@ class SlotCopies:
             return False
         self._jobs[slot] = None
         if self.on_timed is not None:
-            self.on_timed(job.started_at - job.queued_at, job.enqueued_at - job.started_at)
+            self.on_timed(job.started_at - job.queued_at, job.enqueued_at - job.started_at, job.host_s, job.wait_s)
         if job.error is not None:  # the slot is free again, and holds nothing: its owner forgets it
             if self.on_failed is None:
                 raise RuntimeError(f"copying an adapter into slot {slot} failed: {job.error}") from job.error
