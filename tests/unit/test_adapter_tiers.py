@@ -447,3 +447,43 @@ def test_a_failed_slot_copy_leaves_no_slot_holding_half_an_adapter(tiny_model_di
     copies.complete()
     _drain(engine, outs, 1)
     assert outs["late"].finish_reason == "length" and not outs["late"].error
+
+
+class FailingCopies(SlotCopies):
+    """Copies that fail on the copy thread, seen through the real ``ready`` (the engine thread's only look)."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(torch.device("cpu"), num_slots)
+        self.issued = 0
+
+    def issue(self, slot, copy, source, note=None):
+        from vlora.lora.transfers import _Copy
+
+        job = _Copy(copy, note, source, None)
+        job.error = RuntimeError("CUDA error: an illegal memory access")
+        job.issued.set()
+        self._jobs[slot] = job
+        self.issued += 1
+
+
+def test_a_request_never_runs_on_a_slot_whose_copy_failed(tiny_model_dir, root):
+    """ready() reports a failed copy and empties the slot: try_acquire must not pin that slot for the adapter (its
+    request would decode with no adapter, or another's). The request waits for a new copy, and after
+    MAX_COPY_FAILURES failures in a row it is answered with the error; the next request tries again."""
+    engine = build_engine(_cfg(tiny_model_dir, root))
+    copies = FailingCopies(2)
+    engine.loras.copies = copies
+    copies.on_failed = engine.loras._copy_failed
+    outs = {}
+    _add(engine, _req("late", lora=A), outs)
+    deadline = time.monotonic() + 30
+    while "late" not in outs:
+        assert time.monotonic() < deadline
+        assert A not in engine.loras.resident or copies._jobs[engine.loras.resident[A]] is not None
+        engine.step()
+    assert outs["late"].error and "copying it into device memory failed 3 times" in outs["late"].error
+    assert copies.issued == engine.loras.MAX_COPY_FAILURES and A not in engine.loras.resident
+    engine.loras.copies = SlotCopies(torch.device("cpu"), 2)  # the device recovers: the next request is served
+    _add(engine, _req("next", lora=A), outs)
+    _drain(engine, outs, 2)
+    assert outs["next"].finish_reason == "length" and not outs["next"].error

@@ -137,6 +137,7 @@ class LoraManager:
 
         # Engine thread only (_slot_of is also read under _lock by host-tier eviction, so it is written under it).
         self._slot_of: dict[str, int] = {}
+        self._copy_errors: dict[str, tuple[int, str]] = {}  # adapter -> (failed slot copies in a row, the last error)
         self._name_in: list[Optional[str]] = [None] * cfg.max_gpu_adapters
         self._version_in: list[str] = [""] * cfg.max_gpu_adapters  # the weights' version in each slot
         self._pins = [0] * cfg.max_gpu_adapters
@@ -290,15 +291,20 @@ class LoraManager:
         """
         if name is None:
             return -1
+        self._raise_copy_error(name)
         slot = self._slot_of.get(name)
         if slot is None:
             free = next((s for s in self._slot_lru if self._pins[s] == 0 and self.copies.ready(s)), None)
+            self._raise_copy_error(name)  # ready() may have seen its copy fail
             w = self._host_copy(name, take=free is not None)  # starts the read even while no slot is free
             if w is None or free is None:
                 return None
             slot = free
             self._fill_slot(slot, name, w)
         if not self.copies.ready(slot):
+            return None
+        if self._name_in[slot] != name:  # ready() saw its copy fail and emptied the slot
+            self._raise_copy_error(name)
             return None
         self._pins[slot] += 1
         self._slot_lru.move_to_end(slot)
@@ -573,6 +579,7 @@ class LoraManager:
         issued = time.perf_counter()
 
         def note() -> None:  # on the engine thread, once the copy is complete
+            self._copy_errors.pop(name, None)
             self.metrics.stage("adapter_copy", time.perf_counter() - issued)
             for wrapper, pair in layers:
                 wrapper.note_slot(slot, 0 if pair is None else pair.rank, 0.0 if pair is None else pair.scale)
@@ -602,10 +609,25 @@ class LoraManager:
 
     def _copy_failed(self, slot: int, error: BaseException) -> None:
         """Engine thread: the copy into ``slot`` failed (a CUDA error on the copy thread). The slot holds nothing
-        usable: its adapter is forgotten there, and the next request for it fills a slot again."""
-        log.error("copying adapter %s into device slot %d failed: %s: %s", self._name_in[slot], slot,
-                  type(error).__name__, error)
+        usable (it must never be read as if it held the adapter): its adapter is forgotten there, and the request
+        waiting on it fills a slot again, up to ``MAX_COPY_FAILURES`` times in a row, then gets the error."""
+        name = self._name_in[slot]
+        log.error("copying adapter %s into device slot %d failed: %s: %s", name, slot, type(error).__name__, error)
+        if name is not None:
+            failed = self._copy_errors.get(name, (0, ""))[0] + 1
+            self._copy_errors[name] = (failed, f"adapter {name!r}: copying it into device memory failed {failed} times "
+                                               f"in a row ({type(error).__name__}: {str(error)[:200]})")
         self._empty_slot(slot)
+
+    MAX_COPY_FAILURES = 3
+
+    def _raise_copy_error(self, name: str) -> None:
+        """Engine thread: after ``MAX_COPY_FAILURES`` failed copies of ``name`` in a row, the request waiting on it
+        gets the error (a later request tries again); before that it waits for a slot to be filled again."""
+        failed, error = self._copy_errors.get(name, (0, ""))
+        if failed >= self.MAX_COPY_FAILURES:
+            del self._copy_errors[name]
+            raise AdapterError(error)
 
     def _empty_slot(self, slot: int) -> None:
         """Engine thread: forget the adapter in ``slot`` (an unload, a failed copy); the slot is the next one filled."""

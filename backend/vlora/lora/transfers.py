@@ -79,8 +79,7 @@ class PinnedStager:
         if direct[0]:
             torch._foreach_copy_(direct[0], direct[1], non_blocking=True)
 
-    @staticmethod
-    def _flush(dsts: list, srcs: list, views: list) -> None:
+    def _flush(self, dsts: list, srcs: list, views: list) -> None:
         """The staged copies of the current buffer: into it on the CPU, then out of it to the device."""
         if views:
             t0 = time.perf_counter()
