@@ -59,6 +59,9 @@ class LoraConfig:
     # the model family lists (vlora.models.base.ModelFamily.vision_lora_modules); off: adapters that target them are refused at load.
     vision_lora: bool = True
     load_timeout_s: float = 30.0  # an adapter read (on the loader threads) that takes longer is refused
+    # Page-locked host memory (MiB, on CUDA, allocated at start) where adapters read from disk land before their
+    # first slot copy, which is then asynchronous (vlora.lora.transfers.PinnedLanding); 0: none.
+    pinned_landing_mb: int = 1024
     # An unload waits this long for the adapter's running and waiting requests to finish, then answers
     # with state "unloading" (the unload still completes when the last one finishes; 0: answer at once).
     unload_timeout_s: float = 30.0
@@ -72,6 +75,8 @@ class LoraConfig:
         _require(self.admin_token_file is None or (isinstance(self.admin_token_file, str) and self.admin_token_file),
                  "lora.admin_token_file must be a file path or null")
         _require(self.load_timeout_s > 0, "lora.load_timeout_s must be > 0")
+        _require(isinstance(self.pinned_landing_mb, int) and 0 <= self.pinned_landing_mb <= (1 << 20),
+                 "lora.pinned_landing_mb must be an integer number of MiB >= 0")
         _require(self.unload_timeout_s >= 0, "lora.unload_timeout_s must be >= 0")
         _require(self.max_cpu_adapters >= self.max_gpu_adapters, "lora.max_cpu_adapters must be >= lora.max_gpu_adapters")
         _require(1 <= self.max_rank <= 256, "lora.max_rank must be in [1, 256]")

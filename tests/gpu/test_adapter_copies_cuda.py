@@ -142,3 +142,37 @@ def test_slot_copies_zero_what_a_lower_rank_leaves_and_skip_it_for_a_full_rank()
         for layer, (wa, wb) in zip(layers, want):
             assert torch.equal(layer.lora_a[1].float().cpu(), wa)
             assert torch.equal(layer.lora_b[1].float().cpu(), wb)
+
+
+def test_a_cold_adapter_lands_in_page_locked_memory_for_its_first_copy(tiny_model_dir, demo_adapter_root):
+    """A request's cold adapter is read into the page-locked landing memory on its loader thread; its slot copy is
+    made from there (no CPU copy on the copy thread) and gives the range back. A later copy of the same adapter
+    from the host tier goes through the copy thread's staging, and the tokens are the same."""
+    engine = build_engine(EngineConfig().with_overrides({
+        "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
+        "model.dtype": "float32", "lora.max_gpu_adapters": "2", "lora.max_rank": "32", "cache.num_blocks": "256"}))
+    loras = engine.loras
+    assert loras._landing is not None and loras._landing.buf.is_pinned()
+    landed, staged = loras.landed_copies, loras.copies.stager.host_s
+    outs = {}
+
+    def run(rid):
+        engine.add_request(engine.inputs.prepare(_req(rid, lora=ADAPTER)), lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
+        deadline = time.monotonic() + 60
+        while rid not in outs:
+            assert time.monotonic() < deadline
+            engine.step()
+        assert outs[rid].finish_reason == "length" and not outs[rid].error
+
+    if ADAPTER in loras.resident:  # the warm start's adapter: out of its slot, and out of host memory
+        loras._empty_slot(loras.resident[ADAPTER])
+    with loras._lock:
+        loras._host.pop(ADAPTER, None)
+        loras._pending.pop(ADAPTER, None)
+    run("cold")
+    assert loras.landed_copies == landed + 1 and loras.copies.stager.host_s == staged
+    assert loras._landing.free_bytes == loras._landing.nbytes
+    loras._empty_slot(loras.resident[ADAPTER])  # its next copy comes from the host tier
+    run("host")
+    assert loras.landed_copies == landed + 1 and loras.copies.stager.host_s > staged
+    assert outs["host"].text == outs["cold"].text

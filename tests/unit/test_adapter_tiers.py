@@ -33,17 +33,19 @@ class DeferredCopies(SlotCopies):
         self.queued: dict[int, object] = {}
         self.waited: list[list[int]] = []
 
-    def issue(self, slot, copy, source, note=None):
-        self.queued[slot] = (copy, note)
+    def issue(self, slot, copy, source, note=None, done=None):
+        self.queued[slot] = (copy, note, done)
 
     def ready(self, slot):
         return slot not in self.queued
 
     def complete(self):
-        for copy, note in self.queued.values():
+        for copy, note, done in self.queued.values():
             copy()
             if note is not None:
                 note()
+            if done is not None:
+                done()
         self.queued.clear()
 
     def synchronize(self):
@@ -456,10 +458,11 @@ class FailingCopies(SlotCopies):
         super().__init__(torch.device("cpu"), num_slots)
         self.issued = 0
 
-    def issue(self, slot, copy, source, note=None):
+    def issue(self, slot, copy, source, note=None, done=None):
         from vlora.lora.transfers import _Copy
 
         job = _Copy(copy, note, source, None)
+        job.done = done
         job.error = RuntimeError("CUDA error: an illegal memory access")
         job.issued.set()
         self._jobs[slot] = job
@@ -487,3 +490,70 @@ def test_a_request_never_runs_on_a_slot_whose_copy_failed(tiny_model_dir, root):
     _add(engine, _req("next", lora=A), outs)
     _drain(engine, outs, 2)
     assert outs["next"].finish_reason == "length" and not outs["next"].error
+
+
+def test_pinned_landing_takes_first_fit_ranges_and_merges_them_back():
+    from vlora.lora.transfers import PinnedLanding
+
+    land = PinnedLanding(1024, pin_memory=False)
+    a, b, c = land.take(256), land.take(512), land.take(256)
+    assert (a, b, c) == (0, 256, 768) and land.take(1) is None and land.free_bytes == 0
+    land.give(b, 512)
+    assert land.take(768) is None and land.take(256) == 256  # first fit, inside the freed range
+    land.give(a, 256)
+    land.give(c, 256)
+    land.give(256, 256)
+    assert land.free_bytes == 1024 and land.take(1024) == 0  # coalesced back into one range
+    land.give(0, 1024)
+    src = [torch.arange(6, dtype=torch.float32).view(2, 3), torch.ones(5, dtype=torch.bfloat16)]
+    start = land.take(PinnedLanding.size_of(src))
+    views = land.land(start, src)
+    assert PinnedLanding.size_of(src) == 512 and all(torch.equal(v, s) and v.dtype == s.dtype for v, s in zip(views, src))
+
+
+def _with_landing(engine, nbytes):
+    from vlora.lora.transfers import PinnedLanding
+
+    engine.loras._landing = PinnedLanding(nbytes, pin_memory=False)  # what a CUDA engine makes at start, page-locked
+    return engine.loras._landing
+
+
+def test_a_cold_read_lands_for_its_first_slot_copy_and_gives_the_range_back(tiny_model_dir, root):
+    """A read for a request lands in the landing memory; its slot copy reads the landed copy, gives the range back
+    once complete, and the tokens equal those of a server without landing memory."""
+    plain = build_engine(_cfg(tiny_model_dir, root))
+    want = {}
+    _add(plain, _req("ref", lora=A), want)
+    _drain(plain, want, 1)
+
+    engine = build_engine(_cfg(tiny_model_dir, root))
+    copies = DeferredCopies(2)
+    engine.loras.copies = copies
+    land = _with_landing(engine, 16 << 20)
+    outs = {}
+    _add(engine, _req("late", lora=A), outs)
+    deadline = time.monotonic() + 30
+    while A not in engine.loras.resident:
+        assert time.monotonic() < deadline
+        engine.step()
+    assert engine.loras.landed_copies == 1 and land.free_bytes < land.nbytes  # held by the copy in flight
+    copies.complete()
+    assert land.free_bytes == land.nbytes
+    _drain(engine, outs, 1)
+    assert outs["late"].text == want["ref"].text and not outs["late"].error
+
+
+def test_landing_memory_full_gives_back_the_oldest_unused_landing(tiny_model_dir, root):
+    """Room for one adapter: a second read takes the first one's unused range; the first adapter's copy is then
+    made from the host tier as before. An unload gives back what it landed."""
+    engine = build_engine(_cfg(tiny_model_dir, root, **{"lora.max_cpu_adapters": 4}))
+    loras = engine.loras
+    need = max(sum(-(-t.numel() * t.element_size() // 256) * 256 for p in loras.validate(n).pairs.values()
+                   for t in (p.a, p.b)) for n in (A, B))
+    land = _with_landing(engine, need + 256)  # room for either, not both
+    loras._read_into_host(A, 0)
+    assert list(loras._landed) == [A]
+    loras._read_into_host(B, 0)
+    assert list(loras._landed) == [B]  # A's landing was given back for B's
+    loras.unload(B)
+    assert not loras._landed and land.free_bytes == land.nbytes

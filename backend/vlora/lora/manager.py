@@ -70,7 +70,7 @@ from vlora.lora.adapter import (
 )
 from vlora.lora.layers import LoraLinear
 from vlora.lora.peft_format import HostArena
-from vlora.lora.transfers import AdapterLoader, SlotCopies
+from vlora.lora.transfers import AdapterLoader, PinnedLanding, SlotCopies
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,12 @@ class LoraManager:
         # page-locking fresh memory is slow and stalls the engine's launches (SlotCopies), whose copy thread moves them.
         self._stage_for_cuda = self.copies.cuda
         self.copies.on_failed = self._copy_failed
+        # Where fresh reads land for their first slot copy (PinnedLanding), and what has landed: adapter -> its range
+        # (start, bytes), pairs there and weights' version; under _lock until a slot copy takes it.
+        self._landing: Optional[PinnedLanding] = (
+            PinnedLanding(cfg.pinned_landing_mb << 20) if self.copies.cuda and cfg.pinned_landing_mb > 0 else None)
+        self._landed: "OrderedDict[str, tuple[int, int, dict, str]]" = OrderedDict()
+        self.landed_copies = 0  # slot copies made from a landed read (engine thread)
 
         # Guarded by _lock (touched by request, loader and engine threads).
         self._lock = threading.Lock()
@@ -230,10 +236,44 @@ class LoraManager:
             resolve_adapter_dir(self.root, name)  # a stat: unknown names and traversal are refused here
             return None
         w = self._read_on_loader(name, epoch)
+        landed = self._land(w)
         with self._lock:
             if not self._insert_host(name, w, epoch):
+                if landed is not None:
+                    self._landing.give(landed[0], landed[1])
                 raise AdapterError(self._unloaded_message(name))
+            if landed is not None:
+                self._drop_landed(name)
+                self._landed[name] = landed
         return w
+
+    def _land(self, w: AdapterWeights) -> Optional[tuple[int, int, dict, str]]:
+        """Loader thread: a copy of ``w``'s LoRA weights in the page-locked landing memory for its first slot copy
+        (start, bytes, pairs, version), or None (no landing memory, or no room even after giving back what landed
+        longest ago and is still unused)."""
+        if self._landing is None or not w.pairs:
+            return None
+        keys = list(w.pairs)
+        srcs = [t for k in keys for t in (w.pairs[k].a, w.pairs[k].b)]
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in srcs):
+            return None
+        nbytes = PinnedLanding.size_of(srcs)
+        start = self._landing.take(nbytes)
+        while start is None:
+            with self._lock:
+                if not self._landed:
+                    return None
+                self._drop_landed(next(iter(self._landed)))
+            start = self._landing.take(nbytes)
+        views = self._landing.land(start, srcs)
+        pairs = {k: LoraPair(a=views[2 * i], b=views[2 * i + 1], scale=w.pairs[k].scale) for i, k in enumerate(keys)}
+        return start, nbytes, pairs, w.version
+
+    def _drop_landed(self, name: str) -> None:
+        """Under the lock: give back what ``name`` has landed, unused."""
+        landed = self._landed.pop(name, None)
+        if landed is not None:
+            self._landing.give(landed[0], landed[1])
 
     def load(self, name: str) -> bool:
         """Make ``name`` servable (again): read and check it into the host tier; a client's ``load``.
@@ -366,6 +406,7 @@ class LoraManager:
             self._epoch[name] = self._epoch.get(name, 0) + 1
             self._pending.pop(name, None)  # a read in flight is discarded by the epoch
             self._in_memory.pop(name, None)
+            self._drop_landed(name)
             dropped_host = self._host.pop(name, None) is not None
         if dropped_host:
             self.metrics.adapter_swap(HOST_EVICTION, name)
@@ -465,10 +506,44 @@ class LoraManager:
         except Exception as e:  # reaches the waiting request as its error, never the engine loop
             log.exception("reading adapter %s failed", name)
             raise AdapterError(f"adapter {name!r}: cannot be loaded ({type(e).__name__}: {e})") from None
+        landed = self._land(w)
         with self._lock:
             if not self._insert_host(name, w, epoch):
+                if landed is not None:
+                    self._landing.give(landed[0], landed[1])
                 raise AdapterError(self._unloaded_message(name))
+            if landed is not None:
+                self._drop_landed(name)
+                self._landed[name] = landed
         return w
+
+    def _land(self, w: AdapterWeights) -> Optional[tuple[int, int, dict, str]]:
+        """Loader thread: a copy of ``w``'s LoRA weights in the page-locked landing memory for its first slot copy
+        (start, bytes, pairs, version), or None (no landing memory, or no room even after giving back what landed
+        longest ago and is still unused)."""
+        if self._landing is None or not w.pairs:
+            return None
+        keys = list(w.pairs)
+        srcs = [t for k in keys for t in (w.pairs[k].a, w.pairs[k].b)]
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in srcs):
+            return None
+        nbytes = PinnedLanding.size_of(srcs)
+        start = self._landing.take(nbytes)
+        while start is None:
+            with self._lock:
+                if not self._landed:
+                    return None
+                self._drop_landed(next(iter(self._landed)))
+            start = self._landing.take(nbytes)
+        views = self._landing.land(start, srcs)
+        pairs = {k: LoraPair(a=views[2 * i], b=views[2 * i + 1], scale=w.pairs[k].scale) for i, k in enumerate(keys)}
+        return start, nbytes, pairs, w.version
+
+    def _drop_landed(self, name: str) -> None:
+        """Under the lock: give back what ``name`` has landed, unused."""
+        landed = self._landed.pop(name, None)
+        if landed is not None:
+            self._landing.give(landed[0], landed[1])
 
     def _read_on_loader(self, name: str, epoch: int) -> AdapterWeights:
         """``_read(name)`` on a loader thread, waited for at most ``lora.load_timeout_s``. Callers that
@@ -564,7 +639,18 @@ class LoraManager:
                 del self._slot_of[old]
             self.metrics.adapter_swap(GPU_EVICTION, old)
 
-        layers = [(wrapper, w.pairs.get(key)) for key, wrapper in self.layers.items()]  # pair None: layer skipped
+        pairs, done = w.pairs, None
+        with self._lock:
+            landed = self._landed.pop(name, None)
+        if landed is not None:
+            start, nbytes, landed_pairs, version = landed
+            if version == w.version:  # its first slot copy: from page-locked memory, given back once complete
+                pairs = landed_pairs
+                self.landed_copies += 1
+                done = lambda: self._landing.give(start, nbytes)  # noqa: E731
+            else:  # landed from an older read
+                self._landing.give(start, nbytes)
+        layers = [(wrapper, pairs.get(key)) for key, wrapper in self.layers.items()]  # pair None: layer skipped
 
         entries = [(wrapper, None, None, 0.0) if pair is None else (wrapper, pair.a, pair.b, pair.scale)
                    for wrapper, pair in layers]
@@ -584,7 +670,7 @@ class LoraManager:
             for wrapper, pair in layers:
                 wrapper.note_slot(slot, 0 if pair is None else pair.rank, 0.0 if pair is None else pair.scale)
 
-        self.copies.issue(slot, copy, w, note)
+        self.copies.issue(slot, copy, (w, pairs), note, done)
         # Heads are small: copied on the compute stream, where they are read.
         self._heads_in[slot] = {t: (h.to(self.device) if self.device is not None else h) for t, h in w.heads.items()}
         self._name_in[slot] = name

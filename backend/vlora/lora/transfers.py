@@ -18,7 +18,7 @@ class _Copy:
     ``after``; ``note`` (the slot's host-side bookkeeping) runs on the engine thread once it is complete."""
 
     __slots__ = ("copy", "note", "source", "after", "event", "issued", "error", "queued_at", "started_at", "enqueued_at",
-                 "host_s", "wait_s")
+                 "host_s", "wait_s", "done")
 
     def __init__(self, copy: Callable[[], None], note: Optional[Callable[[], None]], source: Any, after: Any) -> None:
         self.copy, self.note, self.source, self.after = copy, note, source, after
@@ -29,6 +29,7 @@ class _Copy:
         self.queued_at = time.perf_counter()
         self.started_at = self.enqueued_at = self.queued_at
         self.host_s = self.wait_s = 0.0  # of the enqueueing: the CPU copies into page-locked buffers, the waits for one
+        self.done: Optional[Callable[[], None]] = None  # on the engine thread once it completed or failed
 
 
 class PinnedStager:
@@ -110,6 +111,71 @@ class PinnedStager:
             self._done[self._i] = event
 
 
+class PinnedLanding:
+    """Page-locked host memory where an adapter read from disk lands, on its loader thread, before its first copy
+    into a slot: one range per adapter, taken by ``take`` and given back once that copy has completed.
+
+    The host tier keeps its copies in pageable memory (SlotCopies says why), so a slot copy from it goes through
+    the copy thread's staging: one CPU copy of the whole adapter on that one thread (about 80 ms for a 134 MB
+    rank-64 q/k/v/o adapter on an H200's busy host), adapter after adapter; 32 cold adapters queued behind each
+    other for a second. A landed copy is made by the loader threads, side by side, and its slot copy is
+    asynchronous from page-locked memory. Allocated and page-locked once, at start (``nbytes``): page-locking
+    fresh memory later would stall the engine's launches. A read that finds no room is served as before."""
+
+    ALIGN = 256
+
+    def __init__(self, nbytes: int, pin_memory: bool = True) -> None:
+        self.nbytes = nbytes
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # (start, size), sorted, coalesced
+        self._lock = threading.Lock()
+
+    @classmethod
+    def size_of(cls, tensors: Sequence[torch.Tensor]) -> int:
+        return sum(-(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN for t in tensors)
+
+    def take(self, nbytes: int) -> Optional[int]:
+        """The start of a free range of ``nbytes`` (first fit), or None when there is no room."""
+        with self._lock:
+            for i, (start, size) in enumerate(self._free):
+                if size >= nbytes:
+                    if size == nbytes:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (start + nbytes, size - nbytes)
+                    return start
+        return None
+
+    def give(self, start: int, nbytes: int) -> None:
+        """The range back, merged with its free neighbours."""
+        with self._lock:
+            free = self._free
+            i = next((k for k, (s, _) in enumerate(free) if s > start), len(free))
+            free.insert(i, (start, nbytes))
+            if i + 1 < len(free) and start + nbytes == free[i + 1][0]:
+                free[i] = (start, nbytes + free[i + 1][1])
+                del free[i + 1]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == start:
+                free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
+                del free[i]
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(size for _, size in self._free)
+
+    def land(self, start: int, srcs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``srcs`` (host tensors) in the range at ``start`` (``size_of(srcs)`` bytes), in one call."""
+        views, at = [], start
+        for t in srcs:
+            n = t.numel() * t.element_size()
+            views.append(self.buf[at:at + n].view(t.dtype).view(t.shape))
+            at += -(-n // self.ALIGN) * self.ALIGN
+        if views:
+            torch._foreach_copy_(views, list(srcs))
+        return views
+
+
 class SlotCopies:
     """Host-to-device copies into adapter slots, off the engine thread: on CUDA a copy thread runs each
     slot's copies on a side stream and records an event; the engine thread only queues them and asks.
@@ -126,7 +192,7 @@ class SlotCopies:
     """
 
     # The page-locked staging of the copy thread: two buffers, each a slot's bytes (one adapter) up to this.
-    MAX_STAGE_BYTES = 512 << 20
+    MAX_STAGE_BYTES = 256 << 20
 
     def __init__(self, device: Optional[torch.device], num_slots: int, stage_bytes: int = 32 << 20) -> None:
         """``stage_bytes``: what one adapter's copy stages (a slot's bytes; LoraManager says), for the size of the
@@ -156,17 +222,25 @@ class SlotCopies:
         else:
             self.stager.put_many(dsts, srcs)
 
-    def issue(self, slot: int, copy: Callable[[], None], source: Any, note: Optional[Callable[[], None]] = None) -> None:
+    def issue(self, slot: int, copy: Callable[[], None], source: Any, note: Optional[Callable[[], None]] = None,
+              done: Optional[Callable[[], None]] = None) -> None:
+        """``done``: run on the engine thread once the copy has completed or failed (what its sources may be
+        given back to)."""
         if not self.cuda:
-            copy()
-            if note is not None:
-                note()
+            try:
+                copy()
+                if note is not None:
+                    note()
+            finally:
+                if done is not None:
+                    done()
             return
         # The side stream waits for work already queued on the compute stream: a step that read this slot's
         # previous adapter is ordered before the copy that overwrites it.
         after = torch.cuda.Event()
         after.record(torch.cuda.current_stream(self.device))
         job = _Copy(copy, note, source, after)
+        job.done = done
         self._jobs[slot] = job
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="vlora-adapter-copies", daemon=True)
@@ -203,6 +277,8 @@ class SlotCopies:
         if not job.issued.is_set() or (job.event is not None and not job.event.query()):
             return False
         self._jobs[slot] = None
+        if job.done is not None:
+            job.done()
         if self.on_timed is not None:
             self.on_timed(job.started_at - job.queued_at, job.enqueued_at - job.started_at, job.host_s, job.wait_s)
         if job.error is not None:  # the slot is free again, and holds nothing: its owner forgets it
