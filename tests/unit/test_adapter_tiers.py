@@ -544,8 +544,8 @@ def test_a_cold_read_lands_for_its_first_slot_copy_and_gives_the_range_back(tiny
 
 
 def test_landing_memory_full_gives_back_the_oldest_unused_landing(tiny_model_dir, root):
-    """Room for one adapter: a second read takes the first one's unused range; the first adapter's copy is then
-    made from the host tier as before. An unload gives back what it landed."""
+    """Room for one adapter: a second read finds no room while the first landing is young, and takes its range once
+    it has gone unused past lora.load_timeout_s. An unload gives back what it landed."""
     engine = build_engine(_cfg(tiny_model_dir, root, **{"lora.max_cpu_adapters": 4}))
     loras = engine.loras
     need = max(sum(-(-t.numel() * t.element_size() // 256) * 256 for p in loras.validate(n).pairs.values()
@@ -553,6 +553,9 @@ def test_landing_memory_full_gives_back_the_oldest_unused_landing(tiny_model_dir
     land = _with_landing(engine, need + 256)  # room for either, not both
     loras._read_into_host(A, 0)
     assert list(loras._landed) == [A]
+    loras._read_into_host(B, 0)
+    assert list(loras._landed) == [A]  # A's landing is young: the next copy of a burst; B is served as before
+    loras._landed[A] = loras._landed[A][:4] + (time.monotonic() - 3600,)  # unused for an hour: its request went away
     loras._read_into_host(B, 0)
     assert list(loras._landed) == [B]  # A's landing was given back for B's
     loras.unload(B)

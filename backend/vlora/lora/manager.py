@@ -124,7 +124,7 @@ class LoraManager:
         # (start, bytes), pairs there and weights' version; under _lock until a slot copy takes it.
         self._landing: Optional[PinnedLanding] = (
             PinnedLanding(cfg.pinned_landing_mb << 20) if self.copies.cuda and cfg.pinned_landing_mb > 0 else None)
-        self._landed: "OrderedDict[str, tuple[int, int, dict, str]]" = OrderedDict()
+        self._landed: "OrderedDict[str, tuple[int, int, dict, str, float]]" = OrderedDict()  # ..., landed at (monotonic)
         self.landed_copies = 0  # slot copies made from a landed read (engine thread)
 
         # Guarded by _lock (touched by request, loader and engine threads).
@@ -247,10 +247,11 @@ class LoraManager:
                 self._landed[name] = landed
         return w
 
-    def _land(self, w: AdapterWeights) -> Optional[tuple[int, int, dict, str]]:
+    def _land(self, w: AdapterWeights) -> Optional[tuple[int, int, dict, str, float]]:
         """Loader thread: a copy of ``w``'s LoRA weights in the page-locked landing memory for its first slot copy
-        (start, bytes, pairs, version), or None (no landing memory, or no room even after giving back what landed
-        longest ago and is still unused)."""
+        (start, bytes, pairs, version, when), or None: no landing memory, or no room. Landings still unused after
+        ``lora.load_timeout_s`` (their request went away) are given back to make room; younger ones are kept, as the
+        oldest landing is the next slot copy of a burst."""
         if self._landing is None or not w.pairs:
             return None
         keys = list(w.pairs)
@@ -261,13 +262,14 @@ class LoraManager:
         start = self._landing.take(nbytes)
         while start is None:
             with self._lock:
-                if not self._landed:
+                oldest = next(iter(self._landed), None)
+                if oldest is None or time.monotonic() - self._landed[oldest][4] < self.cfg.load_timeout_s:
                     return None
-                self._drop_landed(next(iter(self._landed)))
+                self._drop_landed(oldest)
             start = self._landing.take(nbytes)
         views = self._landing.land(start, srcs)
         pairs = {k: LoraPair(a=views[2 * i], b=views[2 * i + 1], scale=w.pairs[k].scale) for i, k in enumerate(keys)}
-        return start, nbytes, pairs, w.version
+        return start, nbytes, pairs, w.version, time.monotonic()
 
     def _drop_landed(self, name: str) -> None:
         """Under the lock: give back what ``name`` has landed, unused."""
@@ -517,10 +519,11 @@ class LoraManager:
                 self._landed[name] = landed
         return w
 
-    def _land(self, w: AdapterWeights) -> Optional[tuple[int, int, dict, str]]:
+    def _land(self, w: AdapterWeights) -> Optional[tuple[int, int, dict, str, float]]:
         """Loader thread: a copy of ``w``'s LoRA weights in the page-locked landing memory for its first slot copy
-        (start, bytes, pairs, version), or None (no landing memory, or no room even after giving back what landed
-        longest ago and is still unused)."""
+        (start, bytes, pairs, version, when), or None: no landing memory, or no room. Landings still unused after
+        ``lora.load_timeout_s`` (their request went away) are given back to make room; younger ones are kept, as the
+        oldest landing is the next slot copy of a burst."""
         if self._landing is None or not w.pairs:
             return None
         keys = list(w.pairs)
@@ -531,13 +534,14 @@ class LoraManager:
         start = self._landing.take(nbytes)
         while start is None:
             with self._lock:
-                if not self._landed:
+                oldest = next(iter(self._landed), None)
+                if oldest is None or time.monotonic() - self._landed[oldest][4] < self.cfg.load_timeout_s:
                     return None
-                self._drop_landed(next(iter(self._landed)))
+                self._drop_landed(oldest)
             start = self._landing.take(nbytes)
         views = self._landing.land(start, srcs)
         pairs = {k: LoraPair(a=views[2 * i], b=views[2 * i + 1], scale=w.pairs[k].scale) for i, k in enumerate(keys)}
-        return start, nbytes, pairs, w.version
+        return start, nbytes, pairs, w.version, time.monotonic()
 
     def _drop_landed(self, name: str) -> None:
         """Under the lock: give back what ``name`` has landed, unused."""
@@ -643,7 +647,7 @@ class LoraManager:
         with self._lock:
             landed = self._landed.pop(name, None)
         if landed is not None:
-            start, nbytes, landed_pairs, version = landed
+            start, nbytes, landed_pairs, version, _ = landed
             if version == w.version:  # its first slot copy: from page-locked memory, given back once complete
                 pairs = landed_pairs
                 self.landed_copies += 1
