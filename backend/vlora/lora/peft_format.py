@@ -34,6 +34,7 @@ import torch
 
 from vlora.errors import InvalidRequest
 from vlora.files import FileTooLarge, OneRead
+from vlora.lora.carve import carve
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -224,33 +225,19 @@ def _parse_safetensors(data, header: Mapping[str, Any], header_len: int, where: 
     if header_len + end != len(data):
         raise _invalid_weights(where, f"its tensors end at byte {header_len + end} of {len(data)}")
     out: dict[str, torch.Tensor] = {}
-    flat: dict[torch.dtype, torch.Tensor] = {}  # all of data as each dtype: torch.frombuffer keeps the GIL
-    rows: dict[tuple[torch.dtype, tuple[int, ...], int], torch.Tensor] = {}  # (dtype, shape[1:], phase) -> rows
+    carved: list[tuple[str, tuple[int, torch.dtype, Sequence[int]]]] = []  # aligned tensors, cut out below at once
     for begin, stop, key, dtype, shape in entries:
         at = header_len + begin
-        count = (stop - begin) // dtype.itemsize
-        if count == 0:
+        if stop == begin:
             out[key] = torch.empty(shape, dtype=dtype)
         elif at % dtype.itemsize:
             out[key] = torch.frombuffer(bytearray(memoryview(data)[at:stop + header_len]), dtype=dtype).view(shape)
         else:
-            if dtype not in flat:
-                flat[dtype] = torch.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
-            first = at // dtype.itemsize  # the tensor's first element in flat[dtype]
-            if len(shape) < 2:
-                out[key] = flat[dtype][first:first + count] if shape else flat[dtype][first]
-                continue
-            # A view of flat[dtype] as rows of shape[1:], starting at this tensor's phase: the tensor is rows
-            # [first // width, + shape[0]) of it, an indexing that keeps the GIL, where a .view(shape) per
-            # tensor would release it (the rows views are a few per file: one per dtype, row shape and phase).
-            width = math.prod(shape[1:])
-            phase = first % width
-            base = rows.get((dtype, tuple(shape[1:]), phase))
-            if base is None:
-                whole = (flat[dtype].numel() - phase) // width
-                base = rows[(dtype, tuple(shape[1:]), phase)] = (
-                    flat[dtype][phase:phase + whole * width].view(whole, *shape[1:]))
-            out[key] = base[first // width:first // width + shape[0]]
+            carved.append((key, (at // dtype.itemsize, dtype, shape)))
+    # torch.frombuffer keeps the GIL; the rows views of carve are a few per file
+    views = carve(lambda dtype: torch.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize),
+                  [item for _, item in carved])
+    out.update((key, view) for (key, _), view in zip(carved, views))
     return out
 
 

@@ -12,6 +12,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from vlora.lora.carve import carve_bytes
+
 
 class _Copy:
     """One slot's copy on the copy thread: its data moves (``copy``) once the compute stream has passed
@@ -57,22 +59,32 @@ class PinnedStager:
         self.host_s = self.wait_s = 0.0
 
     def put_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        """``dsts[i].copy_(srcs[i])`` for every i on the current (side) stream, sources on the host: two batched
-        calls per buffer filled (the CPU copies into it, then the asynchronous copies out of it), not two per
-        tensor. Each call releases and takes back the GIL once; beside a busy engine thread a thread waits for
-        it at every call, and an adapter's slot copy is 256 tensors (rank-64 q/k/v/o, 32 layers)."""
+        """``dsts[i].copy_(srcs[i])`` for every i on the current (side) stream, sources on the host: a few batched
+        calls per buffer filled (its views carved at once, the CPU copies into it, then the asynchronous copies
+        out of it), not a few per tensor. Each call releases and takes back the GIL once; beside a busy engine
+        thread a thread waits for it at every call, and an adapter's slot copy is 256 tensors (rank-64 q/k/v/o,
+        32 layers). Whether a source is page-locked is asked once per storage (``is_pinned`` is such a call)."""
         direct: tuple[list, list] = ([], [])
-        staged: tuple[list, list, list] = ([], [], [])  # destinations, sources, their views of the current buffer
+        staged: tuple[list, list, list] = ([], [], [])  # destinations, sources, (offset, dtype, shape) in the buffer
+        pinned: dict[int, bool] = {}  # storage address -> page-locked
         for dst, src in zip(dsts, srcs):
             n = src.numel() * src.element_size()
-            if n == 0 or n > self.nbytes or src.device.type != "cpu" or not src.is_contiguous() or src.is_pinned():
+            if n == 0 or n > self.nbytes or src.device.type != "cpu" or not src.is_contiguous():
+                direct[0].append(dst)
+                direct[1].append(src)
+                continue
+            storage = src.untyped_storage().data_ptr()
+            locked = pinned.get(storage)
+            if locked is None:
+                locked = pinned[storage] = src.is_pinned()
+            if locked:
                 direct[0].append(dst)
                 direct[1].append(src)
                 continue
             if self._used + n > self.nbytes:
                 self._flush(*staged)
                 self._next()
-            staged[2].append(self._bufs[self._i][self._used:self._used + n].view(src.dtype).view(src.shape))
+            staged[2].append((self._used, src.dtype, src.shape))
             staged[0].append(dst)
             staged[1].append(src)
             self._used += -(-n // 256) * 256
@@ -80,14 +92,15 @@ class PinnedStager:
         if direct[0]:
             torch._foreach_copy_(direct[0], direct[1], non_blocking=True)
 
-    def _flush(self, dsts: list, srcs: list, views: list) -> None:
+    def _flush(self, dsts: list, srcs: list, places: list) -> None:
         """The staged copies of the current buffer: into it on the CPU, then out of it to the device."""
-        if views:
+        if places:
+            views = carve_bytes(self._bufs[self._i], places)
             t0 = time.perf_counter()
             torch._foreach_copy_(views, srcs)
             self.host_s += time.perf_counter() - t0
             torch._foreach_copy_(dsts, views, non_blocking=True)
-            for lst in (dsts, srcs, views):
+            for lst in (dsts, srcs, places):
                 lst.clear()
 
     def _next(self) -> None:
@@ -165,15 +178,22 @@ class PinnedLanding:
             return sum(size for _, size in self._free)
 
     def land(self, start: int, srcs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of ``srcs`` (host tensors) in the range at ``start`` (``size_of(srcs)`` bytes), in one call."""
-        views, at = [], start
+        """Copies of ``srcs`` (host tensors) in the range at ``start`` (``size_of(srcs)`` bytes), in a few calls
+        (the views carved at once, then one copy)."""
+        places, at = [], start
         for t in srcs:
-            n = t.numel() * t.element_size()
-            views.append(self.buf[at:at + n].view(t.dtype).view(t.shape))
-            at += -(-n // self.ALIGN) * self.ALIGN
-        if views:
-            torch._foreach_copy_(views, list(srcs))
-        return views
+            places.append((at, t.dtype, t.shape))
+            at += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        some = [i for i, t in enumerate(srcs) if t.numel()]
+        views: list[Optional[torch.Tensor]] = [None] * len(srcs)
+        for i, v in zip(some, carve_bytes(self.buf, [places[i] for i in some])):
+            views[i] = v
+        for i, t in enumerate(srcs):
+            if views[i] is None:
+                views[i] = torch.empty(t.shape, dtype=t.dtype)
+        if some:
+            torch._foreach_copy_([views[i] for i in some], [srcs[i] for i in some])
+        return views  # type: ignore[return-value]
 
 
 class SlotCopies:
@@ -197,8 +217,10 @@ class SlotCopies:
     def __init__(self, device: Optional[torch.device], num_slots: int, stage_bytes: int = 32 << 20) -> None:
         """``stage_bytes``: what one adapter's copy stages (a slot's bytes; LoraManager says), for the size of the
         page-locked buffers, made here on CUDA (page-locking them at start, not at the first cold adapter)."""
-        self.device = device
         self.cuda = device is not None and device.type == "cuda"
+        if self.cuda and device.index is None:  # the copy thread sets it as its device: it needs the index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self._jobs: list[Optional[_Copy]] = [None] * num_slots
         self._queue: "queue.SimpleQueue[_Copy]" = queue.SimpleQueue()
