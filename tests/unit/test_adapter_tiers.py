@@ -560,3 +560,54 @@ def test_landing_memory_full_gives_back_the_oldest_unused_landing(tiny_model_dir
     assert list(loras._landed) == [B]  # A's landing was given back for B's
     loras.unload(B)
     assert not loras._landed and land.free_bytes == land.nbytes
+
+
+class InlineDeviceCopies(SlotCopies):
+    """A CUDA server's slot copies, run inline on a CPU: the manager takes its device path (a copy plan per slot,
+    the sources and scales in its order, landed sources copied as page-locked ones)."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(torch.device("cpu"), num_slots)
+        self.cuda = True
+        self.put_calls: list[str] = []
+
+    def put_many(self, dsts, srcs):
+        self.put_calls.append("staged")
+        torch._foreach_copy_(list(dsts), list(srcs))
+
+    def put_pinned(self, dsts, srcs):
+        self.put_calls.append("pinned")
+        torch._foreach_copy_(list(dsts), list(srcs))
+
+    def issue(self, slot, copy, source, note=None, done=None):
+        copy()
+        note()
+        if done is not None:
+            done()
+
+    def wait(self, slots):  # every copy ran inline: nothing for a stream to wait on
+        pass
+
+
+def test_the_device_copy_path_plans_once_per_slot_and_ranks_and_matches_the_cpu_copies(tiny_model_dir, root):
+    """The copy thread's path (LoraLinear.copy_plan, made on the engine thread, reused while a slot's ranks stay):
+    adapters of different ranks in turn in one slot, the first read landed, the same tokens as the CPU copies."""
+    plain = build_engine(_cfg(tiny_model_dir, root, **{"lora.max_gpu_adapters": 1}))
+    engine = build_engine(_cfg(tiny_model_dir, root, **{"lora.max_gpu_adapters": 1}))
+    copies = InlineDeviceCopies(1)
+    engine.loras.copies = copies
+    _with_landing(engine, 16 << 20)
+    for i, name in enumerate([A, B, A, A]):
+        want, got = {}, {}
+        _add(plain, _req(f"p{i}", lora=name), want)
+        _drain(plain, want, 1)
+        if i == 3:  # out of its slot: copied again from the host tier with the plan cached for its ranks
+            engine.loras._empty_slot(0)
+        _add(engine, _req(f"e{i}", lora=name), got)
+        _drain(engine, got, 1)
+        assert got[f"e{i}"].text == want[f"p{i}"].text and not got[f"e{i}"].error
+    # A and B landed at their first reads; A's second and third copies came from the host tier (the second a new
+    # plan, as B's ranks were in the slot, the third the cached one)
+    assert copies.put_calls == ["pinned", "pinned", "staged", "staged"]
+    assert engine.loras._copy_plans[0][0] == tuple(0 if p is None else p.rank for p in [
+        engine.loras._host[A].pairs.get(k) for k in engine.loras.layers])

@@ -56,6 +56,28 @@ class LoraContext:
         self.rows = False
 
 
+@dataclass
+class SlotCopyPlan:
+    """One adapter's copy into a slot (:meth:`LoraLinear.copy_plan`): the slot tensors to zero, the destinations of
+    the adapter's A and B tensors in load order, and the B destinations its scales multiply."""
+
+    zero: list
+    dsts: list
+    scaled: list
+
+    def run(self, srcs: list, scales: list, put_many: Optional[Callable[[list, list], None]] = None) -> None:
+        """Zero, copy ``srcs`` (A, B of each layer the adapter has, in the plan's order) and scale, on the current
+        stream, in three batched calls at most."""
+        if self.zero:
+            torch._foreach_zero_(self.zero)
+        if self.dsts:
+            if put_many is None:
+                torch._foreach_copy_(self.dsts, srcs, non_blocking=True)
+            else:
+                put_many(self.dsts, srcs)
+            torch._foreach_mul_(self.scaled, scales)
+
+
 class LoraLinear(nn.Module):
     """``y = base(x) + sum over segments of x @ A_s^T @ B_s^T * scale_s``.
 
@@ -122,6 +144,23 @@ class LoraLinear(nn.Module):
             self.lora_b[slot, :, :r].copy_(b.float() * float(scale))  # folded in fp32
 
     @staticmethod
+    def copy_plan(slot: int, ranks: "Sequence[tuple[LoraLinear, int]]") -> "SlotCopyPlan":
+        """What :meth:`copy_slots` writes for an adapter of these per-layer ``ranks`` (0: the layer is skipped) in
+        ``slot``: the slot tensors to zero (skipped layers, and ranks below the slots' where the copy does not
+        overwrite it all), the destinations of each layer's A and B, and the B destinations to scale. Made once per
+        (slot, ranks) and reused: the copy thread then runs no per-tensor Python, which beside busy threads runs
+        at a fraction of a core's speed (each thread holding the GIL in turn)."""
+        plan = SlotCopyPlan([], [], [])
+        for wrapper, r in ranks:
+            if r < wrapper.lora_a.shape[1]:  # a full-rank copy overwrites it all
+                plan.zero += [wrapper.lora_a[slot], wrapper.lora_b[slot]]
+            if r:
+                b_dst = wrapper.lora_b[slot, :, :r]
+                plan.dsts += [wrapper.lora_a[slot, :r], b_dst]
+                plan.scaled.append(b_dst)
+        return plan
+
+    @staticmethod
     def copy_slots(slot: int, entries: "Sequence[tuple[LoraLinear, Optional[torch.Tensor], Optional[torch.Tensor], float]]",
                    put_many: Optional[Callable[[list, list], None]] = None) -> None:
         """Copy one adapter into ``slot`` of many layers on a device, in a few batched calls (each zeroes, copies or
@@ -132,25 +171,10 @@ class LoraLinear(nn.Module):
         asynchronous copies). A thread that made one call per tensor (six per layer, a thousand for a rank-64
         q/k/v/o adapter) waited for the GIL at each beside a busy engine thread; the zeroing is skipped where a
         full-rank copy overwrites the whole slot, which saves that thread one more wait."""
-        zero, dsts, srcs, scaled, scales = [], [], [], [], []
-        for wrapper, a, b, scale in entries:
-            if a is None or b is None or a.shape[0] < wrapper.lora_a.shape[1]:  # a full-rank copy overwrites it all
-                zero += [wrapper.lora_a[slot], wrapper.lora_b[slot]]
-            if a is not None and b is not None:
-                r = a.shape[0]
-                b_dst = wrapper.lora_b[slot, :, :r]
-                dsts += [wrapper.lora_a[slot, :r], b_dst]
-                srcs += [a, b]
-                scaled.append(b_dst)
-                scales.append(float(scale))
-        if zero:
-            torch._foreach_zero_(zero)
-        if dsts:
-            if put_many is None:
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            else:
-                put_many(dsts, srcs)
-            torch._foreach_mul_(scaled, scales)
+        plan = LoraLinear.copy_plan(slot, [(w, 0 if a is None or b is None else a.shape[0]) for w, a, b, _ in entries])
+        srcs = [t for _, a, b, _ in entries if a is not None and b is not None for t in (a, b)]
+        scales = [float(scale) for _, a, b, scale in entries if a is not None and b is not None]
+        plan.run(srcs, scales, put_many)
 
     def note_slot(self, slot: int, rank: int, scale: float) -> None:
         """The host-side record of what :meth:`copy_slot` put in ``slot`` (rank 0: nothing), on the engine

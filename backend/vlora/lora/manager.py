@@ -126,6 +126,8 @@ class LoraManager:
             PinnedLanding(cfg.pinned_landing_mb << 20) if self.copies.cuda and cfg.pinned_landing_mb > 0 else None)
         self._landed: "OrderedDict[str, tuple[int, int, dict, str, float]]" = OrderedDict()  # ..., landed at (monotonic)
         self.landed_copies = 0  # slot copies made from a landed read (engine thread)
+        # Engine thread: each slot's last copy plan (LoraLinear.copy_plan), with the per-layer ranks it was made for.
+        self._copy_plans: dict[int, tuple[tuple[int, ...], Any]] = {}
 
         # Guarded by _lock (touched by request, loader and engine threads).
         self._lock = threading.Lock()
@@ -643,28 +645,37 @@ class LoraManager:
                 del self._slot_of[old]
             self.metrics.adapter_swap(GPU_EVICTION, old)
 
-        pairs, done = w.pairs, None
+        pairs, done, put = w.pairs, None, self.copies.put_many
         with self._lock:
             landed = self._landed.pop(name, None)
         if landed is not None:
             start, nbytes, landed_pairs, version, _ = landed
             if version == w.version:  # its first slot copy: from page-locked memory, given back once complete
-                pairs = landed_pairs
+                pairs, put = landed_pairs, self.copies.put_pinned
                 self.landed_copies += 1
                 done = lambda: self._landing.give(start, nbytes)  # noqa: E731
             else:  # landed from an older read
                 self._landing.give(start, nbytes)
         layers = [(wrapper, pairs.get(key)) for key, wrapper in self.layers.items()]  # pair None: layer skipped
 
-        entries = [(wrapper, None, None, 0.0) if pair is None else (wrapper, pair.a, pair.b, pair.scale)
-                   for wrapper, pair in layers]
+        if self.copies.cuda:
+            # What the copy thread runs: the plan of this slot for these ranks (made once, here), the sources in its
+            # order and the scales; no per-tensor Python on that thread.
+            ranks = tuple(0 if pair is None else pair.rank for _, pair in layers)
+            cached = self._copy_plans.get(slot)
+            if cached is None or cached[0] != ranks:
+                cached = self._copy_plans[slot] = (ranks, LoraLinear.copy_plan(slot, [
+                    (wrapper, r) for (wrapper, _), r in zip(layers, ranks)]))
+            plan = cached[1]
+            srcs = [t for _, pair in layers if pair is not None for t in (pair.a, pair.b)]
+            scales = [float(pair.scale) for _, pair in layers if pair is not None]
 
-        def copy() -> None:  # on CUDA on the copy thread: the data only, in a few batched calls
-            if self.copies.cuda:
-                LoraLinear.copy_slots(slot, entries, self.copies.put_many)
-            else:
-                for entry in entries:
-                    entry[0].copy_slot(slot, *entry[1:])
+            def copy() -> None:  # on the copy thread: the data only, in a few batched calls
+                plan.run(srcs, scales, put)
+        else:
+            def copy() -> None:
+                for wrapper, pair in layers:
+                    wrapper.copy_slot(slot, *((None, None, 0.0) if pair is None else (pair.a, pair.b, pair.scale)))
 
         issued = time.perf_counter()
 

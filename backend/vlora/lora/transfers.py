@@ -244,6 +244,11 @@ class SlotCopies:
         else:
             self.stager.put_many(dsts, srcs)
 
+    def put_pinned(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        """Inside an issued ``copy``: :meth:`put_many` for sources known to be page-locked and contiguous (a landed
+        adapter, vlora.lora.transfers.PinnedLanding): asynchronous copies in one call, nothing staged."""
+        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+
     def issue(self, slot: int, copy: Callable[[], None], source: Any, note: Optional[Callable[[], None]] = None,
               done: Optional[Callable[[], None]] = None) -> None:
         """``done``: run on the engine thread once the copy has completed or failed (what its sources may be
