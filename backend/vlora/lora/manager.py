@@ -237,47 +237,7 @@ class LoraManager:
         if not wait:
             resolve_adapter_dir(self.root, name)  # a stat: unknown names and traversal are refused here
             return None
-        w = self._read_on_loader(name, epoch)
-        landed = self._land(w)
-        with self._lock:
-            if not self._insert_host(name, w, epoch):
-                if landed is not None:
-                    self._landing.give(landed[0], landed[1])
-                raise AdapterError(self._unloaded_message(name))
-            if landed is not None:
-                self._drop_landed(name)
-                self._landed[name] = landed
-        return w
-
-    def _land(self, w: AdapterWeights) -> Optional[tuple[int, int, dict, str, float]]:
-        """Loader thread: a copy of ``w``'s LoRA weights in the page-locked landing memory for its first slot copy
-        (start, bytes, pairs, version, when), or None: no landing memory, or no room. Landings still unused after
-        ``lora.load_timeout_s`` (their request went away) are given back to make room; younger ones are kept, as the
-        oldest landing is the next slot copy of a burst."""
-        if self._landing is None or not w.pairs:
-            return None
-        keys = list(w.pairs)
-        srcs = [t for k in keys for t in (w.pairs[k].a, w.pairs[k].b)]
-        if any(t.device.type != "cpu" or not t.is_contiguous() for t in srcs):
-            return None
-        nbytes = PinnedLanding.size_of(srcs)
-        start = self._landing.take(nbytes)
-        while start is None:
-            with self._lock:
-                oldest = next(iter(self._landed), None)
-                if oldest is None or time.monotonic() - self._landed[oldest][4] < self.cfg.load_timeout_s:
-                    return None
-                self._drop_landed(oldest)
-            start = self._landing.take(nbytes)
-        views = self._landing.land(start, srcs)
-        pairs = {k: LoraPair(a=views[2 * i], b=views[2 * i + 1], scale=w.pairs[k].scale) for i, k in enumerate(keys)}
-        return start, nbytes, pairs, w.version, time.monotonic()
-
-    def _drop_landed(self, name: str) -> None:
-        """Under the lock: give back what ``name`` has landed, unused."""
-        landed = self._landed.pop(name, None)
-        if landed is not None:
-            self._landing.give(landed[0], landed[1])
+        return self._insert_read(name, self._read_on_loader(name, epoch), epoch)
 
     def load(self, name: str) -> bool:
         """Make ``name`` servable (again): read and check it into the host tier; a client's ``load``.
@@ -510,6 +470,11 @@ class LoraManager:
         except Exception as e:  # reaches the waiting request as its error, never the engine loop
             log.exception("reading adapter %s failed", name)
             raise AdapterError(f"adapter {name!r}: cannot be loaded ({type(e).__name__}: {e})") from None
+        return self._insert_read(name, w, epoch)
+
+    def _insert_read(self, name: str, w: AdapterWeights, epoch: int) -> AdapterWeights:
+        """``w``, just read, into the host tier unless ``name`` was unloaded meanwhile, and landed for its first slot
+        copy (``_land``)."""
         landed = self._land(w)
         with self._lock:
             if not self._insert_host(name, w, epoch):
@@ -522,7 +487,8 @@ class LoraManager:
         return w
 
     def _land(self, w: AdapterWeights) -> Optional[tuple[int, int, dict, str, float]]:
-        """Loader thread: a copy of ``w``'s LoRA weights in the page-locked landing memory for its first slot copy
+        """The reading thread (a loader, or ``validate``'s caller): a copy of ``w``'s LoRA weights in the page-locked
+        landing memory for its first slot copy
         (start, bytes, pairs, version, when), or None: no landing memory, or no room. Landings still unused after
         ``lora.load_timeout_s`` (their request went away) are given back to make room; younger ones are kept, as the
         oldest landing is the next slot copy of a burst."""
