@@ -488,10 +488,9 @@ class LoraManager:
 
     def _land(self, w: AdapterWeights) -> Optional[tuple[int, int, dict, str, float]]:
         """The reading thread (a loader, or ``validate``'s caller): a copy of ``w``'s LoRA weights in the page-locked
-        landing memory for its first slot copy
-        (start, bytes, pairs, version, when), or None: no landing memory, or no room. Landings still unused after
-        ``lora.load_timeout_s`` (their request went away) are given back to make room; younger ones are kept, as the
-        oldest landing is the next slot copy of a burst."""
+        landing memory for its first slot copy (start, bytes, pairs, version, when), or None: no landing memory, or
+        no room. Landings still unused after ``lora.load_timeout_s`` (their request went away) are given back to make
+        room; younger ones are kept, as the oldest landing is the next slot copy of a burst."""
         if self._landing is None or not w.pairs:
             return None
         keys = list(w.pairs)
