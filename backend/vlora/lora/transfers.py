@@ -292,6 +292,15 @@ class SlotCopies:
                 job.event = event
             except BaseException as e:  # the engine thread raises it from ready()
                 job.error = e
+                try:  # copies enqueued before the failure still read their sources and a staging buffer: ready()
+                    # waits for them before the sources are given back (job.done), and the buffer is not reused sooner
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+                    job.event = event
+                    if self.stager is not None:
+                        self.stager.close_buffer(event)
+                except BaseException:  # a device that fails this too fails everything: nothing left to protect
+                    pass
             job.enqueued_at = time.perf_counter()
             if stager is not None:
                 job.host_s, job.wait_s = stager.host_s - host0, stager.wait_s - wait0
