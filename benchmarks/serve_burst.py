@@ -380,7 +380,8 @@ def engine_figures(before: dict, after: dict) -> dict:
     if d["vlora_step_duration_seconds_sum"] > 0:
         out["engine_decode_tok_per_s"] = round(d["vlora_decode_tokens_total"] / d["vlora_step_duration_seconds_sum"], 1)
     for stage in ("queue", "prefill_step", "decode_step", "image_decode", "preprocess", "vision", "adapter_read",
-                  "adapter_copy", "adapter_copy_queue", "adapter_copy_work", "adapter_copy_host", "adapter_copy_wait"):
+                  "adapter_copy", "adapter_copy_queue", "adapter_copy_work", "adapter_copy_host", "adapter_copy_wait",
+                  "adapter_copy_h2d"):
         n = d.get(f"stage:{stage}:count", 0)
         if n:
             out[f"{stage}_ms_mean"] = round(1e3 * d[f"stage:{stage}:sum"] / n, 3)
@@ -640,7 +641,8 @@ def summary(result: dict) -> str:
                     f"{r['adapter_reads_timed']} reads), one slot copy {r.get('adapter_copy_ms_mean', 0):.0f} ms "
                     f"({r.get('adapter_copy_queue_ms_mean', 0):.0f} queued, {r.get('adapter_copy_work_ms_mean', 0):.0f} "
                     f"enqueueing: {r.get('adapter_copy_host_ms_mean', 0):.0f} CPU copies, "
-                    f"{r.get('adapter_copy_wait_ms_mean', 0):.0f} buffer waits)")
+                    f"{r.get('adapter_copy_wait_ms_mean', 0):.0f} buffer waits, "
+                    f"{r.get('adapter_copy_h2d_ms_mean', 0):.0f} enqueueing the device copies)")
         elif reads:
             rate = f"read {reads['gb_per_s_per_read']} GB/s per read (server log)"
         else:

@@ -18,10 +18,11 @@ STAGES = ("admit", "queue", "image_decode", "preprocess", "vision", "prefill_ste
 # memory, on a loader thread) and adapter_copy (its slot copy from issue to completion, on the copy thread), which
 # splits into adapter_copy_queue (behind other adapters' copies) and adapter_copy_work (the copy thread enqueueing
 # it: the CPU copies into the page-locked buffers, the waits for them) before the transfer's own end; of the work,
-# adapter_copy_host is the CPU copies and adapter_copy_wait the waits for a buffer (on CUDA; the rest is the copy
-# thread's own Python and its waits for the GIL). Only requests whose adapter was not resident pay them.
+# adapter_copy_host is the CPU copies, adapter_copy_wait the waits for a buffer and adapter_copy_h2d the calls that
+# enqueue the host-to-device copies (on CUDA; the rest is the copy thread's own Python and its waits for the GIL).
+# Only requests whose adapter was not resident pay them.
 ADAPTER_STAGES = ("adapter_read", "adapter_copy", "adapter_copy_queue", "adapter_copy_work", "adapter_copy_host",
-                  "adapter_copy_wait")
+                  "adapter_copy_wait", "adapter_copy_h2d")
 EXPORTED_STAGES = STAGES + ADAPTER_STAGES  # the server's vlora_stage_seconds series
 
 

@@ -663,15 +663,18 @@ class LoraManager:
         self.metrics.adapter_swap(GPU_LOAD, name)
         log.debug("adapter %s -> slot %d (evicted %s)", name, slot, old)
 
-    def _copy_timed(self, queue_s: float, work_s: float, host_s: float = 0.0, wait_s: float = 0.0) -> None:
+    def _copy_timed(self, queue_s: float, work_s: float, host_s: float = 0.0, wait_s: float = 0.0,
+                    h2d_s: float = 0.0) -> None:
         """Engine thread: a slot copy completed after ``queue_s`` behind other copies and ``work_s`` of the copy
         thread's enqueueing (the rest of adapter_copy is the device's transfer and the engine noticing it), of which
-        ``host_s`` went to the CPU copies into the page-locked buffers and ``wait_s`` to waits for a free one."""
+        ``host_s`` went to the CPU copies into the page-locked buffers, ``wait_s`` to waits for a free one and
+        ``h2d_s`` to the calls enqueueing the host-to-device copies."""
         self.metrics.stage("adapter_copy_queue", queue_s)
         self.metrics.stage("adapter_copy_work", work_s)
         if self.copies.stager is not None:
             self.metrics.stage("adapter_copy_host", host_s)
             self.metrics.stage("adapter_copy_wait", wait_s)
+            self.metrics.stage("adapter_copy_h2d", h2d_s)
 
     def _copy_failed(self, slot: int, error: BaseException) -> None:
         """Engine thread: the copy into ``slot`` failed (a CUDA error on the copy thread). The slot holds nothing

@@ -20,7 +20,7 @@ class _Copy:
     ``after``; ``note`` (the slot's host-side bookkeeping) runs on the engine thread once it is complete."""
 
     __slots__ = ("copy", "note", "source", "after", "event", "issued", "error", "queued_at", "started_at", "enqueued_at",
-                 "host_s", "wait_s", "done")
+                 "host_s", "wait_s", "h2d_s", "done")
 
     def __init__(self, copy: Callable[[], None], note: Optional[Callable[[], None]], source: Any, after: Any) -> None:
         self.copy, self.note, self.source, self.after = copy, note, source, after
@@ -30,7 +30,9 @@ class _Copy:
         # perf_counter: queued by the engine thread, taken by the copy thread, every copy enqueued on the stream
         self.queued_at = time.perf_counter()
         self.started_at = self.enqueued_at = self.queued_at
-        self.host_s = self.wait_s = 0.0  # of the enqueueing: the CPU copies into page-locked buffers, the waits for one
+        # of the enqueueing: the CPU copies into page-locked buffers, the waits for one, the calls that enqueue the
+        # host-to-device copies
+        self.host_s = self.wait_s = self.h2d_s = 0.0
         self.done: Optional[Callable[[], None]] = None  # on the engine thread once it completed or failed
 
 
@@ -55,8 +57,9 @@ class PinnedStager:
         self._done: list[Optional[Any]] = [None] * buffers  # the event after the last copy out of each buffer
         self._i = 0
         self._used = 0
-        # seconds so far in the CPU copies into the buffers and in waits for a buffer's copies to leave it
-        self.host_s = self.wait_s = 0.0
+        # seconds so far in the CPU copies into the buffers, in waits for a buffer's copies to leave it, and in the
+        # calls that enqueue host-to-device copies (the copy thread's, through SlotCopies.put_pinned too)
+        self.host_s = self.wait_s = self.h2d_s = 0.0
 
     def put_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         """``dsts[i].copy_(srcs[i])`` for every i on the current (side) stream, sources on the host: a few batched
@@ -90,7 +93,13 @@ class PinnedStager:
             self._used += -(-n // 256) * 256
         self._flush(*staged)
         if direct[0]:
-            torch._foreach_copy_(direct[0], direct[1], non_blocking=True)
+            self.put_direct(direct[0], direct[1])
+
+    def put_direct(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        """The copies in one call, not staged (page-locked sources: asynchronous), timed as ``h2d_s``."""
+        t0 = time.perf_counter()
+        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+        self.h2d_s += time.perf_counter() - t0
 
     def _flush(self, dsts: list, srcs: list, places: list) -> None:
         """The staged copies of the current buffer: into it on the CPU, then out of it to the device."""
@@ -99,7 +108,7 @@ class PinnedStager:
             t0 = time.perf_counter()
             torch._foreach_copy_(views, srcs)
             self.host_s += time.perf_counter() - t0
-            torch._foreach_copy_(dsts, views, non_blocking=True)
+            self.put_direct(dsts, views)
             for lst in (dsts, srcs, places):
                 lst.clear()
 
@@ -232,9 +241,9 @@ class SlotCopies:
         # Called on the engine thread with (slot, error) when a slot's copy failed: the slot holds nothing usable.
         self.on_failed: Optional[Callable[[int, BaseException], None]] = None
         # Called on the engine thread when a copy has completed, with its seconds in the copy thread's queue and the
-        # seconds the thread took to enqueue it (the CPU copies into the staging buffers and the waits for them), and
-        # of those the CPU copies and the waits (the rest: the thread's own Python, and its waits for the GIL).
-        self.on_timed: Optional[Callable[[float, float, float, float], None]] = None
+        # seconds the thread took to enqueue it, and of those the CPU copies into the staging buffers, the waits for
+        # one, and the calls enqueueing the host-to-device copies (the rest: the thread's own Python, GIL waits).
+        self.on_timed: Optional[Callable[[float, float, float, float, float], None]] = None
 
     def put_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         """Inside an issued ``copy``: copy the host tensors ``srcs`` into the slot tensors ``dsts``, in a few batched
@@ -247,7 +256,10 @@ class SlotCopies:
     def put_pinned(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         """Inside an issued ``copy``: :meth:`put_many` for sources known to be page-locked and contiguous (a landed
         adapter, vlora.lora.transfers.PinnedLanding): asynchronous copies in one call, nothing staged."""
-        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+        if self.stager is None:
+            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+        else:
+            self.stager.put_direct(dsts, srcs)
 
     def issue(self, slot: int, copy: Callable[[], None], source: Any, note: Optional[Callable[[], None]] = None,
               done: Optional[Callable[[], None]] = None) -> None:
@@ -280,7 +292,7 @@ class SlotCopies:
             job = self._queue.get()
             job.started_at = time.perf_counter()
             stager = self.stager
-            host0, wait0 = (stager.host_s, stager.wait_s) if stager is not None else (0.0, 0.0)
+            before = (stager.host_s, stager.wait_s, stager.h2d_s) if stager is not None else (0.0, 0.0, 0.0)
             try:
                 self.stream.wait_event(job.after)
                 with torch.cuda.stream(self.stream):
@@ -303,7 +315,8 @@ class SlotCopies:
                     pass
             job.enqueued_at = time.perf_counter()
             if stager is not None:
-                job.host_s, job.wait_s = stager.host_s - host0, stager.wait_s - wait0
+                job.host_s, job.wait_s, job.h2d_s = (stager.host_s - before[0], stager.wait_s - before[1],
+                                                     stager.h2d_s - before[2])
             job.issued.set()
 
     def ready(self, slot: int) -> bool:
@@ -316,7 +329,8 @@ class SlotCopies:
         if job.done is not None:
             job.done()
         if self.on_timed is not None:
-            self.on_timed(job.started_at - job.queued_at, job.enqueued_at - job.started_at, job.host_s, job.wait_s)
+            self.on_timed(job.started_at - job.queued_at, job.enqueued_at - job.started_at, job.host_s, job.wait_s,
+                          job.h2d_s)
         if job.error is not None:  # the slot is free again, and holds nothing: its owner forgets it
             if self.on_failed is None:
                 raise RuntimeError(f"copying an adapter into slot {slot} failed: {job.error}") from job.error

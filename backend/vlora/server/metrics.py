@@ -99,7 +99,7 @@ class TritonModelMetrics:
             "stage": fam("vlora_stage_seconds", "Time per request stage, by the engine's own timers (admit, queue, image_decode, "
                          "preprocess, vision, prefill_step, decode_step; per adapter brought in: adapter_read, "
                          "adapter_copy, adapter_copy_queue, adapter_copy_work, adapter_copy_host, "
-                         "adapter_copy_wait)", fam.HISTOGRAM),
+                         "adapter_copy_wait, adapter_copy_h2d)", fam.HISTOGRAM),
         }
         f = self._families
         self._steps = f["steps"].Metric(labels=self._labels)
