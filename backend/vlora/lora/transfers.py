@@ -44,12 +44,11 @@ class PinnedStager:
     serving engine and reading loaders; from page-locked memory at 55 GB/s. Sources larger than a buffer, and
     page-locked ones, are copied directly.
 
-    SlotCopies sizes the buffers to hold a whole adapter (``nbytes``: a slot's bytes), two of them: one adapter
-    is then one CPU copy and one batch of device copies, and the next adapter fills the other buffer while the
-    first one's copies run. Each call releases the GIL and must take it back, which beside the engine thread
-    and the loader threads waited milliseconds each time: with four 32 MiB buffers a rank-64 q/k/v/o adapter
-    (134 MB) took about 25 such calls, 93 ms a copy, and 32 cold adapters queued behind one another for a
-    second at the median."""
+    SlotCopies sizes the buffers to hold a whole adapter (``nbytes``: a slot's bytes, up to its MAX_STAGE_BYTES),
+    two of them: one adapter is then one CPU copy and one batch of device copies, and the next adapter fills the
+    other buffer while the first one's copies run (with four 32 MiB buffers a rank-64 q/k/v/o adapter of 134 MB
+    took about 25 calls that release the GIL; fewer calls did not shorten the copy thread's work, ~90 ms an
+    adapter on an H200's busy host: benchmarks/NOTES.md)."""
 
     def __init__(self, buffers: int = 2, nbytes: int = 32 << 20) -> None:
         self.nbytes = nbytes
