@@ -12,6 +12,13 @@ from typing import Callable, Sequence
 
 import torch
 
+ALIGN = 256  # bytes: every tensor placed in a host buffer starts aligned for the copy engines
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to :data:`ALIGN`: the room a tensor of that many bytes takes in a buffer."""
+    return -(-nbytes // ALIGN) * ALIGN
+
 
 def carve(flat_of: Callable[[torch.dtype], torch.Tensor],
           items: Sequence[tuple[int, torch.dtype, Sequence[int]]]) -> list[torch.Tensor]:

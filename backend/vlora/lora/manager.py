@@ -69,7 +69,6 @@ from vlora.lora.adapter import (
     validate_adapter_name,
 )
 from vlora.lora.layers import LoraLinear
-from vlora.lora.peft_format import HostArena
 from vlora.lora.transfers import AdapterLoader, PinnedLanding, SlotCopies
 
 log = logging.getLogger(__name__)
@@ -165,9 +164,7 @@ class LoraManager:
 
     def _slot_bytes(self) -> int:
         """The bytes one slot holds over every layer (the largest adapter's copy), as the copy thread stages them."""
-        align = HostArena.ALIGN
-        return sum(-(-t[0].numel() * t.element_size() // align) * align
-                   for w in self.layers.values() for t in (w.lora_a, w.lora_b) if t.shape[0])
+        return PinnedLanding.size_of([t[0] for w in self.layers.values() for t in (w.lora_a, w.lora_b) if t.shape[0]])
 
     def register(self, name: str, weights: AdapterWeights) -> None:
         """Make ``weights`` servable as ``name`` without a folder under the adapter root (benchmarks

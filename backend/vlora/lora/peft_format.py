@@ -34,7 +34,7 @@ import torch
 
 from vlora.errors import InvalidRequest
 from vlora.files import FileTooLarge, OneRead
-from vlora.lora.carve import carve
+from vlora.lora.carve import ALIGN, aligned, carve
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -250,7 +250,7 @@ class HostArena:
     allocation up to a power of two; a tensor larger than a chunk gets its own. The views keep their buffer
     alive."""
 
-    ALIGN = 256  # bytes: every tensor starts aligned for the copy engines
+    ALIGN = ALIGN  # bytes (vlora.lora.carve.ALIGN): where each tensor starts
     CHUNK = 16 << 20
 
     def __init__(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], pin_memory: bool) -> None:
@@ -262,7 +262,7 @@ class HostArena:
         self.buffers = 0  # allocations made (a test's and a benchmark's figure)
 
     def _aligned(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        return -(-math.prod(shape) * dtype.itemsize // self.ALIGN) * self.ALIGN
+        return aligned(math.prod(shape) * dtype.itemsize)
 
     def _allocate(self, nbytes: int) -> None:
         self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)

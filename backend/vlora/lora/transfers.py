@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from vlora.lora.carve import carve_bytes
+from vlora.lora.carve import aligned, carve_bytes
 
 
 class _Copy:
@@ -89,7 +89,7 @@ class PinnedStager:
             staged[2].append((self._used, src.dtype, src.shape))
             staged[0].append(dst)
             staged[1].append(src)
-            self._used += -(-n // 256) * 256
+            self._used += aligned(n)
         self._flush(*staged)
         if direct[0]:
             self.put_direct(direct[0], direct[1])
@@ -143,17 +143,16 @@ class PinnedLanding:
     asynchronous from page-locked memory. Allocated and page-locked once, at start (``nbytes``): page-locking
     fresh memory later would stall the engine's launches. A read that finds no room is served as before."""
 
-    ALIGN = 256
-
     def __init__(self, nbytes: int, pin_memory: bool = True) -> None:
         self.nbytes = nbytes
         self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (start, size), sorted, coalesced
         self._lock = threading.Lock()
 
-    @classmethod
-    def size_of(cls, tensors: Sequence[torch.Tensor]) -> int:
-        return sum(-(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN for t in tensors)
+    @staticmethod
+    def size_of(tensors: Sequence[torch.Tensor]) -> int:
+        """The bytes ``land`` takes for ``tensors``: each starts aligned (vlora.lora.carve.ALIGN)."""
+        return sum(aligned(t.numel() * t.element_size()) for t in tensors)
 
     def take(self, nbytes: int) -> Optional[int]:
         """The start of a free range of ``nbytes`` (first fit), or None when there is no room."""
@@ -191,7 +190,7 @@ class PinnedLanding:
         places, at = [], start
         for t in srcs:
             places.append((at, t.dtype, t.shape))
-            at += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+            at += aligned(t.numel() * t.element_size())
         some = [i for i, t in enumerate(srcs) if t.numel()]
         views: list[Optional[torch.Tensor]] = [None] * len(srcs)
         for i, v in zip(some, carve_bytes(self.buf, [places[i] for i in some])):
@@ -296,20 +295,12 @@ class SlotCopies:
                 self.stream.wait_event(job.after)
                 with torch.cuda.stream(self.stream):
                     job.copy()
-                    event = torch.cuda.Event()
-                    event.record(self.stream)
-                    if self.stager is not None:
-                        self.stager.close_buffer(event)
-                job.event = event
+                job.event = self._mark(stager)
             except BaseException as e:  # the engine thread raises it from ready()
                 job.error = e
                 try:  # copies enqueued before the failure still read their sources and a staging buffer: ready()
                     # waits for them before the sources are given back (job.done), and the buffer is not reused sooner
-                    event = torch.cuda.Event()
-                    event.record(self.stream)
-                    job.event = event
-                    if self.stager is not None:
-                        self.stager.close_buffer(event)
+                    job.event = self._mark(stager)
                 except BaseException:  # a device that fails this too fails everything: nothing left to protect
                     pass
             job.enqueued_at = time.perf_counter()
@@ -317,6 +308,15 @@ class SlotCopies:
                 job.host_s, job.wait_s, job.h2d_s = (stager.host_s - before[0], stager.wait_s - before[1],
                                                      stager.h2d_s - before[2])
             job.issued.set()
+
+    def _mark(self, stager: Optional[PinnedStager]) -> Any:
+        """Copy thread: an event on the side stream after everything enqueued so far; ``stager``'s current buffer
+        may be written again once it has passed."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        if stager is not None:
+            stager.close_buffer(event)
+        return event
 
     def ready(self, slot: int) -> bool:
         job = self._jobs[slot]
