@@ -100,6 +100,13 @@ def _add(engine, r, outs):
     engine.add_request(engine.inputs.prepare(r), lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
 
 
+def _use_copies(engine, copies):
+    """``copies`` in place of the engine's slot copies, wired to its LoRA manager as the manager wires its own."""
+    engine.loras.copies = copies
+    copies.on_failed = engine.loras._copy_failed
+    copies.on_timed = engine.loras._copy_timed
+
+
 def _drain(engine, outs, n, timeout=30.0):
     deadline = time.monotonic() + timeout
     while len(outs) < n:
@@ -111,7 +118,7 @@ def _drain(engine, outs, n, timeout=30.0):
 def test_a_request_waits_only_for_its_own_adapter_copy(tiny_model_dir, root):
     engine = build_engine(_cfg(tiny_model_dir, root))
     copies = DeferredCopies(2)
-    engine.loras.copies = copies
+    _use_copies(engine, copies)
     outs = {}
     _add(engine, _req("base", max_tokens=12), outs)
     engine.step()
@@ -136,7 +143,7 @@ def test_a_slot_being_filled_or_pinned_is_never_overwritten(tiny_model_dir, root
     engine = build_engine(_cfg(tiny_model_dir, root, **{"lora.max_cpu_adapters": 4}))
     loras = engine.loras
     copies = DeferredCopies(2)
-    loras.copies = copies
+    _use_copies(engine, copies)
     for name in (A, B, C):
         loras.validate(name)
     assert loras.try_acquire(A) is None  # copy queued into one slot
@@ -156,7 +163,7 @@ def test_a_slot_being_filled_or_pinned_is_never_overwritten(tiny_model_dir, root
 
 def test_blocking_acquire_waits_for_the_copy(tiny_model_dir, root):
     engine = build_engine(_cfg(tiny_model_dir, root))
-    engine.loras.copies = DeferredCopies(2)
+    _use_copies(engine, DeferredCopies(2))
     slot = engine.loras.acquire(A)
     assert slot is not None and engine.loras.copies.ready(slot)
     engine.loras.release(slot)
@@ -435,8 +442,7 @@ def test_a_failed_slot_copy_leaves_no_slot_holding_half_an_adapter(tiny_model_di
     its waiting request gets a slot filled again instead of reading half-copied weights."""
     engine = build_engine(_cfg(tiny_model_dir, root))
     copies = DeferredCopies(2)
-    engine.loras.copies = copies
-    copies.on_failed = engine.loras._copy_failed
+    _use_copies(engine, copies)
     outs = {}
     _add(engine, _req("late", lora=A), outs)
     engine.step()
@@ -475,8 +481,7 @@ def test_a_request_never_runs_on_a_slot_whose_copy_failed(tiny_model_dir, root):
     MAX_COPY_FAILURES failures in a row it is answered with the error; the next request tries again."""
     engine = build_engine(_cfg(tiny_model_dir, root))
     copies = FailingCopies(2)
-    engine.loras.copies = copies
-    copies.on_failed = engine.loras._copy_failed
+    _use_copies(engine, copies)
     outs = {}
     _add(engine, _req("late", lora=A), outs)
     deadline = time.monotonic() + 30
@@ -486,7 +491,7 @@ def test_a_request_never_runs_on_a_slot_whose_copy_failed(tiny_model_dir, root):
         engine.step()
     assert outs["late"].error and "copying it into device memory failed 3 times" in outs["late"].error
     assert copies.issued == engine.loras.MAX_COPY_FAILURES and A not in engine.loras.resident
-    engine.loras.copies = SlotCopies(torch.device("cpu"), 2)  # the device recovers: the next request is served
+    _use_copies(engine, SlotCopies(torch.device("cpu"), 2))  # the device recovers: the next request is served
     _add(engine, _req("next", lora=A), outs)
     _drain(engine, outs, 2)
     assert outs["next"].finish_reason == "length" and not outs["next"].error
@@ -528,7 +533,7 @@ def test_a_cold_read_lands_for_its_first_slot_copy_and_gives_the_range_back(tiny
 
     engine = build_engine(_cfg(tiny_model_dir, root))
     copies = DeferredCopies(2)
-    engine.loras.copies = copies
+    _use_copies(engine, copies)
     land = _with_landing(engine, 16 << 20)
     outs = {}
     _add(engine, _req("late", lora=A), outs)
@@ -595,7 +600,7 @@ def test_the_device_copy_path_plans_once_per_slot_and_ranks_and_matches_the_cpu_
     plain = build_engine(_cfg(tiny_model_dir, root, **{"lora.max_gpu_adapters": 1}))
     engine = build_engine(_cfg(tiny_model_dir, root, **{"lora.max_gpu_adapters": 1}))
     copies = InlineDeviceCopies(1)
-    engine.loras.copies = copies
+    _use_copies(engine, copies)
     _with_landing(engine, 16 << 20)
     for i, name in enumerate([A, B, A, A]):
         want, got = {}, {}
