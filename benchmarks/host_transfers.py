@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -160,6 +161,75 @@ def adapter_stages(adapters: Path, model: Path, dev: torch.device, count: int = 
     return r
 
 
+def read_parts(adapters: Path, threads: int = 8, per_thread: int = 2) -> dict:
+    """A cold adapter's read split into its parts, ``threads`` reads at once (as the loader threads read), each
+    thread ``per_thread`` files (the files in the page cache): ms per read for ``readv`` into fresh memory
+    (``OneRead.read_all``, NumPy's huge-page advice as it is, then turned off), into memory each thread faulted in
+    before (the copy out of the page cache alone), and into page-locked memory; then the norms of the parsed
+    tensors, ``_l2_norms`` against one ``_foreach_norm`` with an fp32 result."""
+    import numpy as np
+
+    from vlora.files import OneRead
+    from vlora.lora.peft_format import _l2_norms, _parse_safetensors, _safetensors_header
+
+    names = sorted(p.name for p in adapters.iterdir() if (p / "adapter_model.safetensors").is_file())
+    names = (names * (threads * per_thread))[:threads * per_thread]
+    paths = [adapters / n / "adapter_model.safetensors" for n in names]
+    size = max(p.stat().st_size for p in paths)
+    for p in paths:
+        p.read_bytes()
+    own: dict[str, list] = {"reused": [], "pinned": []}
+    for _ in range(threads):
+        own["reused"].append(np.ones(size + 1, dtype=np.uint8))
+        if torch.cuda.is_available():
+            own["pinned"].append(torch.empty(size + 1, dtype=torch.uint8, pin_memory=True).numpy())
+
+    def readv_into(path: Path, buf) -> int:
+        with OneRead(path) as f:
+            view, got = memoryview(buf), 0
+            try:
+                while got < len(buf):
+                    n = os.readv(f._fd, [view[got:]])
+                    if n == 0:
+                        break
+                    got += n
+            finally:
+                view.release()
+        return got
+
+    def phase(fn) -> float:
+        def work(i: int) -> None:
+            for k in range(i, len(paths), threads):
+                fn(i, paths[k])
+        return round(1e3 * _in_threads(threads, work) / len(paths) * threads, 1)
+
+    def fresh(_, path):
+        with OneRead(path) as f:
+            f.read_all(8 * size)
+
+    from numpy._core import multiarray as nm
+    huge = nm._get_madvise_hugepage()
+    r = {"threads": threads, "reads": len(paths), "adapter_mb": round(size / 1e6, 1), "numpy_hugepage_advice": huge,
+         "thp": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()}
+    r["readv_fresh_ms"] = phase(fresh)
+    nm._set_madvise_hugepage(not huge)
+    r["readv_fresh_other_advice_ms"] = phase(fresh)
+    nm._set_madvise_hugepage(huge)
+    r["readv_reused_ms"] = phase(lambda i, p: readv_into(p, own["reused"][i]))
+    if own["pinned"]:
+        r["readv_pinned_ms"] = phase(lambda i, p: readv_into(p, own["pinned"][i]))
+    parsed = []
+    for p in paths[:threads]:
+        with OneRead(p) as f:
+            header, hb = _safetensors_header(f, p.name)
+            data = f.read_all(8 * size)
+        parsed.append(list(_parse_safetensors(data, header, len(hb), p.name).values()))
+    r["norms_l2_norms_ms"] = phase(lambda i, p: _l2_norms(parsed[i]))
+    r["norms_foreach_fp32_ms"] = phase(
+        lambda i, p: torch.stack(torch._foreach_norm(parsed[i], 2, dtype=torch.float32)).tolist())
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=2.0, help="bytes per measurement, in GB")
@@ -169,7 +239,13 @@ def main() -> None:
     ap.add_argument("--adapters", help="a folder of PEFT adapters (16 or more) to time a cold adapter's host stages on")
     ap.add_argument("--model", help="the model folder those adapters are for (its dimensions)")
     ap.add_argument("--only-adapters", action="store_true", help="only the adapter stages (on a CPU: only the reads)")
+    ap.add_argument("--read-parts", action="store_true", help="with --adapters: only a read's parts, 8 reads at once")
     args = ap.parse_args()
+    if args.read_parts:
+        if not args.adapters:
+            ap.error("--read-parts needs --adapters")
+        print(json.dumps(read_parts(Path(args.adapters), args.threads), indent=1))
+        return
     if args.only_adapters:
         if not (args.adapters and args.model):
             ap.error("--only-adapters needs --adapters and --model")
