@@ -230,6 +230,45 @@ def read_parts(adapters: Path, threads: int = 8, per_thread: int = 2) -> dict:
     return r
 
 
+def read_burst(adapters: Path, model: Path, count: int = 32, workers: int = 8) -> dict:
+    """``count`` adapters asked for at once, read as the server reads them (``load_adapter`` on an AdapterLoader of
+    ``workers`` threads, in the slots' dtype, one buffer each): when the first, the median and the last read
+    finished (ms from the burst), and a read's mean, at this process's intra-op thread count and at fewer (each
+    loader's torch calls fan out over that many threads)."""
+    from transformers import AutoConfig
+
+    from vlora.lora.adapter import decoder_module_dims, load_adapter
+    from vlora.lora.transfers import AdapterLoader
+
+    names = sorted(p.name for p in adapters.iterdir() if (p / "adapter_model.safetensors").is_file())
+    text = AutoConfig.from_pretrained(model)
+    text = getattr(text, "text_config", None) or text
+    dims = decoder_module_dims(text)
+    for name in names:
+        (adapters / name / "adapter_model.safetensors").read_bytes()
+    out = {"adapters": count, "workers": workers}
+    default = torch.get_num_threads()
+    for threads in dict.fromkeys((default, 4, 1)):
+        torch.set_num_threads(threads)
+        loader = AdapterLoader(max_workers=workers)
+        t0 = time.perf_counter()
+        took: list[float] = []
+
+        def read(name: str) -> float:
+            start = time.perf_counter()
+            load_adapter(adapters, name, num_layers=text.num_hidden_layers, module_dims=dims, max_rank=256,
+                         supported_modules=tuple(dims), dtype=torch.bfloat16, one_buffer=True)
+            took.append(time.perf_counter() - start)
+            return time.perf_counter() - t0
+
+        futs = [loader.submit(read, names[i % len(names)]) for i in range(count)]
+        done = sorted(1e3 * f.result() for f in futs)
+        out[f"intraop_{threads}"] = {"first_ms": round(done[0]), "p50_ms": round(done[len(done) // 2]),
+                                     "last_ms": round(done[-1]), "read_ms_mean": round(1e3 * sum(took) / len(took))}
+    torch.set_num_threads(default)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=2.0, help="bytes per measurement, in GB")
@@ -240,7 +279,13 @@ def main() -> None:
     ap.add_argument("--model", help="the model folder those adapters are for (its dimensions)")
     ap.add_argument("--only-adapters", action="store_true", help="only the adapter stages (on a CPU: only the reads)")
     ap.add_argument("--read-parts", action="store_true", help="with --adapters: only a read's parts, 8 reads at once")
+    ap.add_argument("--read-burst", action="store_true", help="with --adapters and --model: only 32 reads asked at once")
     args = ap.parse_args()
+    if args.read_burst:
+        if not (args.adapters and args.model):
+            ap.error("--read-burst needs --adapters and --model")
+        print(json.dumps(read_burst(Path(args.adapters), Path(args.model)), indent=1))
+        return
     if args.read_parts:
         if not args.adapters:
             ap.error("--read-parts needs --adapters")
