@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -233,8 +234,8 @@ def read_parts(adapters: Path, threads: int = 8, per_thread: int = 2) -> dict:
 def read_burst(adapters: Path, model: Path, count: int = 32, workers: int = 8) -> dict:
     """``count`` adapters asked for at once, read as the server reads them (``load_adapter`` on an AdapterLoader of
     ``workers`` threads, in the slots' dtype, one buffer each): when the first, the median and the last read
-    finished (ms from the burst), and a read's mean, at this process's intra-op thread count and at fewer (each
-    loader's torch calls fan out over that many threads)."""
+    finished (ms from the burst), and a read's mean: at this process's intra-op thread count and at one (each
+    loader's torch calls fan out over that many threads), then beside a thread that keeps the GIL busy."""
     from transformers import AutoConfig
 
     from vlora.lora.adapter import decoder_module_dims, load_adapter
@@ -247,9 +248,22 @@ def read_burst(adapters: Path, model: Path, count: int = 32, workers: int = 8) -
     for name in names:
         (adapters / name / "adapter_model.safetensors").read_bytes()
     out = {"adapters": count, "workers": workers}
-    default = torch.get_num_threads()
-    for threads in dict.fromkeys((default, 4, 1)):
+    default, interval = torch.get_num_threads(), sys.getswitchinterval()
+    cases = [(f"intraop_{n}", n, None) for n in dict.fromkeys((default, 1))]
+    # beside a thread that runs Python without a pause (an engine thread whose host work bounds its steps), whose
+    # GIL each reader must wait for after each call that released it, at the default switch interval and at 1 ms
+    cases += [("intraop_1_busy_thread", 1, interval), ("intraop_1_busy_thread_switch_1ms", 1, 0.001)]
+    for case, threads, switch in cases:
         torch.set_num_threads(threads)
+        stop = threading.Event()
+        if switch is not None:
+            sys.setswitchinterval(switch)
+
+            def spin() -> None:
+                x = 0
+                while not stop.is_set():
+                    x = (x + 1) % 1000
+            threading.Thread(target=spin, daemon=True).start()
         loader = AdapterLoader(max_workers=workers)
         t0 = time.perf_counter()
         took: list[float] = []
@@ -263,7 +277,9 @@ def read_burst(adapters: Path, model: Path, count: int = 32, workers: int = 8) -
 
         futs = [loader.submit(read, names[i % len(names)]) for i in range(count)]
         done = sorted(1e3 * f.result() for f in futs)
-        out[f"intraop_{threads}"] = {"first_ms": round(done[0]), "p50_ms": round(done[len(done) // 2]),
+        stop.set()
+        sys.setswitchinterval(interval)
+        out[case] = {"first_ms": round(done[0]), "p50_ms": round(done[len(done) // 2]),
                                      "last_ms": round(done[-1]), "read_ms_mean": round(1e3 * sum(took) / len(took))}
     torch.set_num_threads(default)
     return out
