@@ -339,7 +339,11 @@ class RunnerConfig:
     (adapter loaders, the slot-copy thread, image workers), and each thread that runs a parallel op gets its own team
     of OpenMP threads: with the host's cores busy (clients, Triton, the engine thread) a team waits at its barrier
     for a descheduled member, and a 0.5 MB copy took 8-12 ms against 0.014 ms on one thread (the 2-core CPU, its
-    other core busy).
+    other core busy). ``switch_interval_ms``: Python's GIL switch interval for the process
+    (``sys.setswitchinterval``): how long a thread that wants the GIL waits before it asks the holder to let go.
+    Every thread but the engine's (adapter loaders, the slot-copy thread, image workers, the stub's response
+    threads) takes the GIL back after each call that released it, and beside an engine thread running Python waits
+    for it up to this long each time; ``auto``: Python's own (5 ms).
     """
 
     cuda_graphs: str = "auto"
@@ -355,8 +359,13 @@ class RunnerConfig:
     profile_dir: Optional[str] = None
     profile_steps: tuple[int, ...] = (20, 40)
     host_threads: Any = "auto"
+    switch_interval_ms: Any = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.switch_interval_ms == "auto" or (isinstance(self.switch_interval_ms, (int, float))
+                                                       and not isinstance(self.switch_interval_ms, bool)
+                                                       and 0.05 <= self.switch_interval_ms <= 100),
+                 "engine.switch_interval_ms must be auto or a number of milliseconds in [0.05, 100]")
         _require(self.host_threads == "auto" or (isinstance(self.host_threads, int) and not isinstance(self.host_threads, bool)
                                                  and 1 <= self.host_threads <= 1024),
                  "engine.host_threads must be auto or an integer in [1, 1024]")

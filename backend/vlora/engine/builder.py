@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Mapping, Optional
@@ -89,6 +90,12 @@ def _set_host_threads(threads, device) -> None:
         torch.set_num_threads(threads)
 
 
+def _set_switch_interval(ms) -> None:
+    """``engine.switch_interval_ms`` (RunnerConfig says why): the process's GIL switch interval."""
+    if ms != "auto":
+        sys.setswitchinterval(float(ms) / 1e3)
+
+
 def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device) -> LLMEngine:
     from vlora.engine.inputs import InputProcessor
     from vlora.lora.manager import LoraManager
@@ -104,6 +111,7 @@ def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device
     t0 = time.perf_counter()
     loaded = load_model(model_dir, dtype, device)
     _set_host_threads(config.engine.host_threads, device)  # loading the weights kept every core
+    _set_switch_interval(config.engine.switch_interval_ms)
     max_model_len = min(config.model.max_model_len or loaded.max_model_len, loaded.max_model_len)
     runner = ModelRunner(loaded.model, image_token_id=loaded.image_token_id, num_slots=config.lora.max_gpu_adapters,
                          max_rank=config.lora.max_rank, target_modules=config.lora.target_modules, loaded=loaded,
