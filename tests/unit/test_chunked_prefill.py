@@ -226,7 +226,12 @@ def test_a_task_head_answers_after_the_last_chunk(tiny_model_dir, root):
                     _request("gen", None, "Hello there")]
     _, ref, _ = _run(_engine(tiny_model_dir, root, chunked=False), reqs())
     _, got, steps = _run(_engine(tiny_model_dir, root, budget=16, **{"engine.overlap": "on"}), reqs())
-    assert got["head"].extra == ref["head"].extra and got["head"].text == ref["head"].text
+    # The same label; the scores within fp32 rounding: chunks sum attention in another order, which on some CPUs'
+    # kernels (seen on an AMD EPYC, not on the CI machines before it) moves the last bits.
+    assert got["head"].text == ref["head"].text
+    assert {k: v for k, v in got["head"].extra.items() if k != "scores"} == {
+        k: v for k, v in ref["head"].extra.items() if k != "scores"}
+    assert got["head"].extra["scores"] == pytest.approx(ref["head"].extra["scores"], rel=1e-4, abs=1e-6)
     assert got["head"].num_output_tokens == 1 and _chunked(steps) >= 3
 
 

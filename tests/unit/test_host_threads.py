@@ -40,6 +40,10 @@ def test_switch_interval_is_set_when_the_engine_is_built(tiny_model_dir):
             "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "64",
             "engine.switch_interval_ms": "0.5"}))
         assert sys.getswitchinterval() == pytest.approx(0.0005)
+        sys.setswitchinterval(before)
+        build_engine(EngineConfig().with_overrides({  # auto on a CPU: Python's own setting stays
+            "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "64"}))
+        assert sys.getswitchinterval() == before
     finally:
         sys.setswitchinterval(before)
 

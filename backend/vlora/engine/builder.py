@@ -80,6 +80,12 @@ def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) 
     return _build_engine(config, metrics, device)
 
 
+# engine.switch_interval_ms's auto on CUDA. serve_burst on an H200, the same host, 5 ms (Python's) -> 1 ms: 32 short
+# prompts at once TTFT p50 52 -> 44 ms, 32 cold adapters TTFT p50 1.3-1.7 -> 1.1 s (reads 427-471 -> 356 ms), decode
+# tok/s unchanged (5,280-5,383 -> 5,447 base, 3,878-3,949 -> 3,944 with 32 adapters); 0.5 ms was no better.
+CUDA_SWITCH_INTERVAL_MS = 1.0
+
+
 def _set_host_threads(threads, device) -> None:
     """``engine.host_threads`` (RunnerConfig says why): PyTorch's intra-op threads, before any thread of the
     engine (loaders, copy thread, image workers, the engine loop, the warm-up's) runs a parallel op; a thread
@@ -90,9 +96,12 @@ def _set_host_threads(threads, device) -> None:
         torch.set_num_threads(threads)
 
 
-def _set_switch_interval(ms) -> None:
-    """``engine.switch_interval_ms`` (RunnerConfig says why): the process's GIL switch interval."""
-    if ms != "auto":
+def _set_switch_interval(ms, device) -> None:
+    """``engine.switch_interval_ms`` (RunnerConfig says why): the process's GIL switch interval; ``auto``: 1 ms on
+    CUDA, Python's own on a CPU."""
+    if ms == "auto":
+        ms = CUDA_SWITCH_INTERVAL_MS if device.type == "cuda" else None
+    if ms is not None:
         sys.setswitchinterval(float(ms) / 1e3)
 
 
@@ -111,7 +120,7 @@ def _build_engine(config: EngineConfig, metrics: Optional[EngineMetrics], device
     t0 = time.perf_counter()
     loaded = load_model(model_dir, dtype, device)
     _set_host_threads(config.engine.host_threads, device)  # loading the weights kept every core
-    _set_switch_interval(config.engine.switch_interval_ms)
+    _set_switch_interval(config.engine.switch_interval_ms, device)
     max_model_len = min(config.model.max_model_len or loaded.max_model_len, loaded.max_model_len)
     runner = ModelRunner(loaded.model, image_token_id=loaded.image_token_id, num_slots=config.lora.max_gpu_adapters,
                          max_rank=config.lora.max_rank, target_modules=config.lora.target_modules, loaded=loaded,
