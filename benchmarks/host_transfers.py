@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -187,16 +186,7 @@ def read_parts(adapters: Path, threads: int = 8, per_thread: int = 2) -> dict:
 
     def readv_into(path: Path, buf) -> int:
         with OneRead(path) as f:
-            view, got = memoryview(buf), 0
-            try:
-                while got < len(buf):
-                    n = os.readv(f._fd, [view[got:]])
-                    if n == 0:
-                        break
-                    got += n
-            finally:
-                view.release()
-        return got
+            return f.read_into(buf)
 
     def phase(fn) -> float:
         def work(i: int) -> None:

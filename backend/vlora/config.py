@@ -343,8 +343,8 @@ class RunnerConfig:
     (``sys.setswitchinterval``): how long a thread that wants the GIL waits before it asks the holder to let go.
     Every thread but the engine's (adapter loaders, the slot-copy thread, image workers, the stub's response
     threads) takes the GIL back after each call that released it, and beside an engine thread running Python waits
-    for it up to this long each time; ``auto``: 1 ms on a CUDA device (32 short prompts at once and 32 cold adapters
-    reached their first tokens sooner, decode rates unchanged: vlora.engine.builder), Python's own (5 ms) on a CPU.
+    for it up to this long each time; ``auto``: 1 ms on a CUDA device (adapter reads beside a busy thread 4x faster,
+    decode 1-3% faster through the server: vlora.engine.builder), Python's own (5 ms) on a CPU.
     """
 
     cuda_graphs: str = "auto"

@@ -83,23 +83,29 @@ class OneRead:
         views of it (``bytes`` from ``read`` would be one more copy, and a ``bytearray`` is zeroed first under the GIL)."""
         import numpy as np
 
-        os.lseek(self._fd, 0, os.SEEK_SET)
         buf = np.empty(min(limit, self.size) + 1, dtype=np.uint8)  # one byte over the size at open: growth fills it
-        view = memoryview(buf)
+        got = self.read_into(buf)
+        if got == len(buf):  # the file grew since it was opened: the rest the slow way, up to the limit
+            if got > limit:
+                raise FileTooLarge(max(self.size, got), limit)
+            return np.concatenate([buf, np.frombuffer(self.read_rest(limit - got), dtype=np.uint8)])
+        return buf[:got]
+
+    def read_into(self, buf) -> int:
+        """Read the file from its start into the writable buffer ``buf`` until it is full or the file ends; the bytes
+        read. The kernel copies straight into ``buf``, with the GIL released."""
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        view = memoryview(buf).cast("B")
         got = 0
         try:
-            while got < len(buf):
+            while got < len(view):
                 n = os.readv(self._fd, [view[got:]])
                 if n == 0:
                     break
                 got += n
         finally:
             view.release()
-        if got == len(buf):  # the file grew since it was opened: the rest the slow way, up to the limit
-            if got > limit:
-                raise FileTooLarge(max(self.size, got), limit)
-            return np.concatenate([buf, np.frombuffer(self.read_rest(limit - got), dtype=np.uint8)])
-        return buf[:got]
+        return got
 
     def close(self) -> None:
         if self._fd is not None:

@@ -80,9 +80,10 @@ def build_engine(config: EngineConfig, metrics: Optional[EngineMetrics] = None) 
     return _build_engine(config, metrics, device)
 
 
-# engine.switch_interval_ms's auto on CUDA. serve_burst on an H200, the same host, 5 ms (Python's) -> 1 ms: 32 short
-# prompts at once TTFT p50 52 -> 44 ms, 32 cold adapters TTFT p50 1.3-1.7 -> 1.1 s (reads 427-471 -> 356 ms), decode
-# tok/s unchanged (5,280-5,383 -> 5,447 base, 3,878-3,949 -> 3,944 with 32 adapters); 0.5 ms was no better.
+# engine.switch_interval_ms's auto on CUDA. Beside a thread that keeps the GIL busy, 32 adapter reads on 8 loaders took
+# 2,069 ms each (209 alone) at Python's 5 ms and 510 ms at 1 ms (host_transfers --read-burst, an H200's host). Through
+# the server (serve_burst, 4 runs at 1 ms against 5 at 5 ms, on H200s): cold adapters' TTFT p50 1,065-1,544 ms against
+# 1,275-1,661, decode 1-3% faster; the TTFT spread between runs is as large as the difference (benchmarks/RESULTS.md).
 CUDA_SWITCH_INTERVAL_MS = 1.0
 
 
