@@ -179,3 +179,54 @@ def test_converted_weights_and_norms_match_the_file(tmp_path):
         p = f"base_model.model.model.language_model.layers.{layer}.self_attn.{m}"
         assert pair.a.dtype == torch.float32 and torch.equal(pair.a, lib[f"{p}.lora_A.weight"].float())
         assert torch.equal(pair.b, lib[f"{p}.lora_B.weight"].float())
+
+
+_SYSCALLS = {"lstat", "stat", "open", "fstat", "read", "readv", "pread", "close", "lseek", "set_blocking", "listdir",
+             "scandir", "readlink", "access"}
+
+
+def _os_calls(fn) -> int:
+    """System calls made through ``os`` (each releases the GIL and takes it back) while ``fn`` runs."""
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "c_call" and getattr(arg, "__module__", None) == "posix" and arg.__name__ in _SYSCALLS:
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_load_checks_its_paths_with_a_few_system_calls(tmp_path):
+    """The root is resolved once per load, and a folder and files that are no symlinks cost one lstat each (every
+    system call waits for the GIL again on a loader thread beside a busy engine thread). A symlinked adapter
+    folder is still followed, and still must stay inside the root."""
+    root = tmp_path / "a" / "b" / "c"
+    _write_adapter(root, "plain", layers=2)
+    _load(root, "plain", 2)
+    path_calls = _os_calls(lambda: _load(root, "plain", 2))
+    # the root's components, then the folder and its two files; then the two files' reads (open, fstat, reads,
+    # close: 16). The root resolved at each check made 36 more.
+    assert path_calls <= len(root.resolve().parts) + 3 + 17, path_calls
+    (root / "linked").symlink_to(root / "plain")
+    assert _load(root, "linked", 2).dir == (root / "plain").resolve()
+    outside = tmp_path / "outside"
+    _write_adapter(outside, "x", layers=2)
+    (root / "escape").symlink_to(outside / "x")
+    with pytest.raises(AdapterError, match="unknown adapter 'escape'"):
+        _load(root, "escape", 2)
+    (root / "plain2").mkdir()
+    for f in ("adapter_config.json",):
+        (root / "plain2" / f).write_bytes((root / "plain" / f).read_bytes())
+    (root / "plain2" / "adapter_model.safetensors").symlink_to(outside / "x" / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="adapter_model.safetensors is not a regular file inside the adapter root"):
+        _load(root, "plain2", 2)
+    (root / "plain2" / "adapter_model.safetensors").unlink()
+    (root / "plain2" / "adapter_model.safetensors").symlink_to(root / "nowhere")  # dangling: reads as missing
+    with pytest.raises(AdapterError, match="adapter_model.safetensors is missing"):
+        _load(root, "plain2", 2)

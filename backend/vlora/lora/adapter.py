@@ -25,7 +25,9 @@ such an adapter would drive activations to inf/NaN and fail every batch it joins
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,17 +121,27 @@ def validate_adapter_name(name: Any) -> str:
     return name
 
 
-def resolve_adapter_dir(root: Path, name: str) -> Path:
+def resolve_adapter_dir(root: Path, name: str, root_resolved: Optional[Path] = None) -> Path:
     """The folder of adapter ``name`` under ``root``, resolved; refuses anything that leaves ``root``.
 
     The name is checked against ``[A-Za-z0-9._-]{1,128}`` first, so separators and absolute paths never
     reach the file system. Symlinks are followed, and the target must still be inside the resolved
     root. An adapter that does not exist and one that escapes both read "unknown adapter": the
     message shows nothing about the file system.
+
+    ``root_resolved``: ``root`` already resolved by the caller (a load resolves it once). A folder that is no
+    symlink costs one ``lstat``: every system call releases the GIL and takes it back, which on a loader thread
+    beside a busy engine thread waits for it each time (benchmarks/NOTES.md).
     """
     validate_adapter_name(name)
-    root_resolved = Path(root).resolve()
+    root_resolved = Path(root).resolve() if root_resolved is None else root_resolved
     candidate = root_resolved / name
+    try:
+        mode = os.lstat(candidate).st_mode
+    except OSError:
+        raise AdapterError(f"unknown adapter {name!r}") from None
+    if stat.S_ISDIR(mode):  # a folder of the resolved root, not a link: resolved as it is
+        return candidate
     try:
         resolved = candidate.resolve(strict=True)
     except (OSError, RuntimeError):  # missing, or a symlink loop
@@ -182,7 +194,8 @@ def load_adapter(
     them are refused); ``max_rank`` is the largest rank a slot holds. Raises AdapterError naming the
     key, module, shape or setting at fault.
     """
-    adir = resolve_adapter_dir(root, name)
+    root = Path(root).resolve()  # once: each resolve is a system call per path component
+    adir = resolve_adapter_dir(root, name, root_resolved=root)
     where = f"adapter {name!r}"
     config_path = _inside(adir, CONFIG_FILE, root, where)
     weights_path = _inside(adir, WEIGHTS_FILE, root, where)
@@ -288,13 +301,13 @@ def load_adapter(
 
 
 
-def _load_heads(adir: Path, root: Path, where: str, hidden_size: int, version: ContentVersion) -> dict[str, Any]:
+def _load_heads(adir: Path, root_resolved: Path, where: str, hidden_size: int, version: ContentVersion) -> dict[str, Any]:
     """The adapter's vision task heads (vlora_heads.json + .safetensors beside the PEFT files), if any; the
     bytes of both files, read once each, are added to ``version``."""
     from vlora.heads import HeadError, load_heads
 
     def read(filename: str, limit: int) -> Optional[bytes]:
-        path = _inside(adir, filename, root, where)  # refuses a file symlinked out of the root
+        path = _inside(adir, filename, root_resolved, where)  # refuses a file symlinked out of the root
         if path is None:
             return None
         data = _read_file(path, filename, limit, where)
@@ -307,13 +320,20 @@ def _load_heads(adir: Path, root: Path, where: str, hidden_size: int, version: C
         raise AdapterError(str(e)) from None
 
 
-def _inside(adir: Path, filename: str, root: Path, where: str) -> Optional[Path]:
-    """``adir/filename`` resolved, or None if absent; refuses a file symlinked out of the root."""
+def _inside(adir: Path, filename: str, root_resolved: Path, where: str) -> Optional[Path]:
+    """``adir/filename`` resolved, or None if absent; refuses a file symlinked out of the root (``adir``: a folder
+    that ``resolve_adapter_dir`` gave). A regular file that is no symlink costs one ``lstat``."""
     p = adir / filename
-    if not p.exists():
+    try:
+        mode = os.lstat(p).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISREG(mode):  # in a resolved folder, and not a link: resolved as it is
+        return p
+    if stat.S_ISLNK(mode) and not p.exists():  # a dangling link reads as absent
         return None
     resolved = p.resolve()
-    if not resolved.is_relative_to(Path(root).resolve()) or not resolved.is_file():
+    if not resolved.is_relative_to(root_resolved) or not resolved.is_file():
         raise AdapterError(f"{where}: {filename} is not a regular file inside the adapter root")
     return resolved
 

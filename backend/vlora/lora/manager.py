@@ -549,8 +549,7 @@ class LoraManager:
         if self.root is None:
             raise AdapterError(f"unknown adapter {name!r}: this server has no adapter root configured")
         t0 = time.perf_counter()
-        path = resolve_adapter_dir(self.root, name)  # refuses traversal and unknown names
-        try:
+        try:  # load_adapter refuses traversal and unknown names
             # Staged as it is parsed: in the slots' dtype on CUDA, one buffer per adapter (at most one copy of the file).
             w = load_adapter(self.root, name, num_layers=self.num_layers, module_dims=self.module_dims,
                              max_rank=self.cfg.max_rank, supported_modules=self.supported_modules, vision=self.vision,
@@ -564,7 +563,7 @@ class LoraManager:
             self.read_seconds += seconds  # adapters read from disk, for the GB/s a benchmark reports
             self.read_bytes += nbytes
         self.metrics.stage("adapter_read", seconds)
-        log.info("loaded adapter %s from %s (rank %d, %.1f MB) in %.0f ms (%.2f GB/s)", name, path, w.max_rank,
+        log.info("loaded adapter %s from %s (rank %d, %.1f MB) in %.0f ms (%.2f GB/s)", name, w.dir, w.max_rank,
                  nbytes / 1e6, seconds * 1e3, nbytes / max(seconds, 1e-9) / 1e9)
         return w
 
