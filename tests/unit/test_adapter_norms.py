@@ -118,17 +118,14 @@ def _load(root: Path, name: str, layers: int, d: int = 64, dtype=torch.bfloat16)
 _GIL_FREE = {"Tensor.is_floating_point", "Tensor.is_contiguous", "Tensor.numel", "Tensor.dim"}
 
 
-def _torch_calls(fn) -> int:
+def _calls(fn, counted) -> int:
+    """C calls for which ``counted(callable)`` holds, made while ``fn`` runs."""
     calls = 0
 
     def profile(frame, event, arg):
         nonlocal calls
-        if event == "c_call":
-            q = getattr(arg, "__qualname__", "")
-            if q not in _GIL_FREE and ((getattr(arg, "__module__", None) or "").startswith("torch")
-                                       or isinstance(getattr(arg, "__self__", None), torch.Tensor)
-                                       or q.startswith(("Tensor.", "_VariableFunctionsClass."))):
-                calls += 1
+        if event == "c_call" and counted(arg):
+            calls += 1
 
     sys.setprofile(profile)
     try:
@@ -136,6 +133,17 @@ def _torch_calls(fn) -> int:
     finally:
         sys.setprofile(None)
     return calls
+
+
+def _is_torch_call(arg) -> bool:
+    q = getattr(arg, "__qualname__", "")
+    return q not in _GIL_FREE and ((getattr(arg, "__module__", None) or "").startswith("torch")
+                                   or isinstance(getattr(arg, "__self__", None), torch.Tensor)
+                                   or q.startswith(("Tensor.", "_VariableFunctionsClass.")))
+
+
+def _torch_calls(fn) -> int:
+    return _calls(fn, _is_torch_call)
 
 
 def test_a_load_makes_a_few_torch_calls_not_a_few_per_tensor(tmp_path):
@@ -187,19 +195,7 @@ _SYSCALLS = {"lstat", "stat", "open", "fstat", "read", "readv", "pread", "close"
 
 def _os_calls(fn) -> int:
     """System calls made through ``os`` (each releases the GIL and takes it back) while ``fn`` runs."""
-    calls = 0
-
-    def profile(frame, event, arg):
-        nonlocal calls
-        if event == "c_call" and getattr(arg, "__module__", None) == "posix" and arg.__name__ in _SYSCALLS:
-            calls += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
+    return _calls(fn, lambda arg: getattr(arg, "__module__", None) == "posix" and arg.__name__ in _SYSCALLS)
 
 
 def test_a_load_checks_its_paths_with_a_few_system_calls(tmp_path):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -51,6 +51,26 @@ def smallest_at_least(sizes: tuple[int, ...], n: int) -> Optional[int]:
         if b >= n:
             return b
     return None
+
+
+def capture_graph(device: torch.device, body: Callable[[], Any], pool: Any) -> tuple[Any, Any, Any]:
+    """One CUDA graph of ``body()``: run it twice first on a side stream (lazy initialisation, Triton's compiles,
+    cuBLAS's and other libraries' plans stay out of the graph), then capture one call into a new graph drawing from
+    the memory ``pool`` (a new one when None). The capture is thread-local: CUDA calls of other threads (the adapter
+    loaders' and the copy thread's) do not void it. Returns (graph, what the captured call returned, pool); every
+    graph set of the engine (decode, prefill, vision) captures through here."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    if pool is None:
+        pool = torch.cuda.graph_pool_handle()
+    with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+        out = body()
+    return g, out, pool
 
 
 class DecodeGraphs:
@@ -114,18 +134,7 @@ class DecodeGraphs:
     def _capture(self, b: int, variant: str) -> None:
         r = self.runner
         r.plans.dummy(DECODE_GRAPH, self.layouts[b], b)
-        side = torch.cuda.Stream(r.device)
-        side.wait_stream(torch.cuda.current_stream(r.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm up: lazy initialisation and autotuning stay out of the graph
-                self._body(b, variant)
-        torch.cuda.current_stream(r.device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        # thread_local: CUDA calls of other threads (the adapter loader's pinned copies) must not void it.
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            logits, hidden = self._body(b, variant)
+        g, (logits, hidden), self.pool = capture_graph(r.device, lambda: self._body(b, variant), self.pool)
         self.graphs[(b, variant)] = (g, logits, hidden)
 
     def _body(self, b: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,17 +288,7 @@ class PrefillGraphs:
     def _capture(self, b: int, variant: str) -> None:
         r = self.runner
         r.plans.dummy(PREFILL_GRAPH, self.layouts[b], b)
-        side = torch.cuda.Stream(r.device)
-        side.wait_stream(torch.cuda.current_stream(r.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm up: Triton compiles and cuBLAS picks its kernels outside the capture
-                self._body(b, variant)
-        torch.cuda.current_stream(r.device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            logits, hidden = self._body(b, variant)
+        g, (logits, hidden), self.pool = capture_graph(r.device, lambda: self._body(b, variant), self.pool)
         self.graphs[(b, variant)] = (g, logits, hidden)
 
     def _body(self, b: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from vlora.atmm.mapping import LoraBatchMapping
-from vlora.engine.graphs import smallest_at_least
+from vlora.engine.graphs import capture_graph, smallest_at_least
 
 if TYPE_CHECKING:
     from vlora.engine.model_runner import ModelRunner
@@ -86,18 +86,7 @@ class VisionGraphs:
 
     @torch.inference_mode()
     def _capture(self, b: int, variant: str) -> None:
-        dev = self.runner.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lazy initialisation and library plans stay out of the graph
-                self._body(b, variant)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._body(b, variant)
+        g, out, self.pool = capture_graph(self.runner.device, lambda: self._body(b, variant), self.pool)
         self.graphs[(b, variant)] = (g, out)
 
     def capture_all(self) -> None:
@@ -201,17 +190,7 @@ class GridGraphs:
         rows = b * grid[0] * grid[1] * grid[2]
         pixels = torch.zeros(rows, self.patch_dim, dtype=self.dtype, device=self.device)
         plan = self.forward.plan([grid] * b, self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lazy initialisation and library plans stay out of the graph
-                self.forward.run(pixels, plan)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.forward.run(pixels, plan)
+        g, out, self.pool = capture_graph(self.device, lambda: self.forward.run(pixels, plan), self.pool)
         entry = self.graphs[key] = (g, pixels, out, plan)
         self.seen.pop(key, None)
         self.captures += 1
