@@ -18,7 +18,7 @@ bytes an element); each tensor must match its header and hold finite floating-po
 
 GIL. The parse and the checks take a few torch calls per adapter, not a few per tensor: each torch call that
 runs an operator releases the GIL and must take it back, which beside a busy thread (the engine's) waits up to
-the switch interval (5 ms) each time. The tensors are indexed out of a few row views of the file's buffer
+the switch interval (`engine.switch_interval_ms`) each time. The tensors are indexed out of a few row views of the file's buffer
 (``_parse_safetensors``), their norms taken in one call per dtype (``_l2_norms``).
 """
 from __future__ import annotations
@@ -316,7 +316,7 @@ def _l2_norms(ts: Sequence[Optional[torch.Tensor]]) -> list[float]:
     One ``_foreach_norm`` per norm dtype, its result in that dtype: the half types are read where they lie, with
     no fp32 copy of the adapter (fp8, which it cannot take, is converted first). A few torch calls per load, not a
     few per tensor: each torch call releases the GIL and must take it back, which beside a busy thread (the
-    engine's) waits up to the switch interval (5 ms) each time. The norms come back as one tensor, read with one
+    engine's) waits up to the switch interval each time. The norms come back as one tensor, read with one
     ``tolist``. (Copying the half types into a reused fp32 buffer and norming that took 123 ms for a rank-64
     q/k/v/o adapter of a 7B model, eight loads at once on an H200's host; this, 93 ms.)"""
     out = [math.nan] * len(ts)
