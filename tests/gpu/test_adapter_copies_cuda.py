@@ -176,3 +176,46 @@ def test_a_cold_adapter_lands_in_page_locked_memory_for_its_first_copy(tiny_mode
     run("host")
     assert loras.landed_copies == landed + 1 and loras.copies.stager.host_s > staged
     assert outs["host"].text == outs["cold"].text
+
+
+def test_a_cold_adapter_read_straight_into_the_landing_memory(tiny_model_dir, demo_adapter_root):
+    """lora.read_into_landing: the read of a request's cold adapter goes straight into the page-locked landing memory,
+    its slot copy is made from there, the host tier's copy then moves to pageable memory and the range comes back once
+    nothing holds it. The tokens equal those of a copy from the host tier."""
+    import gc
+
+    engine = build_engine(EngineConfig().with_overrides({
+        "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
+        "model.dtype": "float32", "lora.max_gpu_adapters": "2", "lora.max_rank": "32", "cache.num_blocks": "256",
+        "lora.read_into_landing": "on"}))
+    loras = engine.loras
+    assert loras._landing_reads
+    landed = loras.landed_copies
+    outs = {}
+
+    def run(rid):
+        engine.add_request(engine.inputs.prepare(_req(rid, lora=ADAPTER)), lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
+        deadline = time.monotonic() + 60
+        while rid not in outs:
+            assert time.monotonic() < deadline
+            engine.step()
+        assert outs[rid].finish_reason == "length" and not outs[rid].error
+
+    if ADAPTER in loras.resident:  # the warm start's adapter: out of its slot, and out of host memory
+        loras._empty_slot(loras.resident[ADAPTER])
+    with loras._lock:
+        loras._host.pop(ADAPTER, None)
+        loras._pending.pop(ADAPTER, None)
+    gc.collect()
+    free = loras._landing.free_bytes
+    run("cold")
+    assert loras.landed_copies == landed + 1
+    deadline = time.monotonic() + 30
+    while loras._in_landing(loras._host[ADAPTER]):  # moved out on a loader thread after the copy
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    gc.collect()
+    assert loras._landing.free_bytes == free
+    loras._empty_slot(loras.resident[ADAPTER])  # its next copy comes from the host tier, staged
+    run("host")
+    assert outs["host"].text == outs["cold"].text

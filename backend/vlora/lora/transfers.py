@@ -420,6 +420,9 @@ class AdapterLoader:
                     fut.set_result(fn(*args))
                 except BaseException as e:
                     fut.set_exception(e)
+            # An idle worker holds nothing of its last task: its future's result is an adapter's weights (which the
+            # host tier may evict meanwhile), and a landing range comes back only when nothing holds its views.
+            item = fut = fn = args = None
             with self._lock:
                 self._idle += 1
 
