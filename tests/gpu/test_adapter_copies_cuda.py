@@ -144,36 +144,45 @@ def test_slot_copies_zero_what_a_lower_rank_leaves_and_skip_it_for_a_full_rank()
             assert torch.equal(layer.lora_b[1].float().cpu(), wb)
 
 
-def test_a_cold_adapter_lands_in_page_locked_memory_for_its_first_copy(tiny_model_dir, demo_adapter_root):
-    """A request's cold adapter is read into the page-locked landing memory on its loader thread; its slot copy is
-    made from there (no CPU copy on the copy thread) and gives the range back. A later copy of the same adapter
-    from the host tier goes through the copy thread's staging, and the tokens are the same."""
+def _cold_adapter_engine(tiny_model_dir, demo_adapter_root, **over):
+    """A CUDA engine whose ADAPTER is cold (out of its slot and host memory, as the warm start left it resident)."""
     engine = build_engine(EngineConfig().with_overrides({
         "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
-        "model.dtype": "float32", "lora.max_gpu_adapters": "2", "lora.max_rank": "32", "cache.num_blocks": "256"}))
+        "model.dtype": "float32", "lora.max_gpu_adapters": "2", "lora.max_rank": "32", "cache.num_blocks": "256",
+        **over}))
     loras = engine.loras
-    assert loras._landing is not None and loras._landing.buf.is_pinned()
-    landed, staged = loras.landed_copies, loras.copies.stager.host_s
-    outs = {}
-
-    def run(rid):
-        engine.add_request(engine.inputs.prepare(_req(rid, lora=ADAPTER)), lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
-        deadline = time.monotonic() + 60
-        while rid not in outs:
-            assert time.monotonic() < deadline
-            engine.step()
-        assert outs[rid].finish_reason == "length" and not outs[rid].error
-
-    if ADAPTER in loras.resident:  # the warm start's adapter: out of its slot, and out of host memory
+    if ADAPTER in loras.resident:
         loras._empty_slot(loras.resident[ADAPTER])
     with loras._lock:
         loras._host.pop(ADAPTER, None)
         loras._pending.pop(ADAPTER, None)
-    run("cold")
+    return engine
+
+
+def _run_adapter_request(engine, outs, rid):
+    engine.add_request(engine.inputs.prepare(_req(rid, lora=ADAPTER)),
+                       lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
+    deadline = time.monotonic() + 60
+    while rid not in outs:
+        assert time.monotonic() < deadline
+        engine.step()
+    assert outs[rid].finish_reason == "length" and not outs[rid].error
+
+
+def test_a_cold_adapter_lands_in_page_locked_memory_for_its_first_copy(tiny_model_dir, demo_adapter_root):
+    """A request's cold adapter is read into the page-locked landing memory on its loader thread; its slot copy is
+    made from there (no CPU copy on the copy thread) and gives the range back. A later copy of the same adapter
+    from the host tier goes through the copy thread's staging, and the tokens are the same."""
+    engine = _cold_adapter_engine(tiny_model_dir, demo_adapter_root)
+    loras = engine.loras
+    assert loras._landing is not None and loras._landing.buf.is_pinned()
+    landed, staged = loras.landed_copies, loras.copies.stager.host_s
+    outs = {}
+    _run_adapter_request(engine, outs, "cold")
     assert loras.landed_copies == landed + 1 and loras.copies.stager.host_s == staged
     assert loras._landing.free_bytes == loras._landing.nbytes
     loras._empty_slot(loras.resident[ADAPTER])  # its next copy comes from the host tier
-    run("host")
+    _run_adapter_request(engine, outs, "host")
     assert loras.landed_copies == landed + 1 and loras.copies.stager.host_s > staged
     assert outs["host"].text == outs["cold"].text
 
@@ -184,31 +193,14 @@ def test_a_cold_adapter_read_straight_into_the_landing_memory(tiny_model_dir, de
     nothing holds it. The tokens equal those of a copy from the host tier."""
     import gc
 
-    engine = build_engine(EngineConfig().with_overrides({
-        "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
-        "model.dtype": "float32", "lora.max_gpu_adapters": "2", "lora.max_rank": "32", "cache.num_blocks": "256",
-        "lora.read_into_landing": "on"}))
+    engine = _cold_adapter_engine(tiny_model_dir, demo_adapter_root, **{"lora.read_into_landing": "on"})
     loras = engine.loras
     assert loras._landing_reads
     landed = loras.landed_copies
-    outs = {}
-
-    def run(rid):
-        engine.add_request(engine.inputs.prepare(_req(rid, lora=ADAPTER)), lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
-        deadline = time.monotonic() + 60
-        while rid not in outs:
-            assert time.monotonic() < deadline
-            engine.step()
-        assert outs[rid].finish_reason == "length" and not outs[rid].error
-
-    if ADAPTER in loras.resident:  # the warm start's adapter: out of its slot, and out of host memory
-        loras._empty_slot(loras.resident[ADAPTER])
-    with loras._lock:
-        loras._host.pop(ADAPTER, None)
-        loras._pending.pop(ADAPTER, None)
     gc.collect()
     free = loras._landing.free_bytes
-    run("cold")
+    outs = {}
+    _run_adapter_request(engine, outs, "cold")
     assert loras.landed_copies == landed + 1
     deadline = time.monotonic() + 30
     while loras._in_landing(loras._host[ADAPTER]):  # moved out on a loader thread after the copy
@@ -217,5 +209,5 @@ def test_a_cold_adapter_read_straight_into_the_landing_memory(tiny_model_dir, de
     gc.collect()
     assert loras._landing.free_bytes == free
     loras._empty_slot(loras.resident[ADAPTER])  # its next copy comes from the host tier, staged
-    run("host")
+    _run_adapter_request(engine, outs, "host")
     assert outs["host"].text == outs["cold"].text

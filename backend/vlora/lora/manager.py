@@ -529,7 +529,10 @@ class LoraManager:
         if landed[0] >= 0:
             self._landing.give(landed[0], landed[1])
         else:
-            self._loader.submit(self._move_out_of_landing, name, landed[2])
+            try:
+                self._loader.submit(self._move_out_of_landing, name, landed[2])
+            except RuntimeError:  # the loader is closed (shutdown): nothing is left to move
+                pass
 
     def _request_read_into(self):
         """Where a read made for a request goes (``_read``'s ``into``): the landing memory under
@@ -552,7 +555,7 @@ class LoraManager:
         import numpy as np
 
         mem = (ctypes.c_uint8 * nbytes).from_address(self._landing.buf.data_ptr() + start)
-        weakref.finalize(mem, self._landing.give, start, size)
+        weakref.finalize(mem, self._landing.give_later, start, size)
         return np.frombuffer(mem, dtype=np.uint8)
 
     def _in_landing(self, w: AdapterWeights) -> bool:
