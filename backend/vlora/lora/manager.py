@@ -583,6 +583,9 @@ class LoraManager:
         with self._lock:
             if self._host.get(name) is w:
                 self._host[name] = moved
+                fut = self._pending.get(name)  # a read no slot has taken yet (its request went away) holds w too
+                if fut is not None and fut.done() and fut.exception() is None and fut.result() is w:
+                    del self._pending[name]
 
     def _read_on_loader(self, name: str, epoch: int, into=None) -> AdapterWeights:
         """``_read(name, into)`` on a loader thread, waited for at most ``lora.load_timeout_s``. Callers that
