@@ -2,6 +2,7 @@
 publisher and cancellation index, the merge of adapter actions, and the repository a routed launch writes."""
 from __future__ import annotations
 
+import collections
 import json
 import multiprocessing
 import threading
@@ -121,6 +122,20 @@ def test_a_cold_adapter_sent_once_counts_as_loading_there():
     assert with_sent(records, sent)[first].loading == {"new"} and with_sent(records, sent)[first].active == 1
     others = [(i, f"x{i}", 1.0) for i in range(3) if i != first] * 3  # the others got more base work meanwhile
     assert choose_engine("new", with_sent(records, sent + others)) == first
+
+
+def test_an_adapter_answered_before_its_engines_next_record_still_draws_its_next_request():
+    """A short request ends before its engine publishes again: the record (from before it) shows the adapter nowhere,
+    and the engine it ran on has more active adapters than another. Its next request still goes there, and the
+    answered request adds no work; a record newer than the answer shows the slot itself."""
+    records = [load(0, active=0, t=1.0), load(0, active=2, t=1.0)]
+    assert choose_engine("x", records) == 0  # cold: the fewer active adapters
+    answered = [(1, "x", 2.0, False)]
+    out = with_sent(records, answered)
+    assert out[1].loading == {"x"} and out[1].waiting == 0 and out[1].active == 2
+    assert choose_engine("x", out) == 1
+    newer = [load(0, t=3.0), load(0, resident={"x"}, active=2, t=3.0)]
+    assert with_sent(newer, answered) == newer
 
 
 def test_requests_a_record_already_shows_are_not_counted_twice():
@@ -372,7 +387,7 @@ def test_a_relayed_response_that_fails_ends_the_request_and_its_engine_work():
 
     router = TritonPythonModel()
     router._pb, router._wire = pb, Wire(pb)
-    router._inflight, router._inflight_lock = {}, threading.Lock()
+    router._inflight, router._inflight_lock, router._answered = {}, threading.Lock(), collections.deque()
     request = FakeRequest()
     sender = request.sender = Flaky()
     router._relay(_Relay(Bls(), router._wire.sender(request), "vlora_gpu0", "r1"))
@@ -393,7 +408,7 @@ def test_a_relay_silent_for_a_minute_is_named_in_the_log_once(monkeypatch):
     pb = fake_pb_utils()
     router = TritonPythonModel()
     router._pb, router._wire = pb, Wire(pb)
-    router._inflight, router._inflight_lock = {}, threading.Lock()
+    router._inflight, router._inflight_lock, router._answered = {}, threading.Lock(), collections.deque()
     relay = _Relay(None, router._wire.sender(FakeRequest()), "vlora_gpu3", "r9")
     relay.heard_at = relay.sent_at = relay.sent_at - router_module.SILENT_WARN_S - 1
     router._inflight["r9"] = relay
@@ -419,7 +434,7 @@ def test_a_relay_cancelled_before_its_thread_took_it_never_reaches_its_engine():
     pb = fake_pb_utils()
     router = TritonPythonModel()
     router._pb, router._wire = pb, Wire(pb)
-    router._inflight, router._inflight_lock = {}, threading.Lock()
+    router._inflight, router._inflight_lock, router._answered = {}, threading.Lock(), collections.deque()
     sent = []
 
     class Bls:

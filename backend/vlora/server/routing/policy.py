@@ -38,28 +38,37 @@ def rendezvous(key: str, engine: int) -> int:
     return int.from_bytes(digest, "big")
 
 
-def with_sent(loads: Sequence[Optional[EngineLoad]], sent: Iterable[tuple[int, Optional[str], float]]
-              ) -> list[Optional[EngineLoad]]:
+def with_sent(loads: Sequence[Optional[EngineLoad]], sent: Iterable[tuple]) -> list[Optional[EngineLoad]]:
     """``loads`` with the router's own requests that each record cannot show yet: ``sent`` holds (engine index,
-    adapter or None, time.monotonic() when sent) of the requests in flight; one sent after its engine's record
-    was published counts as waiting there, and its adapter as loading there (one more active adapter when it
-    was neither resident nor loading)."""
+    adapter or None, time.monotonic()[, in flight]) of the requests it placed. One in flight (the time: when it was
+    sent) sent after its engine's record was published counts as waiting there, and its adapter as loading there
+    (one more active adapter when it was neither resident nor loading). One answered (in flight False; the time: when
+    it was answered) after its engine's record adds no work, but its adapter counts as loading there: the engine
+    holds it in a slot, which a record published before the answer may not show, and a short request's adapter
+    would otherwise read as cold to the next request for it, which could go elsewhere."""
     count = [0] * len(loads)
-    adapters: list[set] = [set() for _ in loads]
-    for i, adapter, at in sent:
+    adapters: list[set] = [set() for _ in loads]  # of requests in flight
+    answered: list[set] = [set() for _ in loads]  # of requests answered since the record
+    for entry in sent:
+        i, adapter, at = entry[0], entry[1], entry[2]
+        in_flight = entry[3] if len(entry) > 3 else True
         load = loads[i] if 0 <= i < len(loads) else None
         if load is None or at <= load.t:
             continue
-        count[i] += 1
-        if adapter is not None:
-            adapters[i].add(adapter)
+        if in_flight:
+            count[i] += 1
+            if adapter is not None:
+                adapters[i].add(adapter)
+        elif adapter is not None:
+            answered[i].add(adapter)
     out: list[Optional[EngineLoad]] = []
     for i, load in enumerate(loads):
-        if load is None or not count[i]:
+        if load is None or not (count[i] or answered[i]):
             out.append(load)
             continue
         new = adapters[i] - load.resident - load.loading
-        out.append(dataclasses.replace(load, waiting=load.waiting + count[i], loading=load.loading | adapters[i],
+        out.append(dataclasses.replace(load, waiting=load.waiting + count[i],
+                                       loading=load.loading | adapters[i] | (answered[i] - load.resident),
                                        active=load.active + len(new)))
     return out
 

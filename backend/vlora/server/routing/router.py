@@ -24,9 +24,10 @@ import json
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from vlora.server.routing import BOARD_PARAM, CANCEL_PREFIX, ENGINES_PARAM, MARGIN_PARAM, ROUTE_PREFIX
 from vlora.server.routing.admin_merge import EngineError, merge_admin
@@ -34,6 +35,9 @@ from vlora.server.routing.board import BoardReader
 from vlora.server.routing.policy import DEFAULT_MARGIN, choose_engine, with_sent
 from vlora.server.wire import ADMIN_KEY, Wire
 
+# How long an answered request's adapter counts as loading on its engine for the placements after it, unless a newer
+# record of that engine shows it (the board's records go stale after 2 s; engines publish every 0.1 s).
+ANSWERED_HOLD_S = 2.0
 RELAY_THREADS = 2048  # relays at once per router instance (threads start on demand; each waits on its engine)
 ADMIN_FANOUT_THREADS = 16
 DRAIN_S = 30.0  # how long finalize() waits for the relays in flight
@@ -73,6 +77,9 @@ class TritonPythonModel:
         self._relays = ThreadPoolExecutor(max_workers=RELAY_THREADS, thread_name_prefix="vlora-relay")
         self._fanout = ThreadPoolExecutor(max_workers=ADMIN_FANOUT_THREADS, thread_name_prefix="vlora-fanout")
         self._inflight: dict[str, _Relay] = {}
+        # Requests answered in the last ANSWERED_HOLD_S: (engine index, adapter, answered at), for the placements until
+        # their engines' records show their adapters in a slot (policy.with_sent). Under _inflight_lock.
+        self._answered: "deque[tuple[int, Optional[str], float]]" = deque()
         self._inflight_lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="vlora-cancel-watch", daemon=True)
@@ -106,7 +113,11 @@ class TritonPythonModel:
         with self._board_lock:
             loads = self._board.read()
         with self._inflight_lock:  # what this instance sent that the records cannot show yet (policy.with_sent)
-            sent = [(r.index, r.adapter, r.sent_at) for r in self._inflight.values()]
+            old = time.monotonic() - ANSWERED_HOLD_S
+            while self._answered and self._answered[0][2] < old:
+                self._answered.popleft()
+            sent = [(r.index, r.adapter, r.sent_at, True) for r in self._inflight.values()]
+            sent += [(i, a, at, False) for i, a, at in self._answered]
         index = choose_engine(adapter, with_sent(loads, sent), margin=self._margin, key=route)
         engine = self._engines[index]
         relay = _Relay(self._bls(request, engine, ROUTE_PREFIX + route), sender, engine, route, index, adapter)
@@ -194,6 +205,7 @@ class TritonPythonModel:
         finally:
             with self._inflight_lock:
                 self._inflight.pop(relay.route, None)
+                self._answered.append((relay.index, relay.adapter, time.monotonic()))
         if not final:  # the engine ended without a final answer: never expected
             self._wire.send_error(sender, f"internal error: {relay.engine} ended the request without an answer",
                                   internal=True)
