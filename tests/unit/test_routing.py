@@ -387,7 +387,7 @@ def test_a_relayed_response_that_fails_ends_the_request_and_its_engine_work():
 
     router = TritonPythonModel()
     router._pb, router._wire = pb, Wire(pb)
-    router._inflight, router._inflight_lock, router._answered = {}, threading.Lock(), collections.deque()
+    router._inflight, router._inflight_lock, router._answered = {}, threading.Lock(), collections.OrderedDict()
     request = FakeRequest()
     sender = request.sender = Flaky()
     router._relay(_Relay(Bls(), router._wire.sender(request), "vlora_gpu0", "r1"))
@@ -408,7 +408,7 @@ def test_a_relay_silent_for_a_minute_is_named_in_the_log_once(monkeypatch):
     pb = fake_pb_utils()
     router = TritonPythonModel()
     router._pb, router._wire = pb, Wire(pb)
-    router._inflight, router._inflight_lock, router._answered = {}, threading.Lock(), collections.deque()
+    router._inflight, router._inflight_lock, router._answered = {}, threading.Lock(), collections.OrderedDict()
     relay = _Relay(None, router._wire.sender(FakeRequest()), "vlora_gpu3", "r9")
     relay.heard_at = relay.sent_at = relay.sent_at - router_module.SILENT_WARN_S - 1
     router._inflight["r9"] = relay
@@ -434,7 +434,7 @@ def test_a_relay_cancelled_before_its_thread_took_it_never_reaches_its_engine():
     pb = fake_pb_utils()
     router = TritonPythonModel()
     router._pb, router._wire = pb, Wire(pb)
-    router._inflight, router._inflight_lock, router._answered = {}, threading.Lock(), collections.deque()
+    router._inflight, router._inflight_lock, router._answered = {}, threading.Lock(), collections.OrderedDict()
     sent = []
 
     class Bls:

@@ -24,10 +24,10 @@ import json
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from vlora.server.routing import BOARD_PARAM, CANCEL_PREFIX, ENGINES_PARAM, MARGIN_PARAM, ROUTE_PREFIX
 from vlora.server.routing.admin_merge import EngineError, merge_admin
@@ -77,9 +77,10 @@ class TritonPythonModel:
         self._relays = ThreadPoolExecutor(max_workers=RELAY_THREADS, thread_name_prefix="vlora-relay")
         self._fanout = ThreadPoolExecutor(max_workers=ADMIN_FANOUT_THREADS, thread_name_prefix="vlora-fanout")
         self._inflight: dict[str, _Relay] = {}
-        # Requests answered in the last ANSWERED_HOLD_S: (engine index, adapter, answered at), for the placements until
-        # their engines' records show their adapters in a slot (policy.with_sent). Under _inflight_lock.
-        self._answered: "deque[tuple[int, Optional[str], float]]" = deque()
+        # The adapters of requests answered in the last ANSWERED_HOLD_S: (engine index, adapter) -> answered at, oldest
+        # first, for the placements until their engines' records show them in a slot (policy.with_sent); one entry
+        # per engine and adapter, so a placement reads a few, whatever the request rate. Under _inflight_lock.
+        self._answered: "OrderedDict[tuple[int, str], float]" = OrderedDict()
         self._inflight_lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="vlora-cancel-watch", daemon=True)
@@ -114,10 +115,10 @@ class TritonPythonModel:
             loads = self._board.read()
         with self._inflight_lock:  # what this instance sent that the records cannot show yet (policy.with_sent)
             old = time.monotonic() - ANSWERED_HOLD_S
-            while self._answered and self._answered[0][2] < old:
-                self._answered.popleft()
+            while self._answered and next(iter(self._answered.values())) < old:
+                self._answered.popitem(last=False)
             sent = [(r.index, r.adapter, r.sent_at, True) for r in self._inflight.values()]
-            sent += [(i, a, at, False) for i, a, at in self._answered]
+            sent += [(i, a, at, False) for (i, a), at in self._answered.items()]
         index = choose_engine(adapter, with_sent(loads, sent), margin=self._margin, key=route)
         engine = self._engines[index]
         relay = _Relay(self._bls(request, engine, ROUTE_PREFIX + route), sender, engine, route, index, adapter)
@@ -205,7 +206,9 @@ class TritonPythonModel:
         finally:
             with self._inflight_lock:
                 self._inflight.pop(relay.route, None)
-                self._answered.append((relay.index, relay.adapter, time.monotonic()))
+                if relay.adapter is not None:
+                    self._answered[(relay.index, relay.adapter)] = time.monotonic()
+                    self._answered.move_to_end((relay.index, relay.adapter))
         if not final:  # the engine ended without a final answer: never expected
             self._wire.send_error(sender, f"internal error: {relay.engine} ended the request without an answer",
                                   internal=True)
