@@ -499,22 +499,26 @@ class LoraManager:
         room; younger ones are kept, as the oldest landing is the next slot copy of a burst."""
         if self._landing is None or not w.pairs:
             return None
-        keys = list(w.pairs)
-        srcs = [t for k in keys for t in (w.pairs[k].a, w.pairs[k].b)]
+        srcs = [t for p in w.pairs.values() for t in (p.a, p.b)]
         if any(t.device.type != "cpu" or not t.is_contiguous() for t in srcs):
             return None
         nbytes = PinnedLanding.size_of(srcs)
         start = self._landing.take(nbytes)
         while start is None:
             with self._lock:
-                oldest = next(iter(self._landed), None)
-                if oldest is None or time.monotonic() - self._landed[oldest][4] < self.cfg.load_timeout_s:
+                if not self._drop_stale_landing():
                     return None
-                self._drop_landed(oldest)
             start = self._landing.take(nbytes)
-        views = self._landing.land(start, srcs)
-        pairs = {k: LoraPair(a=views[2 * i], b=views[2 * i + 1], scale=w.pairs[k].scale) for i, k in enumerate(keys)}
-        return start, nbytes, pairs, w.version, time.monotonic()
+        return start, nbytes, _pairs_copied(w.pairs, self._landing, start), w.version, time.monotonic()
+
+    def _drop_stale_landing(self) -> bool:
+        """Under the lock: give back the oldest landing if it went unused past ``lora.load_timeout_s`` (its request went
+        away); whether there was one. Younger ones are kept: the oldest landing is the next slot copy of a burst."""
+        oldest = next(iter(self._landed), None)
+        if oldest is None or time.monotonic() - self._landed[oldest][4] < self.cfg.load_timeout_s:
+            return False
+        self._drop_landed(oldest)
+        return True
 
     def _drop_landed(self, name: str) -> None:
         """Under the lock: give back what ``name`` has landed, unused."""
@@ -548,9 +552,9 @@ class LoraManager:
         size = aligned(nbytes)
         start = self._landing.take(size)
         if start is None:
-            with self._lock:  # landings unused past lora.load_timeout_s (their requests went away) make room later
-                while self._landed and time.monotonic() - next(iter(self._landed.values()))[4] >= self.cfg.load_timeout_s:
-                    self._drop_landed(next(iter(self._landed)))
+            with self._lock:  # stale landings make room later (moved out of it on a loader thread)
+                while self._drop_stale_landing():
+                    pass
             return None
         import numpy as np
 
@@ -574,12 +578,9 @@ class LoraManager:
             w = self._host.get(name)
         if w is None or w.pairs is not pairs:
             return
-        keys = list(pairs)
-        srcs = [t for k in keys for t in (pairs[k].a, pairs[k].b)]
         # one pageable buffer for the adapter, its views carved at once and filled in one copy (as a landing is)
-        views = PinnedLanding(PinnedLanding.size_of(srcs), pin_memory=False).land(0, srcs)
-        moved = dataclasses.replace(w, pairs={k: LoraPair(a=views[2 * i], b=views[2 * i + 1], scale=pairs[k].scale)
-                                              for i, k in enumerate(keys)})
+        srcs = [t for p in pairs.values() for t in (p.a, p.b)]
+        moved = dataclasses.replace(w, pairs=_pairs_copied(pairs, PinnedLanding(PinnedLanding.size_of(srcs), pin_memory=False), 0))
         with self._lock:
             if self._host.get(name) is w:
                 self._host[name] = moved
@@ -812,3 +813,11 @@ class LoraManager:
 
     def _on_disk(self) -> list[str]:
         return list_adapters(self.root) if self.root is not None else []
+
+
+def _pairs_copied(pairs: dict, into: PinnedLanding, start: int) -> dict:
+    """``pairs`` (LoRA A/B host tensors by key) copied into ``into`` from ``start`` (``PinnedLanding.size_of`` their
+    tensors' bytes free there), as pairs of views of it with the same scales."""
+    keys = list(pairs)
+    views = into.land(start, [t for k in keys for t in (pairs[k].a, pairs[k].b)])
+    return {k: LoraPair(a=views[2 * i], b=views[2 * i + 1], scale=pairs[k].scale) for i, k in enumerate(keys)}

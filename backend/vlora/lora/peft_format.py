@@ -172,19 +172,15 @@ def _whole_file(f: OneRead, header: Mapping[str, Any], header_bytes: bytes, wher
     limit = 8 * sum(math.prod(e["shape"]) for k, e in header.items() if k != "__metadata__")
     if f.size - len(header_bytes) > limit:
         raise _invalid_weights(where, f"{f.size - len(header_bytes)} bytes of data, more than its tensors' {limit}")
-    buf = into(f.size + 1) if into is not None else None  # one byte over the size at open: growth fills it
-    if buf is not None:
-        got = f.read_into(buf)
-        if got <= f.size:
-            data = buf[:got]
-            if data[:len(header_bytes)].tobytes() != header_bytes:
-                raise AdapterError(f"{where}: {WEIGHTS_FILE} changed while it was read; load it again")
-            return data
-        del buf  # it grew: read it again, the way that checks the limit
-    try:
-        data = f.read_all(len(header_bytes) + limit)
-    except FileTooLarge:
-        raise _invalid_weights(where, f"it grew past {limit} bytes of data while it was read") from None
+    data = into(f.size + 1) if into is not None else None  # one byte over the size at open: growth fills it
+    if data is not None:
+        got = f.read_into(data)
+        data = data[:got] if got <= f.size else None  # it grew: read it again, the way that checks the limit
+    if data is None:
+        try:
+            data = f.read_all(len(header_bytes) + limit)
+        except FileTooLarge:
+            raise _invalid_weights(where, f"it grew past {limit} bytes of data while it was read") from None
     if data[:len(header_bytes)].tobytes() != header_bytes:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} changed while it was read; load it again")
     return data
