@@ -10,45 +10,34 @@ from vlora.config import ConfigError, EngineConfig
 from vlora.engine.builder import build_engine
 
 
-def test_host_threads_is_set_when_the_engine_is_built(tiny_model_dir):
-    before = torch.get_num_threads()
+import sys
+
+# setting, value set, how to read the process's figure and put it back, what the value gives
+SETTINGS = [("engine.host_threads", "1", torch.get_num_threads, torch.set_num_threads, 1),
+            ("engine.switch_interval_ms", "0.5", sys.getswitchinterval, sys.setswitchinterval, pytest.approx(0.0005))]
+
+
+def _build_cpu_engine(tiny_model_dir, **over):
+    build_engine(EngineConfig().with_overrides({
+        "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "64",
+        **over}))
+
+
+@pytest.mark.parametrize("key,value,read,restore,want", SETTINGS, ids=[s[0] for s in SETTINGS])
+def test_the_setting_is_applied_when_the_engine_is_built(tiny_model_dir, key, value, read, restore, want):
+    before = read()
     try:
-        build_engine(EngineConfig().with_overrides({
-            "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "64",
-            "engine.host_threads": "1"}))
-        assert torch.get_num_threads() == 1
-        torch.set_num_threads(before)
-        build_engine(EngineConfig().with_overrides({  # auto on a CPU: PyTorch's own setting stays
-            "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "64"}))
-        assert torch.get_num_threads() == before
+        _build_cpu_engine(tiny_model_dir, **{key: value})
+        assert read() == want
+        restore(before)
+        _build_cpu_engine(tiny_model_dir)  # auto on a CPU: the process's own setting stays
+        assert read() == before
     finally:
-        torch.set_num_threads(before)
+        restore(before)
 
 
-@pytest.mark.parametrize("value", ["0", "many", "true", "2.5"])
-def test_a_bad_host_threads_is_refused(value):
-    with pytest.raises(ConfigError, match="engine.host_threads"):
-        EngineConfig().with_overrides({"engine.host_threads": value})
-
-
-def test_switch_interval_is_set_when_the_engine_is_built(tiny_model_dir):
-    import sys
-
-    before = sys.getswitchinterval()
-    try:
-        build_engine(EngineConfig().with_overrides({
-            "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "64",
-            "engine.switch_interval_ms": "0.5"}))
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-        sys.setswitchinterval(before)
-        build_engine(EngineConfig().with_overrides({  # auto on a CPU: Python's own setting stays
-            "model.path": str(tiny_model_dir), "lora.adapter_root": None, "model.device": "cpu", "cache.num_blocks": "64"}))
-        assert sys.getswitchinterval() == before
-    finally:
-        sys.setswitchinterval(before)
-
-
-@pytest.mark.parametrize("value", ["0", "1000", "true", "fast"])
-def test_a_bad_switch_interval_is_refused(value):
-    with pytest.raises(ConfigError, match="engine.switch_interval_ms"):
-        EngineConfig().with_overrides({"engine.switch_interval_ms": value})
+@pytest.mark.parametrize("key,value", [("engine.host_threads", v) for v in ("0", "many", "true", "2.5")]
+                         + [("engine.switch_interval_ms", v) for v in ("0", "1000", "true", "fast")])
+def test_a_bad_value_is_refused(key, value):
+    with pytest.raises(ConfigError, match=key):
+        EngineConfig().with_overrides({key: value})
