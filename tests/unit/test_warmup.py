@@ -4,6 +4,7 @@ left idle, and its metrics report none of it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from vlora.config import EngineConfig
 from vlora.engine.builder import build_engine
@@ -124,3 +125,29 @@ def test_the_eager_paths_prefill_fresh_prompts_of_their_lengths_without_the_pref
             assert warmup._run(engine, req, 1e18, int(name.rsplit("-", 1)[1])) is None
     assert engine.runner.prefill_graphs is sentinel
     assert (48, 0, True) in seen and (49, 0, True) in seen
+
+
+def test_the_warm_up_never_merges_so_the_base_weights_stay_the_checkpoints(tiny_model_dir, demo_adapter_root):
+    """Even under a policy that merges every adapter it serves: a merge and its unmerge leave the rounding of the
+    weights' dtype behind (fp32 here, bf16 on a GPU), and the warm start would then leave every later request on
+    weights that are not the checkpoint's. The engine's own policy is back in place after."""
+    from vlora.orchestrator.policies import MergeOnlyPolicy
+
+    def build(warm):
+        return build_engine(EngineConfig().with_overrides({
+            "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cpu",
+            "cache.num_blocks": "256", "orchestrator.policy": "merge-only", "engine.warmup": warm}))
+
+    warm, cold = build("on"), build("off")
+    assert "lora-text" in warm.model_info["warmup"]["paths"]
+    assert isinstance(warm.orchestrator.policy, MergeOnlyPolicy) and warm.orchestrator.merged is None
+    want = dict(cold.runner.model.named_parameters())
+    for name, p in warm.runner.model.named_parameters():
+        assert torch.equal(p, want[name]), name
+    # the same policy merges once the engine serves: the check above is not vacuous
+    from engine_parity import add_greedy
+    add_greedy(warm, "r", "demo-r8-qv", "Count the circles.", max_new=2)
+    while warm.has_work():
+        warm.step()
+    warm.flush()
+    assert warm.orchestrator.merged == "demo-r8-qv"

@@ -15,7 +15,11 @@ through the same prompts (LoRA prefill and decode, vision-side LoRA where it has
 heads. Before them, the attention backend builds its per-shape plans (cuDNN's, one per padded prompt length).
 The requests run on the building thread, before the engine loop starts; their metrics are not
 reported (:class:`GatedMetrics`), the orchestrator forgets them (unmerged, fresh estimates), and what they
-leave in the prefix and encoder caches is keyed by content like any request's. ``engine.warmup``: ``auto`` (on CUDA), ``on``, ``off``.
+leave in the prefix and encoder caches is keyed by content like any request's. They run unmerged whatever the
+policy: a merge and its unmerge leave the rounding of the weights' dtype in the base weights (one merge and
+unmerge of a random rank-16 delta moved 15% of a bf16 matrix's values by an ulp), so a warm start that merged would serve every later request from
+weights that are no longer the checkpoint's, and differently from one start to the next (the policy's merge
+decision is timed). The merge kernels need no warming: they are the extension's, compiled ahead of time. ``engine.warmup``: ``auto`` (on CUDA), ``on``, ``off``.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from vlora.engine.api import GenerationRequest, SamplingParams
+from vlora.orchestrator.policies import UnmergeOnlyPolicy
 
 if TYPE_CHECKING:
     from vlora.engine.core import LLMEngine
@@ -107,16 +112,21 @@ def warm_up(engine: "LLMEngine", timeout_s: float = 600.0) -> dict:
     plans = engine.runner.warm_attention(engine.max_model_len)
     if plans:
         paths["attention-plans"] = round(time.perf_counter() - t0, 3)
-    for name, req in warm_requests(engine):
-        t = time.perf_counter()
-        length = int(name.rsplit("-", 1)[1]) if name.startswith("text-eager-") else None
-        error = _run(engine, req, t + timeout_s, length)
-        if error is None:
-            paths[name] = round(time.perf_counter() - t, 3)
-        else:
-            failed[name] = error
-            log.warning("warm-up: the %s path failed: %s", name, error)
-    engine.orchestrator.forget()  # no adapter left merged, no estimate from the warm-up's first steps
+    orch = engine.orchestrator
+    policy, orch.policy = orch.policy, UnmergeOnlyPolicy(orch.policy.max_bs, orch.policy.theta)  # never merges
+    try:
+        for name, req in warm_requests(engine):
+            t = time.perf_counter()
+            length = int(name.rsplit("-", 1)[1]) if name.startswith("text-eager-") else None
+            error = _run(engine, req, t + timeout_s, length)
+            if error is None:
+                paths[name] = round(time.perf_counter() - t, 3)
+            else:
+                failed[name] = error
+                log.warning("warm-up: the %s path failed: %s", name, error)
+    finally:
+        orch.policy = policy
+    orch.forget()  # no estimate from the warm-up's first steps
     total = time.perf_counter() - t0
     log.info("warm-up: %d paths in %.2f s (%s)", len(paths), total,
              ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in paths.items()))
