@@ -62,11 +62,6 @@ class LoraConfig:
     # Page-locked host memory (MiB, on CUDA, allocated at start) where adapters read from disk land before their
     # first slot copy, which is then asynchronous (vlora.lora.transfers.PinnedLanding); 0: none.
     pinned_landing_mb: int = 1024
-    # A read made for a request goes straight into the landing memory (no copy into it after the read; its tensors
-    # are views of a range given back once nothing holds them, the host tier's copy moved to pageable memory after
-    # the first slot copy), where the file's dtypes are the slots' and there is room; off: read into fresh memory,
-    # then copied into the landing memory. Off until measured on a device (benchmarks/NOTES.md).
-    read_into_landing: bool = False
     # An unload waits this long for the adapter's running and waiting requests to finish, then answers
     # with state "unloading" (the unload still completes when the last one finishes; 0: answer at once).
     unload_timeout_s: float = 30.0
@@ -77,7 +72,6 @@ class LoraConfig:
     def __post_init__(self) -> None:
         _require(self.max_gpu_adapters >= 1, "lora.max_gpu_adapters must be >= 1")
         _require(isinstance(self.vision_lora, bool), "lora.vision_lora must be on or off")
-        _require(isinstance(self.read_into_landing, bool), "lora.read_into_landing must be on or off")
         _require(self.admin_token_file is None or (isinstance(self.admin_token_file, str) and self.admin_token_file),
                  "lora.admin_token_file must be a file path or null")
         _require(self.load_timeout_s > 0, "lora.load_timeout_s must be > 0")

@@ -144,12 +144,11 @@ def test_slot_copies_zero_what_a_lower_rank_leaves_and_skip_it_for_a_full_rank()
             assert torch.equal(layer.lora_b[1].float().cpu(), wb)
 
 
-def _cold_adapter_engine(tiny_model_dir, demo_adapter_root, **over):
+def _cold_adapter_engine(tiny_model_dir, demo_adapter_root):
     """A CUDA engine whose ADAPTER is cold (out of its slot and host memory, as the warm start left it resident)."""
     engine = build_engine(EngineConfig().with_overrides({
         "model.path": str(tiny_model_dir), "lora.adapter_root": str(demo_adapter_root), "model.device": "cuda",
-        "model.dtype": "float32", "lora.max_gpu_adapters": "2", "lora.max_rank": "32", "cache.num_blocks": "256",
-        **over}))
+        "model.dtype": "float32", "lora.max_gpu_adapters": "2", "lora.max_rank": "32", "cache.num_blocks": "256"}))
     loras = engine.loras
     if ADAPTER in loras.resident:
         loras._empty_slot(loras.resident[ADAPTER])
@@ -184,30 +183,4 @@ def test_a_cold_adapter_lands_in_page_locked_memory_for_its_first_copy(tiny_mode
     loras._empty_slot(loras.resident[ADAPTER])  # its next copy comes from the host tier
     _run_adapter_request(engine, outs, "host")
     assert loras.landed_copies == landed + 1 and loras.copies.stager.host_s > staged
-    assert outs["host"].text == outs["cold"].text
-
-
-def test_a_cold_adapter_read_straight_into_the_landing_memory(tiny_model_dir, demo_adapter_root):
-    """lora.read_into_landing: the read of a request's cold adapter goes straight into the page-locked landing memory,
-    its slot copy is made from there, the host tier's copy then moves to pageable memory and the range comes back once
-    nothing holds it. The tokens equal those of a copy from the host tier."""
-    import gc
-
-    engine = _cold_adapter_engine(tiny_model_dir, demo_adapter_root, **{"lora.read_into_landing": "on"})
-    loras = engine.loras
-    assert loras._landing_reads
-    landed = loras.landed_copies
-    gc.collect()
-    free = loras._landing.free_bytes
-    outs = {}
-    _run_adapter_request(engine, outs, "cold")
-    assert loras.landed_copies == landed + 1
-    deadline = time.monotonic() + 30
-    while loras._in_landing(loras._host[ADAPTER]):  # moved out on a loader thread after the copy
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    gc.collect()
-    assert loras._landing.free_bytes == free
-    loras._empty_slot(loras.resident[ADAPTER])  # its next copy comes from the host tier, staged
-    _run_adapter_request(engine, outs, "host")
     assert outs["host"].text == outs["cold"].text

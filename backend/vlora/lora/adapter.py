@@ -31,7 +31,7 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
@@ -180,7 +180,6 @@ def load_adapter(
     dtype: torch.dtype = torch.float32,
     pin_memory: bool = False,
     one_buffer: Optional[bool] = None,
-    read_into: Optional[Callable[[int], Any]] = None,
 ) -> AdapterWeights:
     """Read and check adapter ``name`` under ``root`` against the served model.
 
@@ -194,10 +193,6 @@ def load_adapter(
     to; ``vision`` describes the model's vision-side projections (None: none are known, so keys naming
     them are refused); ``max_rank`` is the largest rank a slot holds. Raises AdapterError naming the
     key, module, shape or setting at fault.
-
-    ``read_into(nbytes)``: a buffer the weights file is read into (``_whole_file``), asked for only when every LoRA
-    weight of the file is in ``dtype`` already and ``pin_memory`` is off, so that the weights come back as views of
-    it; None from it: fresh memory, as without it.
     """
     root = Path(root).resolve()  # once: each resolve is a system call per path component
     adir = resolve_adapter_dir(root, name, root_resolved=root)
@@ -264,9 +259,7 @@ def load_adapter(
             scale = float(alpha / math.sqrt(r) if use_rslora else alpha / r)
             plan.append((layer, module, module_name, key_a, key_b, scale))
         # Every key is a checked LoRA weight now: the data holds at most 8 bytes per element of their shapes.
-        into = read_into if read_into is not None and not pin_memory and all(
-            _ST_DTYPES.get(header[k].get("dtype")) == dtype for k in keys) else None
-        weights_bytes = _whole_file(f, header, header_bytes, where, into=into)
+        weights_bytes = _whole_file(f, header, header_bytes, where)
     # The version's hash of the weights (hashlib releases the GIL) runs beside the parse and the checks.
     hashing = threading.Thread(target=version.add, args=(WEIGHTS_FILE, weights_bytes), name="vlora-adapter-hash")
     hashing.start()

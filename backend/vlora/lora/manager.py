@@ -41,13 +41,11 @@ adapter again keeps its id, and an id is never given to another name.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -70,7 +68,6 @@ from vlora.lora.adapter import (
     resolve_adapter_dir,
     validate_adapter_name,
 )
-from vlora.lora.carve import aligned
 from vlora.lora.layers import LoraLinear
 from vlora.lora.transfers import AdapterLoader, PinnedLanding, SlotCopies
 
@@ -126,10 +123,7 @@ class LoraManager:
         # (start, bytes), pairs there and weights' version; under _lock until a slot copy takes it.
         self._landing: Optional[PinnedLanding] = (
             PinnedLanding(cfg.pinned_landing_mb << 20) if self.copies.cuda and cfg.pinned_landing_mb > 0 else None)
-        # A start of -1: the read went straight into the landing memory (lora.read_into_landing); the range belongs to
-        # its views, and comes back when the last is gone (_landing_buffer).
         self._landed: "OrderedDict[str, tuple[int, int, dict, str, float]]" = OrderedDict()  # ..., landed at (monotonic)
-        self._landing_reads = self._landing is not None and cfg.read_into_landing
         self.landed_copies = 0  # slot copies made from a landed read (engine thread)
         # Engine thread: each slot's last copy plan (LoraLinear.copy_plan), with the per-layer ranks it was made for.
         self._copy_plans: dict[int, tuple[tuple[int, ...], Any]] = {}
@@ -240,7 +234,7 @@ class LoraManager:
         if not wait:
             resolve_adapter_dir(self.root, name)  # a stat: unknown names and traversal are refused here
             return None
-        return self._insert_read(name, self._read_on_loader(name, epoch, self._request_read_into()), epoch)
+        return self._insert_read(name, self._read_on_loader(name, epoch), epoch)
 
     def load(self, name: str) -> bool:
         """Make ``name`` servable (again): read and check it into the host tier; a client's ``load``.
@@ -467,7 +461,7 @@ class LoraManager:
     def _read_into_host(self, name: str, epoch: int) -> AdapterWeights:
         """Loader thread: read ``name`` and put it in the host tier unless it was unloaded meanwhile."""
         try:
-            w = self._read(name, into=self._request_read_into())
+            w = self._read(name)
         except AdapterError:
             raise
         except Exception as e:  # reaches the waiting request as its error, never the engine loop
@@ -478,14 +472,11 @@ class LoraManager:
     def _insert_read(self, name: str, w: AdapterWeights, epoch: int) -> AdapterWeights:
         """``w``, just read, into the host tier unless ``name`` was unloaded meanwhile, and landed for its first slot
         copy (``_land``)."""
-        if self._in_landing(w):  # read straight into it: nothing to copy
-            landed: Optional[tuple] = (-1, 0, w.pairs, w.version, time.monotonic())
-        else:
-            landed = self._land(w)
+        landed = self._land(w)
         with self._lock:
             if not self._insert_host(name, w, epoch):
                 if landed is not None:
-                    self._release_landed(name, landed)
+                    self._landing.give(landed[0], landed[1])
                 raise AdapterError(self._unloaded_message(name))
             if landed is not None:
                 self._drop_landed(name)
@@ -524,79 +515,17 @@ class LoraManager:
         """Under the lock: give back what ``name`` has landed, unused."""
         landed = self._landed.pop(name, None)
         if landed is not None:
-            self._release_landed(name, landed)
-
-    def _release_landed(self, name: str, landed: tuple) -> None:
-        """A landing no slot copy will read (any more): its range given back; for a read that went straight into the
-        landing memory, the host tier's copy moved out of it (``_move_out_of_landing``, on a loader thread), after
-        which its range comes back once nothing holds the old views."""
-        if landed[0] >= 0:
             self._landing.give(landed[0], landed[1])
-        else:
-            try:
-                self._loader.submit(self._move_out_of_landing, name, landed[2])
-            except RuntimeError:  # the loader is closed (shutdown): nothing is left to move
-                pass
 
-    def _request_read_into(self):
-        """Where a read made for a request goes (``_read``'s ``into``): the landing memory under
-        ``lora.read_into_landing``, else fresh memory (None). A client's ``load`` reads into fresh memory: no slot
-        copy follows it."""
-        return self._landing_buffer if self._landing_reads else None
-
-    def _landing_buffer(self, nbytes: int):
-        """Loader thread (``lora.read_into_landing``): ``nbytes`` of the landing memory for a read to go straight
-        into, or None when there is no room. The range belongs to the NumPy array returned: it is given back when
-        that array and every view made of it (the adapter's tensors, wherever they are held: the host tier, a slot
-        copy in flight, a request) are gone, so it is never reused under a live view."""
-        size = aligned(nbytes)
-        start = self._landing.take(size)
-        if start is None:
-            with self._lock:  # stale landings make room later (moved out of it on a loader thread)
-                while self._drop_stale_landing():
-                    pass
-            return None
-        import numpy as np
-
-        mem = (ctypes.c_uint8 * nbytes).from_address(self._landing.buf.data_ptr() + start)
-        weakref.finalize(mem, self._landing.give_later, start, size)
-        return np.frombuffer(mem, dtype=np.uint8)
-
-    def _in_landing(self, w: AdapterWeights) -> bool:
-        """Whether all of ``w``'s LoRA weights lie in the landing memory (a read that went straight into it)."""
-        if self._landing is None or not w.pairs:
-            return False
-        lo = self._landing.buf.data_ptr()
-        hi = lo + self._landing.nbytes
-        return all(lo <= t.data_ptr() < hi for p in w.pairs.values() for t in (p.a, p.b))
-
-    def _move_out_of_landing(self, name: str, pairs: dict) -> None:
-        """Loader thread: the host tier's copy of ``name``, whose weights ``pairs`` lie in the landing memory, copied
-        into pageable memory and put in its place (the landing is for first slot copies; the host tier is pageable:
-        SlotCopies says why). Nothing to do when the host tier holds another copy by now, or none."""
-        with self._lock:
-            w = self._host.get(name)
-        if w is None or w.pairs is not pairs:
-            return
-        # one pageable buffer for the adapter, its views carved at once and filled in one copy (as a landing is)
-        srcs = [t for p in pairs.values() for t in (p.a, p.b)]
-        moved = dataclasses.replace(w, pairs=_pairs_copied(pairs, PinnedLanding(PinnedLanding.size_of(srcs), pin_memory=False), 0))
-        with self._lock:
-            if self._host.get(name) is w:
-                self._host[name] = moved
-                fut = self._pending.get(name)  # a read no slot has taken yet (its request went away) holds w too
-                if fut is not None and fut.done() and fut.exception() is None and fut.result() is w:
-                    del self._pending[name]
-
-    def _read_on_loader(self, name: str, epoch: int, into=None) -> AdapterWeights:
-        """``_read(name, into)`` on a loader thread, waited for at most ``lora.load_timeout_s``. Callers that
+    def _read_on_loader(self, name: str, epoch: int) -> AdapterWeights:
+        """``_read(name)`` on a loader thread, waited for at most ``lora.load_timeout_s``. Callers that
         ask for the same adapter (and epoch: an unload starts a fresh read) share one read."""
         key = (name, epoch)
         with self._lock:
             fut = self._reads.get(key)
             started = fut is None
             if started:
-                fut = self._reads[key] = self._loader.submit(self._read, name, into)
+                fut = self._reads[key] = self._loader.submit(self._read, name)
         if started:  # outside the lock: a read already done calls back at once
             fut.add_done_callback(lambda f: self._forget_read(key, f))
         timeout = self.cfg.load_timeout_s
@@ -615,9 +544,8 @@ class LoraManager:
             if self._reads.get(key) is fut:
                 del self._reads[key]
 
-    def _read(self, name: str, into=None) -> AdapterWeights:
-        """Read and check ``name`` (from memory or disk) and stage it for the slots. No lock held. ``into``: where the
-        weights file may be read to (``load_adapter``'s ``read_into``)."""
+    def _read(self, name: str) -> AdapterWeights:
+        """Read and check ``name`` (from memory or disk) and stage it for the slots. No lock held."""
         with self._lock:
             registered = self._in_memory.get(name)
         if registered is not None:
@@ -630,7 +558,7 @@ class LoraManager:
             w = load_adapter(self.root, name, num_layers=self.num_layers, module_dims=self.module_dims,
                              max_rank=self.cfg.max_rank, supported_modules=self.supported_modules, vision=self.vision,
                              dtype=self.dtype if self._stage_for_cuda else torch.float32,
-                             one_buffer=self._stage_for_cuda, read_into=into)
+                             one_buffer=self._stage_for_cuda)
         except OSError as e:
             raise AdapterError(f"adapter {name!r}: cannot be read ({e})") from None
         seconds = time.perf_counter() - t0
@@ -686,13 +614,13 @@ class LoraManager:
         with self._lock:
             landed = self._landed.pop(name, None)
         if landed is not None:
-            _, _, landed_pairs, version, _ = landed
+            start, nbytes, landed_pairs, version, _ = landed
             if version == w.version:  # its first slot copy: from page-locked memory, given back once complete
                 pairs, put = landed_pairs, self.copies.put_pinned
                 self.landed_copies += 1
-                done = lambda: self._release_landed(name, landed)  # noqa: E731
+                done = lambda: self._landing.give(start, nbytes)  # noqa: E731
             else:  # landed from an older read
-                self._release_landed(name, landed)
+                self._landing.give(start, nbytes)
         layers = [(wrapper, pairs.get(key)) for key, wrapper in self.layers.items()]  # pair None: layer skipped
 
         if self.copies.cuda:

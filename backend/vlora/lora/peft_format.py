@@ -27,7 +27,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -161,26 +161,17 @@ def _safetensors_header(f: OneRead, where: str) -> tuple[dict[str, Any], bytes]:
     return header, head + raw
 
 
-def _whole_file(f: OneRead, header: Mapping[str, Any], header_bytes: bytes, where: str,
-                into: Optional[Callable[[int], Any]] = None) -> "np.ndarray":
+def _whole_file(f: OneRead, header: Mapping[str, Any], header_bytes: bytes, where: str) -> "np.ndarray":
     """All of ``f``, whose header (``header_bytes``, read first) was checked: read in one piece from its
     start, refused unread when its data is larger than the header's tensors can hold (8 bytes an element)
-    or grows past that while it is read, and refused when its header is no longer the one checked.
-
-    ``into(nbytes)``: a writable uint8 buffer of that many bytes to read into (memory that is already mapped: no page
-    faults), or None; by default, and where it gives none or the file grew since it was opened, fresh memory."""
+    or grows past that while it is read, and refused when its header is no longer the one checked."""
     limit = 8 * sum(math.prod(e["shape"]) for k, e in header.items() if k != "__metadata__")
     if f.size - len(header_bytes) > limit:
         raise _invalid_weights(where, f"{f.size - len(header_bytes)} bytes of data, more than its tensors' {limit}")
-    data = into(f.size + 1) if into is not None else None  # one byte over the size at open: growth fills it
-    if data is not None:
-        got = f.read_into(data)
-        data = data[:got] if got <= f.size else None  # it grew: read it again, the way that checks the limit
-    if data is None:
-        try:
-            data = f.read_all(len(header_bytes) + limit)
-        except FileTooLarge:
-            raise _invalid_weights(where, f"it grew past {limit} bytes of data while it was read") from None
+    try:
+        data = f.read_all(len(header_bytes) + limit)
+    except FileTooLarge:
+        raise _invalid_weights(where, f"it grew past {limit} bytes of data while it was read") from None
     if data[:len(header_bytes)].tobytes() != header_bytes:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} changed while it was read; load it again")
     return data

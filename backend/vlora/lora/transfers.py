@@ -7,7 +7,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -149,7 +148,6 @@ class PinnedLanding:
         self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (start, size), sorted, coalesced
         self._lock = threading.Lock()
-        self._returned: "deque[tuple[int, int]]" = deque()  # give_later's ranges, merged at the next call
 
     @staticmethod
     def size_of(tensors: Sequence[torch.Tensor]) -> int:
@@ -159,7 +157,6 @@ class PinnedLanding:
     def take(self, nbytes: int) -> Optional[int]:
         """The start of a free range of ``nbytes`` (first fit), or None when there is no room."""
         with self._lock:
-            self._merge_returned()
             for i, (start, size) in enumerate(self._free):
                 if size >= nbytes:
                     if size == nbytes:
@@ -172,33 +169,19 @@ class PinnedLanding:
     def give(self, start: int, nbytes: int) -> None:
         """The range back, merged with its free neighbours."""
         with self._lock:
-            self._merge_returned()
-            self._give(start, nbytes)
-
-    def give_later(self, start: int, nbytes: int) -> None:
-        """The range back from a finalizer: it may run on any thread, inside any other call (the garbage collector
-        runs them where it allocates, even in ``take``), so it takes no lock; the next call merges it."""
-        self._returned.append((start, nbytes))
-
-    def _merge_returned(self) -> None:
-        while self._returned:
-            self._give(*self._returned.popleft())
-
-    def _give(self, start: int, nbytes: int) -> None:
-        free = self._free
-        i = next((k for k, (s, _) in enumerate(free) if s > start), len(free))
-        free.insert(i, (start, nbytes))
-        if i + 1 < len(free) and start + nbytes == free[i + 1][0]:
-            free[i] = (start, nbytes + free[i + 1][1])
-            del free[i + 1]
-        if i > 0 and free[i - 1][0] + free[i - 1][1] == start:
-            free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
-            del free[i]
+            free = self._free
+            i = next((k for k, (s, _) in enumerate(free) if s > start), len(free))
+            free.insert(i, (start, nbytes))
+            if i + 1 < len(free) and start + nbytes == free[i + 1][0]:
+                free[i] = (start, nbytes + free[i + 1][1])
+                del free[i + 1]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == start:
+                free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
+                del free[i]
 
     @property
     def free_bytes(self) -> int:
         with self._lock:
-            self._merge_returned()
             return sum(size for _, size in self._free)
 
     def land(self, start: int, srcs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -437,8 +420,8 @@ class AdapterLoader:
                     fut.set_result(fn(*args))
                 except BaseException as e:
                     fut.set_exception(e)
-            # An idle worker holds nothing of its last task: its future's result is an adapter's weights (which the
-            # host tier may evict meanwhile), and a landing range comes back only when nothing holds its views.
+            # An idle worker holds nothing of its last task: its future's result is an adapter's weights, which the
+            # host tier may evict meanwhile.
             item = fut = fn = args = None
             with self._lock:
                 self._idle += 1
