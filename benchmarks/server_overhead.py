@@ -9,7 +9,8 @@ Each point: ``--concurrency`` clients at once (threads spread over ``--client-pr
 clients' own Python does not bound 128 streams), each sending ``--rounds`` requests of ``--max-tokens`` tokens
 (greedy, ``ignore_eos``, a prompt of new words per request: no prefix-cache hit). Per request: TTFT (to the first
 event with a token) and time per token ((last - first) / (tokens - 1)); per point: their p50/p90 and output
-tokens/s. In process, the same requests go to ``AsyncEngine.generate`` from threads of this process. The
+tokens/s. In process, the same requests go to ``AsyncEngine.generate`` from threads of a process of its own (its
+device memory free again before the server starts). The
 overhead is the server's figure minus the in-process one at the same concurrency; the server's own step time
 (``vlora_step_duration_seconds``) over the same window says how much of a token's time the engine spent.
 
@@ -211,6 +212,27 @@ def engine_point(aeng, concurrency: int, rounds: int, max_tokens: int, first_id:
     return samples, time.perf_counter() - t0
 
 
+def in_process_points(cfg: dict, levels: list[int], rounds: int, max_tokens: int, first_id: int) -> dict:
+    """{concurrency: figures} of the in-process engine built from the dotted settings ``cfg`` (a warm request
+    first). Runs in a process of its own (:func:`main`)."""
+    from vlora.config import EngineConfig
+    from vlora.engine.async_engine import AsyncEngine
+
+    aeng = AsyncEngine(EngineConfig().with_overrides(cfg))
+    out: dict = {}
+    try:
+        engine_point(aeng, 1, 1, max_tokens, first_id)  # warm
+        first_id += 10
+        for c in levels:
+            samples, seconds = engine_point(aeng, c, rounds, max_tokens, first_id)
+            first_id += c * rounds
+            out[c] = _figures(samples, seconds)
+            print(f"in process, {c} streams: {out[c]}", flush=True)
+    finally:
+        aeng.shutdown()
+    return out
+
+
 def banner_urls(text: str) -> dict[str, str]:
     """``{"HTTP": host:port, "metrics": url}`` from the banner ``vlora serve`` prints (vlora.server.banner)."""
     out = {}
@@ -266,8 +288,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     # In process first (the engine alone on the device), then the server on the same model.
     from benchmarks.openai_hop import start_server
-    from vlora.config import EngineConfig
-    from vlora.engine.async_engine import AsyncEngine
 
     model = args.model
     if args.preset:
@@ -281,17 +301,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         model = str(ensure_tiny_model())
     cfg = {"model.path": model, "model.device": args.device, "lora.adapter_root": None,
            **({"model.dtype": "bfloat16"} if args.device.startswith("cuda") else {})}
-    aeng = AsyncEngine(EngineConfig().with_overrides(cfg))
-    try:
-        engine_point(aeng, 1, 1, args.max_tokens, next_id)  # warm
-        next_id += 10
-        for c in levels:
-            samples, seconds = engine_point(aeng, c, args.rounds, args.max_tokens, next_id)
-            next_id += c * args.rounds
-            result["points"].setdefault(str(c), {})["in_process"] = _figures(samples, seconds)
-            print(f"in process, {c} streams: {result['points'][str(c)]['in_process']}", flush=True)
-    finally:
-        aeng.shutdown()
+    # In a process of its own, so that the device's memory is free again (its allocator's cache, its graphs' pools)
+    # when the server's engine is built.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as one:
+        points = one.submit(in_process_points, cfg, levels, args.rounds, args.max_tokens, next_id).result()
+    next_id += 10 + sum(c * args.rounds for c in levels)
+    for c, fig in points.items():
+        result["points"].setdefault(str(c), {})["in_process"] = fig
 
     args.model, args.preset = model, None
     proc, grpc_url, _ = start_server(args, work)
