@@ -352,9 +352,9 @@ def summary(result: dict) -> str:
         for t in ("http", "grpc"):
             f = point.get(t)
             if f and ref:
-                parts.append(f"{c} streams {t}: TTFT p50 {f['ttft_ms_p50']:.2f} ms (+{f.get('ttft_ms_over_in_process', 0):.2f} "
+                parts.append(f"{c} streams {t}: TTFT p50 {f['ttft_ms_p50']:.2f} ms ({f.get('ttft_ms_over_in_process', 0):+.2f} "
                              f"over in process), per token {f['per_token_ms_p50']:.3f} ms "
-                             f"(+{f.get('per_token_ms_over_in_process', 0):.3f}), {f['output_tok_per_s']:.0f} tok/s "
+                             f"({f.get('per_token_ms_over_in_process', 0):+.3f}), {f['output_tok_per_s']:.0f} tok/s "
                              f"({f.get('throughput_over_in_process', 0):.2f} of in process)")
     return f"{result['max_tokens']} tokens per request, greedy: " + "; ".join(parts)
 
