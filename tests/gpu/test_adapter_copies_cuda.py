@@ -184,3 +184,52 @@ def test_a_cold_adapter_lands_in_page_locked_memory_for_its_first_copy(tiny_mode
     _run_adapter_request(engine, outs, "host")
     assert loras.landed_copies == landed + 1 and loras.copies.stager.host_s > staged
     assert outs["host"].text == outs["cold"].text
+
+
+def test_a_requests_read_leaves_the_value_checks_to_the_device(tiny_model_dir, demo_adapter_root, tmp_path):
+    """On CUDA a request's read takes no norms on the host; its slot copy takes them on the device (bf16 slots here)
+    and a bad adapter is refused by layer and module before any step reads the slot. A good one is served with the
+    tokens of host-checked weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path / "adapters"
+    shutil.copytree(demo_adapter_root / ADAPTER, root / ADAPTER)
+    shutil.copytree(demo_adapter_root / ADAPTER, root / "nan-b")
+    path = root / "nan-b" / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    key = sorted(k for k in tensors if "lora_B" in k)[2]
+    tensors[key][1, 0] = float("nan")
+    save_file(tensors, str(path))
+    layer, module = int(key.split(".layers.")[1].split(".")[0]), key.split(".lora_B")[0].rsplit(".", 1)[1]
+
+    def serve(names, wait):
+        engine = build_engine(EngineConfig().with_overrides({
+            "model.path": str(tiny_model_dir), "lora.adapter_root": str(root), "model.device": "cuda",
+            "model.dtype": "bfloat16", "lora.max_gpu_adapters": "2", "lora.max_rank": "32", "cache.num_blocks": "256",
+            "engine.warmup": "off"}))
+        assert engine.loras._check_on_device
+        outs = {}
+        for name in names:
+            try:
+                checked = engine.inputs.check(_req(name, lora=name), wait_adapter=wait)
+            except Exception as e:  # noqa: BLE001 - the host check refuses at admission
+                outs[name] = e
+                continue
+            engine.add_request(engine.inputs.preprocess(checked),
+                               lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
+        deadline = time.monotonic() + 60
+        while engine.has_work():
+            assert time.monotonic() < deadline
+            engine.step()
+        return engine, outs
+
+    engine, outs = serve(["nan-b", ADAPTER], wait=False)
+    assert not engine.loras._host[ADAPTER].values_checked
+    assert outs["nan-b"].finish_reason == "error"
+    assert f"layer {layer} {module}: lora_B holds non-finite values" in outs["nan-b"].error
+    assert "nan-b" not in engine.loras.resident
+    host, want = serve(["nan-b", ADAPTER], wait=True)
+    assert "non-finite" in str(want["nan-b"]) and host.loras._host[ADAPTER].values_checked
+    assert outs[ADAPTER].finish_reason == "length" and outs[ADAPTER].text == want[ADAPTER].text

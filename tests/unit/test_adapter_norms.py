@@ -226,3 +226,25 @@ def test_a_load_checks_its_paths_with_a_few_system_calls(tmp_path):
     (root / "plain2" / "adapter_model.safetensors").symlink_to(root / "nowhere")  # dangling: reads as missing
     with pytest.raises(AdapterError, match="adapter_model.safetensors is missing"):
         _load(root, "plain2", 2)
+
+
+def test_check_values_off_leaves_only_the_values_to_the_caller(tmp_path):
+    """``check_values=False`` (a request's read on CUDA, whose slot copy checks the values on the device): no norm
+    is taken and a non-finite value passes, marked unchecked; every other check stays, the scale's bound too."""
+    key = "base_model.model.model.language_model.layers.2.self_attn.k_proj.lora_B.weight"
+    _write_adapter(tmp_path, "bad", layers=4, edit=lambda t: t[key].__setitem__((1, 1), float("nan")))
+    with pytest.raises(AdapterError, match="non-finite"):
+        _load(tmp_path, "bad", 4)
+    dims = {m: (64, 64) for m in MODULES}
+    load = lambda name, **kw: load_adapter(tmp_path, name, num_layers=4, module_dims=dims, max_rank=64,  # noqa: E731
+                                           supported_modules=MODULES, dtype=torch.bfloat16, **kw)
+    w = load("bad", check_values=False)
+    assert not w.values_checked and len(w.pairs) == 16 and torch.isnan(w.pairs[(2, "k_proj")].b).any()
+    _write_adapter(tmp_path, "good", layers=4)
+    assert load("good").values_checked
+    is_norm = lambda fn: getattr(fn, "__name__", "") == "_foreach_norm"  # noqa: E731
+    assert _calls(lambda: load("good"), is_norm) >= 1 and _calls(lambda: load("good", check_values=False), is_norm) == 0
+    cfg = tmp_path / "bad" / "adapter_config.json"
+    cfg.write_text(cfg.read_text().replace('"lora_alpha": 8', '"lora_alpha": 1e12'))
+    with pytest.raises(AdapterError, match="scale"):
+        load("bad", check_values=False)

@@ -181,10 +181,10 @@ def test_host_tier_miss_is_read_off_the_engine_thread(tiny_model_dir, root):
     loras, read, readers = engine.loras, engine.loras._read, []
     release = threading.Event()
 
-    def held_read(name):  # the disk read, held until the test lets it finish
+    def held_read(name, **kw):  # the disk read, held until the test lets it finish
         readers.append(threading.current_thread().name)
         assert release.wait(30)
-        return read(name)
+        return read(name, **kw)
 
     loras._read = held_read
     engine.add_request(prepared, lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
@@ -639,3 +639,61 @@ def test_the_device_copy_path_plans_once_per_slot_and_ranks_and_matches_the_cpu_
     assert copies.put_calls == ["pinned", "pinned", "staged", "staged"]
     assert engine.loras._copy_plans[0][0] == tuple(0 if p is None else p.rank for p in [
         engine.loras._host[A].pairs.get(k) for k in engine.loras.layers])
+
+
+def _poisoned(root, name, edit):
+    """A copy of demo adapter A under ``name`` whose safetensors ``edit`` changed (tensors by key, in place)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(root / A, root / name)
+    path = root / name / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+    return sorted(k for k in tensors if "lora_B" in k)
+
+
+def _add_unread(engine, r, outs):
+    """As the server admits a request: its adapter is read on a loader thread once queued, not at admission."""
+    engine.add_request(engine.inputs.preprocess(engine.inputs.check(r, wait_adapter=False)),
+                       lambda o: outs.__setitem__(o.request_id, o) if o.finished else None)
+
+
+def test_values_checked_on_the_device_after_the_copy(tiny_model_dir, root):
+    """On CUDA a request's read leaves the checks of the values to its slot copy, which takes the norms of what it
+    wrote (here forced on the CPU engine). A non-finite value or a gain past the bound is refused by layer and module
+    before any step reads the slot: the request gets the error at once (no copy again), the slot and the host copy
+    are dropped; the other requests are served with the tokens of host-checked weights."""
+    from vlora.lora.adapter import MAX_LORA_GAIN
+
+    keys = _poisoned(root, "nan-b", lambda t: t[sorted(k for k in t if "lora_B" in k)[3]].__setitem__((0, 0), float("nan")))
+    _poisoned(root, "huge", lambda t: [t[k].fill_(MAX_LORA_GAIN) for k in t])
+    bad_layer = int(keys[3].split(".layers.")[1].split(".")[0])
+    bad_module = keys[3].split(".lora_B")[0].rsplit(".", 1)[1]
+
+    def serve(on_device):
+        engine = build_engine(_cfg(tiny_model_dir, root))
+        engine.loras._check_on_device = on_device
+        outs = {}
+        for r in (_req("nan", lora="nan-b"), _req("huge", lora="huge"), _req("good", lora=A), _req("base")):
+            _add_unread(engine, r, outs)
+        _drain(engine, outs, 4)
+        return engine, outs
+
+    engine, outs = serve(True)
+    assert engine.loras._host.get(A) is not None and not engine.loras._host[A].values_checked  # checked on the "device"
+    assert outs["nan"].finish_reason == "error"
+    assert f"adapter 'nan-b': layer {bad_layer} {bad_module}: lora_B holds non-finite values" in outs["nan"].error
+    assert outs["huge"].finish_reason == "error" and f"exceeds {MAX_LORA_GAIN:g}" in outs["huge"].error
+    assert engine.loras.swaps_in == 3  # one copy each: a refused adapter is not copied again for its request
+    for name in ("nan-b", "huge"):
+        assert name not in engine.loras.resident and name not in engine.loras._host
+    host_checked, want = serve(False)
+    assert "non-finite" in want["nan"].error and host_checked.loras._host[A].values_checked
+    for rid in ("good", "base"):
+        assert outs[rid].finish_reason == "length" and outs[rid].text == want[rid].text
+    # a later request for the refused adapter reads it again and gets the same answer
+    again = {}
+    _add_unread(engine, _req("nan-again", lora="nan-b"), again)
+    _drain(engine, again, 1)
+    assert "lora_B holds non-finite values" in again["nan-again"].error

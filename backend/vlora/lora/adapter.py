@@ -20,7 +20,9 @@ Magnitude. A module's delta is ``scale * B @ A``; its gain (operator norm) is at
 ``MAX_LORA_SCALE``, or when that bound exceeds ``MAX_LORA_GAIN`` (1e4; the demo adapters are below 20):
 such an adapter would drive activations to inf/NaN and fail every batch it joins. The norms are taken in fp32
 (fp64 for fp64 weights) for all of an adapter's weights at once, in a few batched torch calls
-(peft_format._l2_norms), then checked in load order.
+(peft_format._l2_norms), then checked in load order. On CUDA a request's read leaves the values' checks to its
+slot copy, which takes the same norms on the device from what it wrote (``check_slot_norms``; the norms were
+about half of a read's host time): the adapter is refused before any step reads the slot.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -103,6 +105,10 @@ class AdapterWeights:
     # same bytes reloaded keep theirs, as their cached keys and values are still exact. "" for weights
     # built in memory: LoraManager.register gives those a version of their own.
     version: str = ""
+    # Whether the values were checked on the host (finite, and each module's gain bound; see the module
+    # docstring). False: read with ``check_values=False``, for a slot copy that checks them on the device
+    # (LoraManager on CUDA) before any request reads the slot.
+    values_checked: bool = True
 
     def scale(self, layer: int, module: str) -> float:
         return self.pairs[(layer, module)].scale
@@ -180,6 +186,7 @@ def load_adapter(
     dtype: torch.dtype = torch.float32,
     pin_memory: bool = False,
     one_buffer: Optional[bool] = None,
+    check_values: bool = True,
 ) -> AdapterWeights:
     """Read and check adapter ``name`` under ``root`` against the served model.
 
@@ -193,6 +200,11 @@ def load_adapter(
     to; ``vision`` describes the model's vision-side projections (None: none are known, so keys naming
     them are refused); ``max_rank`` is the largest rank a slot holds. Raises AdapterError naming the
     key, module, shape or setting at fault.
+
+    ``check_values=False`` leaves out the checks of the values (non-finite ones, each module's gain bound: the
+    norms, about half of a read's host time) for a caller that makes them on the device after its slot copy
+    (:meth:`vlora.lora.manager.LoraManager._fill_slot`); everything else is checked. The weights come back with
+    ``values_checked`` False.
     """
     root = Path(root).resolve()  # once: each resolve is a system call per path component
     adir = resolve_adapter_dir(root, name, root_resolved=root)
@@ -275,7 +287,8 @@ def load_adapter(
         # Every weight's norm, in a few batches of torch calls (each torch call releases the GIL); the checks
         # below read them in load order, so the first bad tensor is still the one named.
         order = [k for step in plan for k in step[3:5]]
-        norms = dict(zip(order, _l2_norms([tensors.get(k) for k in order])))
+        norms = (dict(zip(order, _l2_norms([tensors.get(k) for k in order]))) if check_values
+                 else dict.fromkeys(order, 0.0))  # a norm of 0 passes the checks below (the scale's is still made)
         pairs: dict[tuple[int, str], LoraPair] = {}
         for layer, module, module_name, key_a, key_b, scale in plan:
             a, norm_a = _tensor(tensors, header, key_a, where, dtype, arena, norms[key_a])
@@ -297,7 +310,7 @@ def load_adapter(
              if "q_proj" in module_dims else {})
     return AdapterWeights(name=name, dir=adir, pairs=pairs, ranks=ranks, max_rank=max(ranks.values()),
                           version=version.hexdigest(), target_modules=targets, config=config, heads=heads,
-                          vision_targets=vision_targets)
+                          vision_targets=vision_targets, values_checked=check_values)
 
 
 
@@ -373,6 +386,25 @@ def _check_magnitude(where: str, module_name: str, scale: float, norm_a: float, 
         raise AdapterError(f"{where}: module {module_name}: |scale| * ||B|| * ||A|| = {gain:g} exceeds "
                            f"{MAX_LORA_GAIN:g}: the adapter's weights or lora_alpha are far too large")
 
+
+
+def check_slot_norms(name: str, modules: Sequence[tuple[int, str]], norms: Sequence[float]) -> None:
+    """The checks of the values that ``load_adapter(check_values=False)`` left out, made on the L2 norms of an
+    adapter's copy in a device slot: ``modules`` are its (layer, module) in the copy's order, ``norms`` two per
+    module, of its A and of its ``scale * B`` as the slot holds them (in the slots' dtype). Raises AdapterError
+    naming the first module at fault: a norm that is not finite (a non-finite value, or squares past fp32), or
+    ``|scale| * ||B|| * ||A||`` past ``MAX_LORA_GAIN`` (the scale's own bound was checked at the read)."""
+    where = f"adapter {name!r}"
+    for i, (layer, module) in enumerate(modules):
+        norm_a, norm_b = norms[2 * i], norms[2 * i + 1]
+        for which, norm in (("lora_A", norm_a), ("lora_B", norm_b)):
+            if not math.isfinite(norm):
+                raise AdapterError(f"{where}: layer {layer} {module}: {which} holds non-finite values "
+                                   f"(or values whose squares overflow fp32)")
+        gain = norm_a * norm_b
+        if not gain <= MAX_LORA_GAIN:
+            raise AdapterError(f"{where}: layer {layer} {module}: |scale| * ||B|| * ||A|| = {gain:g} exceeds "
+                               f"{MAX_LORA_GAIN:g}: the adapter's weights or lora_alpha are far too large")
 
 
 def decoder_module_dims(text_config: Any) -> dict[str, tuple[int, int]]:

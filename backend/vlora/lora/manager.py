@@ -63,6 +63,7 @@ from vlora.lora.adapter import (
     AdapterWeights,
     LoraPair,
     VisionSites,
+    check_slot_norms,
     list_adapters,
     load_adapter,
     resolve_adapter_dir,
@@ -119,6 +120,9 @@ class LoraManager:
         # page-locking fresh memory is slow and stalls the engine's launches (SlotCopies), whose copy thread moves them.
         self._stage_for_cuda = self.copies.cuda
         self.copies.on_failed = self._copy_failed
+        # A request's read leaves the checks of the values (the norms: about half of a read's host time) to its slot
+        # copy, which takes the norms on the device (_fill_slot); a client's load and validate check on the host.
+        self._check_on_device = self.copies.cuda
         # Where fresh reads land for their first slot copy (PinnedLanding), and what has landed: adapter -> its range
         # (start, bytes), pairs there and weights' version; under _lock until a slot copy takes it.
         self._landing: Optional[PinnedLanding] = (
@@ -461,7 +465,7 @@ class LoraManager:
     def _read_into_host(self, name: str, epoch: int) -> AdapterWeights:
         """Loader thread: read ``name`` and put it in the host tier unless it was unloaded meanwhile."""
         try:
-            w = self._read(name)
+            w = self._read(name, check_values=not self._check_on_device)
         except AdapterError:
             raise
         except Exception as e:  # reaches the waiting request as its error, never the engine loop
@@ -544,8 +548,9 @@ class LoraManager:
             if self._reads.get(key) is fut:
                 del self._reads[key]
 
-    def _read(self, name: str) -> AdapterWeights:
-        """Read and check ``name`` (from memory or disk) and stage it for the slots. No lock held."""
+    def _read(self, name: str, check_values: bool = True) -> AdapterWeights:
+        """Read and check ``name`` (from memory or disk) and stage it for the slots. No lock held.
+        ``check_values=False``: its values are checked on the device after its slot copy (``_fill_slot``)."""
         with self._lock:
             registered = self._in_memory.get(name)
         if registered is not None:
@@ -558,7 +563,7 @@ class LoraManager:
             w = load_adapter(self.root, name, num_layers=self.num_layers, module_dims=self.module_dims,
                              max_rank=self.cfg.max_rank, supported_modules=self.supported_modules, vision=self.vision,
                              dtype=self.dtype if self._stage_for_cuda else torch.float32,
-                             one_buffer=self._stage_for_cuda)
+                             one_buffer=self._stage_for_cuda, check_values=check_values)
         except OSError as e:
             raise AdapterError(f"adapter {name!r}: cannot be read ({e})") from None
         seconds = time.perf_counter() - t0
@@ -622,6 +627,10 @@ class LoraManager:
             else:  # landed from an older read
                 self._landing.give(start, nbytes)
         layers = [(wrapper, pairs.get(key)) for key, wrapper in self.layers.items()]  # pair None: layer skipped
+        # Weights read without the checks of their values: the slot copy takes the norms of what it wrote (A, scale * B
+        # of each module, on the copy's stream, into host memory) and note() checks them before the slot is used.
+        checked = None if w.values_checked else [key for key, (_, pair) in zip(self.layers, layers) if pair is not None]
+        norms: list = []
 
         if self.copies.cuda:
             # What the copy thread runs: the plan of this slot for these ranks (made once, here), the sources in its
@@ -637,14 +646,21 @@ class LoraManager:
 
             def copy() -> None:  # on the copy thread: the data only, in a few batched calls
                 plan.run(srcs, scales, put)
+                if checked is not None:
+                    norms.append(_norms_to_host(plan.dsts))
         else:
             def copy() -> None:
                 for wrapper, pair in layers:
                     wrapper.copy_slot(slot, *((None, None, 0.0) if pair is None else (pair.a, pair.b, pair.scale)))
+                if checked is not None:
+                    norms.append(_norms_to_host(LoraLinear.copy_plan(slot, [
+                        (wrapper, 0 if pair is None else pair.rank) for wrapper, pair in layers]).dsts))
 
         issued = time.perf_counter()
 
         def note() -> None:  # on the engine thread, once the copy is complete
+            if checked is not None:  # an AdapterError goes to _copy_failed (SlotCopies)
+                check_slot_norms(name, checked, norms[0].tolist() if norms else [])
             self._copy_errors.pop(name, None)
             self.metrics.stage("adapter_copy", time.perf_counter() - issued)
             for wrapper, pair in layers:
@@ -681,6 +697,15 @@ class LoraManager:
         usable (it must never be read as if it held the adapter): its adapter is forgotten there, and the request
         waiting on it fills a slot again, up to ``MAX_COPY_FAILURES`` times in a row, then gets the error."""
         name = self._name_in[slot]
+        if isinstance(error, AdapterError):  # its values failed the check after the copy: no copy again helps
+            log.warning("adapter %s refused after its copy into device slot %d: %s", name, slot, error)
+            if name is not None:
+                self._copy_errors[name] = (self.MAX_COPY_FAILURES, str(error))  # its waiting request gets it now
+                with self._lock:  # the next request reads it again (a fixed file is served, a broken one refused)
+                    self._host.pop(name, None)
+                    self._drop_landed(name)
+            self._empty_slot(slot)
+            return
         log.error("copying adapter %s into device slot %d failed: %s: %s", name, slot, type(error).__name__, error)
         if name is not None:
             failed = self._copy_errors.get(name, (0, ""))[0] + 1
@@ -741,6 +766,17 @@ class LoraManager:
 
     def _on_disk(self) -> list[str]:
         return list_adapters(self.root) if self.root is not None else []
+
+
+def _norms_to_host(ts: list) -> torch.Tensor:
+    """The L2 norm of each tensor of ``ts`` (a slot's A and scale * B views), accumulated in fp32, in one host tensor
+    (page-locked when ``ts`` are on CUDA): enqueued on the current stream, to be read once it has passed."""
+    out = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)) if ts else torch.zeros(0)
+    if out.device.type != "cuda":
+        return out
+    host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+    host.copy_(out, non_blocking=True)
+    return host
 
 
 def _pairs_copied(pairs: dict, into: PinnedLanding, start: int) -> dict:

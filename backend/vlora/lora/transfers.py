@@ -267,7 +267,13 @@ class SlotCopies:
             try:
                 copy()
                 if note is not None:
-                    note()
+                    try:
+                        note()
+                    except Exception as e:  # noqa: BLE001 - the copied values failed their check: as on CUDA,
+                        # ready() reports it to on_failed, once the owner has recorded what the slot holds
+                        failed = self._jobs[slot] = _Copy(copy, None, None, None)
+                        failed.error = e
+                        failed.issued.set()
             finally:
                 if done is not None:
                     done()
@@ -327,7 +333,7 @@ class SlotCopies:
         self._jobs[slot] = None
         if job.done is not None:
             job.done()
-        if self.on_timed is not None:
+        if self.on_timed is not None and self.cuda:
             self.on_timed(job.started_at - job.queued_at, job.enqueued_at - job.started_at, job.host_s, job.wait_s,
                           job.h2d_s)
         if job.error is not None:  # the slot is free again, and holds nothing: its owner forgets it
@@ -336,7 +342,12 @@ class SlotCopies:
             self.on_failed(slot, job.error)
             return True
         if job.note is not None:
-            job.note()
+            try:
+                job.note()
+            except Exception as e:  # noqa: BLE001 - the copied values failed their check: as a failed copy's error
+                if self.on_failed is None:
+                    raise
+                self.on_failed(slot, e)
         return True
 
     def synchronize(self) -> None:
