@@ -228,7 +228,7 @@ def test_a_requests_read_leaves_the_value_checks_to_the_device(tiny_model_dir, d
     engine, outs = serve(["nan-b", ADAPTER], wait=False)
     assert not engine.loras._host[ADAPTER].values_checked
     assert outs["nan-b"].finish_reason == "error"
-    assert f"layer {layer} {module}: lora_B holds non-finite values" in outs["nan-b"].error
+    assert f"module {module} of layer {layer}: lora_B holds non-finite values" in outs["nan-b"].error
     assert "nan-b" not in engine.loras.resident
     host, want = serve(["nan-b", ADAPTER], wait=True)
     assert "non-finite" in str(want["nan-b"]) and host.loras._host[ADAPTER].values_checked

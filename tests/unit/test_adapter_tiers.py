@@ -683,7 +683,7 @@ def test_values_checked_on_the_device_after_the_copy(tiny_model_dir, root):
     engine, outs = serve(True)
     assert engine.loras._host.get(A) is not None and not engine.loras._host[A].values_checked  # checked on the "device"
     assert outs["nan"].finish_reason == "error"
-    assert f"adapter 'nan-b': layer {bad_layer} {bad_module}: lora_B holds non-finite values" in outs["nan"].error
+    assert f"adapter 'nan-b': module {bad_module} of layer {bad_layer}: lora_B holds non-finite values" in outs["nan"].error
     assert outs["huge"].finish_reason == "error" and f"exceeds {MAX_LORA_GAIN:g}" in outs["huge"].error
     assert engine.loras.swaps_in == 3  # one copy each: a refused adapter is not copied again for its request
     for name in ("nan-b", "huge"):

@@ -397,14 +397,12 @@ def check_slot_norms(name: str, modules: Sequence[tuple[int, str]], norms: Seque
     where = f"adapter {name!r}"
     for i, (layer, module) in enumerate(modules):
         norm_a, norm_b = norms[2 * i], norms[2 * i + 1]
+        label = f"{module} of layer {layer}"
         for which, norm in (("lora_A", norm_a), ("lora_B", norm_b)):
             if not math.isfinite(norm):
-                raise AdapterError(f"{where}: layer {layer} {module}: {which} holds non-finite values "
+                raise AdapterError(f"{where}: module {label}: {which} holds non-finite values "
                                    f"(or values whose squares overflow fp32)")
-        gain = norm_a * norm_b
-        if not gain <= MAX_LORA_GAIN:
-            raise AdapterError(f"{where}: layer {layer} {module}: |scale| * ||B|| * ||A|| = {gain:g} exceeds "
-                               f"{MAX_LORA_GAIN:g}: the adapter's weights or lora_alpha are far too large")
+        _check_magnitude(where, label, 1.0, norm_a, norm_b)  # the slot's B holds scale * B
 
 
 def decoder_module_dims(text_config: Any) -> dict[str, tuple[int, int]]:

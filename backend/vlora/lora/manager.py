@@ -501,19 +501,15 @@ class LoraManager:
         start = self._landing.take(nbytes)
         while start is None:
             with self._lock:
-                if not self._drop_stale_landing():
+                oldest = next(iter(self._landed), None)
+                if oldest is None or time.monotonic() - self._landed[oldest][4] < self.cfg.load_timeout_s:
                     return None
+                self._drop_landed(oldest)
             start = self._landing.take(nbytes)
-        return start, nbytes, _pairs_copied(w.pairs, self._landing, start), w.version, time.monotonic()
-
-    def _drop_stale_landing(self) -> bool:
-        """Under the lock: give back the oldest landing if it went unused past ``lora.load_timeout_s`` (its request went
-        away); whether there was one. Younger ones are kept: the oldest landing is the next slot copy of a burst."""
-        oldest = next(iter(self._landed), None)
-        if oldest is None or time.monotonic() - self._landed[oldest][4] < self.cfg.load_timeout_s:
-            return False
-        self._drop_landed(oldest)
-        return True
+        views = self._landing.land(start, srcs)
+        keys = list(w.pairs)
+        pairs = {k: LoraPair(a=views[2 * i], b=views[2 * i + 1], scale=w.pairs[k].scale) for i, k in enumerate(keys)}
+        return start, nbytes, pairs, w.version, time.monotonic()
 
     def _drop_landed(self, name: str) -> None:
         """Under the lock: give back what ``name`` has landed, unused."""
@@ -632,15 +628,16 @@ class LoraManager:
         checked = None if w.values_checked else [key for key, (_, pair) in zip(self.layers, layers) if pair is not None]
         norms: list = []
 
+        # The plan of this slot for these ranks (made once, here; its destinations are what the norms are taken of).
+        ranks = tuple(0 if pair is None else pair.rank for _, pair in layers)
+        cached = self._copy_plans.get(slot)
+        if cached is None or cached[0] != ranks:
+            cached = self._copy_plans[slot] = (ranks, LoraLinear.copy_plan(slot, [
+                (wrapper, r) for (wrapper, _), r in zip(layers, ranks)]))
+        plan = cached[1]
+
         if self.copies.cuda:
-            # What the copy thread runs: the plan of this slot for these ranks (made once, here), the sources in its
-            # order and the scales; no per-tensor Python on that thread.
-            ranks = tuple(0 if pair is None else pair.rank for _, pair in layers)
-            cached = self._copy_plans.get(slot)
-            if cached is None or cached[0] != ranks:
-                cached = self._copy_plans[slot] = (ranks, LoraLinear.copy_plan(slot, [
-                    (wrapper, r) for (wrapper, _), r in zip(layers, ranks)]))
-            plan = cached[1]
+            # What the copy thread runs: the plan, the sources in its order and the scales; no per-tensor Python there.
             srcs = [t for _, pair in layers if pair is not None for t in (pair.a, pair.b)]
             scales = [float(pair.scale) for _, pair in layers if pair is not None]
 
@@ -653,8 +650,7 @@ class LoraManager:
                 for wrapper, pair in layers:
                     wrapper.copy_slot(slot, *((None, None, 0.0) if pair is None else (pair.a, pair.b, pair.scale)))
                 if checked is not None:
-                    norms.append(_norms_to_host(LoraLinear.copy_plan(slot, [
-                        (wrapper, 0 if pair is None else pair.rank) for wrapper, pair in layers]).dsts))
+                    norms.append(_norms_to_host(plan.dsts))
 
         issued = time.perf_counter()
 
@@ -778,10 +774,3 @@ def _norms_to_host(ts: list) -> torch.Tensor:
     host.copy_(out, non_blocking=True)
     return host
 
-
-def _pairs_copied(pairs: dict, into: PinnedLanding, start: int) -> dict:
-    """``pairs`` (LoRA A/B host tensors by key) copied into ``into`` from ``start`` (``PinnedLanding.size_of`` their
-    tensors' bytes free there), as pairs of views of it with the same scales."""
-    keys = list(pairs)
-    views = into.land(start, [t for k in keys for t in (pairs[k].a, pairs[k].b)])
-    return {k: LoraPair(a=views[2 * i], b=views[2 * i + 1], scale=pairs[k].scale) for i, k in enumerate(keys)}
