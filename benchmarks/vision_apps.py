@@ -22,15 +22,19 @@ rank-``--rank`` adapters, then
 - visual retrieval (one new image per request, the trace-shaped question and answer lengths of
   ``configs/workloads/visual_retrieval.yaml``, adapters drawn from Zipf(1) over the N) and video analytics
   (``--frames`` new frames per chunk, one chunk per stream per second, 5-10 output tokens or a task head;
-  Qwen2-VL takes them as one video) under open-loop Poisson arrivals at each of ``--rates``, through the load
-  harness (``load/vlora_load``): requests/s, TTFT p50/p99, V-LoRA's average token latency (end-to-end latency
-  over output tokens) and the SLO attainment of the workload's SLO.
+  Qwen2-VL takes them as one video; LLaVA-1.5 takes them as images, as many as fit its context: 6 of 576 tokens
+  in 4,096) under open-loop Poisson arrivals at each of ``--rates`` (``--video-rates`` for the video), through
+  the load harness (``load/vlora_load``): requests/s, TTFT p50/p99, V-LoRA's average token latency (end-to-end
+  latency over output tokens) and the SLO attainment of the workload's SLO. Each application's figure is its
+  rate at the SLO: the arrivals per second of the highest rate point at which every request was answered and
+  90% within the SLO (the goodput of DistServe); the answered requests/s of a point (over the window to its
+  last answer) is reported beside it.
 and, per application over its whole sweep, the mean time per stage from the engine's own timers
 (``vlora_stage_seconds``: queue, image_decode, preprocess, vision, prefill_step, decode_step).
 Each rate point carries its workload's roofline: requests/s at the floor (the images' vision FLOPs and the
 prompt's prefill FLOPs at the measured matmul rate, plus the output tokens' decode bytes (their share of the
 weights at 32 rows a step, and their context's keys and values) at the measured copy rate, from the lengths the
-harness saw) and the measured requests/s as a fraction of it.
+harness saw) and the rate at the SLO as a fraction of it.
 The floors of the in-process requests (vision + prefill FLOPs over the measured matmul rate) are
 ``benchmarks/engine_floor.py``'s media rows.
 
@@ -46,6 +50,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.common import PRESETS, TINY, device_name, git_commit, model_folder, model_parser, sync_fn, write_result
 
@@ -272,6 +277,29 @@ def roofline(model_dir: Path, rates: dict, point: dict, images: float, image_sid
             "images_per_request": images, "batch": batch}
 
 
+def frames_that_fit(model_dir: Path, frames: int, reserve: int = 160) -> int:
+    """The frames of a video chunk sent to a family that takes them as separate images (LLaVA-1.5): at most
+    ``frames``, as many as fit the model's context with ``reserve`` tokens left for the question and the answer
+    (LLaVA-1.5-7B: 576 tokens a frame in 4,096, so 6). A family that takes a video (Qwen2-VL) gets ``frames``."""
+    from benchmarks.engine_floor import read_config
+
+    cfg = read_config(model_dir)
+    vc, text = cfg.get("vision_config") or {}, cfg.get("text_config") or cfg
+    if "image_size" not in vc or "patch_size" not in vc:
+        return frames
+    per_frame = (int(vc["image_size"]) // int(vc["patch_size"])) ** 2
+    context = int(text.get("max_position_embeddings") or 4096)
+    return max(1, min(frames, (context - reserve) // per_frame))
+
+
+def at_slo(points: list[dict], attainment: float = 0.9) -> Optional[dict]:
+    """The highest rate point that every request answered and at least ``attainment`` of them within the
+    workload's SLO (the goodput definition of DistServe and SGLang's benchmarks); None: no point did."""
+    good = [p for p in points if p.get("slo_attainment") and not (p.get("error") or p.get("rejected") or p.get("timeout"))
+            and all((v or 0) >= attainment for v in p["slo_attainment"].values())]
+    return max(good, key=lambda p: p["offered_rate_rps"], default=None)
+
+
 def serve_apps(preset: str, work: Path, device: str, args) -> dict:
     """The server part for one model (see the module docstring)."""
     import argparse
@@ -296,8 +324,9 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
     lt = parser.parse_args(["--workload", "visual_retrieval", *common])
     new_images = {"image_pool": 1 << 20, "image_placeholder": image_mark, "video_placeholder": video_mark}
     retrieval = dataclasses.replace(cli.workload_from_args(lt), **new_images)
+    frames = args.frames if video_mark else frames_that_fit(model_dir, args.frames)
     video = dataclasses.replace(cli.workload_from_args(parser.parse_args(
-        ["--workload", "video", "--frames-per-chunk", str(args.frames), *common])), **new_images)
+        ["--workload", "video", "--frames-per-chunk", str(frames), *common])), **new_images)
     out_dir = work / f"serve-{Path(preset).stem}"
     import torch
 
@@ -307,7 +336,7 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
     t0 = time.perf_counter()
     server, root, names = cli.start_server(lt, retrieval, out_dir, sys.stdout)
     result: dict = {"preset": preset, "ready_s": round(time.perf_counter() - t0, 2), "adapters": len(names),
-                    "rates": rates}
+                    "rates": rates, "video_frames": frames}
     try:
         http = server.http_url if server.http_url.startswith("http") else f"http://{server.http_url}"
         seed = 0
@@ -344,22 +373,28 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
         target = Target(http.replace("http://", ""), server.grpc_url, server.metrics_url)
         heads = HeadPolicy.from_adapter_root(root, tuple(names))
         settings = {"benchmark": "python -m benchmarks.vision_apps", "device": device_name(), "commit": git_commit()}
-        for name, workload in (("visual_retrieval", retrieval), ("video_analytics", video)) if args.rates else ():
+        sweeps = (("visual_retrieval", retrieval, args.rates), ("video_analytics", video, args.video_rates or args.rates))
+        for name, workload, app_rates in sweeps if args.rates else ():
             wait_idle(target.metrics_url, 120, sys.stdout)
             before = stage_totals(target.metrics_url)
-            points = run_sweep(workload, sweep_points(args.rates, []), target, out_dir / name, names, heads,
+            points = run_sweep(workload, sweep_points(app_rates, []), target, out_dir / name, names, heads,
                                out=sys.stdout, settings=settings, title=f"vision-apps {name} ({Path(preset).stem})")
             time.sleep(0.5)  # the model applies its metrics every 0.2 s
             result[name] = [_point(p) for p in points]
             result[f"{name}_stages"] = stage_means(before, stage_totals(target.metrics_url))
             # images per request: one (retrieval; a detection chunk's newest frame), or a chunk's frames (action)
-            images = 1.0 if name == "visual_retrieval" else 0.5 * (1 + args.frames)
+            images = 1.0 if name == "visual_retrieval" else 0.5 * (1 + frames)
             batch = 32  # scheduler.max_batch_size's default
             for p, row in zip(points, result[name]):
                 roof = roofline(model_dir, rates, p, images, workload.image_size, batch)
                 row["roofline"] = roof
+                # the arrivals the open-loop schedule drew (Poisson: near the offered rate), which a point that
+                # keeps up answers; throughput_rps divides by the window to the last answer, whose tail of long
+                # answers a short point counts in full
+                row["arrival_rps"] = round(row["requests"] / args.duration, 3)
                 if roof["roofline_rps"]:
                     row["fraction_of_roofline"] = round(row["throughput_rps"] / roof["roofline_rps"], 3)
+                    row["arrivals_fraction_of_roofline"] = round(row["arrival_rps"] / roof["roofline_rps"], 3)
     finally:
         server.stop()
     return result
@@ -401,14 +436,24 @@ def summary(result: dict) -> str:
                      f"idle new image {base['p50']:.1f} ms ({m['idle_image_ms_adapter']['p50']:.1f} "
                      f"with an adapter{photo}; engine timers {stages}, untimed {base.get('untimed_ms', float('nan')):.1f})")
         for app in ("visual_retrieval", "video_analytics") if m.get("visual_retrieval") is not None else ():
-            pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> {p['throughput_rps']:.2f}/s TTFT p50 "
-                            f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms" for p in m.get(app, []))
-            best = max(m.get(app, []), key=lambda p: p["throughput_rps"], default=None)
-            if best is not None and best.get("roofline", {}).get("roofline_rps"):
-                pts += (f"; best {best['throughput_rps']:.2f} req/s = {best.get('fraction_of_roofline', 0):.2f} of its "
-                        f"roofline {best['roofline']['roofline_rps']:.1f} req/s")
-            parts.append(f"{name} {app}: {pts}")
+            pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> answered {p['throughput_rps']:.2f}/s, TTFT p50 "
+                            f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms, SLO met "
+                            f"{_attained(p)}" for p in m.get(app, []))
+            good = at_slo(m.get(app, []))
+            if good is not None and good.get("roofline", {}).get("roofline_rps"):
+                pts += (f"; at its SLO (90% met, none failed) {good['arrival_rps']:.2f} req/s arriving = "
+                        f"{good.get('arrivals_fraction_of_roofline', 0):.2f} of its roofline "
+                        f"{good['roofline']['roofline_rps']:.1f} req/s")
+            elif m.get(app):
+                pts += "; no rate point met its SLO"
+            frames = f" ({m['video_frames']} frames a chunk)" if app == "video_analytics" and "video_frames" in m else ""
+            parts.append(f"{name} {app}{frames}: {pts}")
     return "; ".join(parts) + " (new images)"
+
+
+def _attained(p: dict) -> str:
+    vals = [v for v in (p.get("slo_attainment") or {}).values() if v is not None]
+    return f"{min(vals):.0%}" if vals else "-"
 
 
 def main() -> None:
@@ -420,6 +465,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=64, help="server part: their rank")
     p.add_argument("--rates", default="1,2,4,8", help="server part: offered requests/s of each application (empty: "
                    "the idle figures only)")
+    p.add_argument("--video-rates", default="", help="server part: the video application's rates (default: --rates; "
+                   "its short answers take higher ones)")
     p.add_argument("--duration", type=float, default=20.0, help="server part: seconds per rate point")
     p.add_argument("--frames", type=int, default=8, help="server part: frames per video chunk")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARGS",
@@ -434,6 +481,7 @@ def main() -> None:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     args.rates = [float(x) for x in str(args.rates).split(",") if x.strip()]
+    args.video_rates = [float(x) for x in str(args.video_rates).split(",") if x.strip()]
     if args.child:
         part, _, preset = args.child.partition(":")
         work = Path(args.work)
@@ -449,7 +497,8 @@ def main() -> None:
         for preset in presets:
             cmd = [sys.executable, "-m", "benchmarks.vision_apps", "--child", f"{part}:{preset}", "--device", device,
                    "--work", args.work, "--reps", str(args.reps), "--adapters", str(args.adapters), "--rank",
-                   str(args.rank), "--rates", ",".join(f"{r:g}" for r in args.rates), "--duration", str(args.duration),
+                   str(args.rank), "--rates", ",".join(f"{r:g}" for r in args.rates),
+                   "--video-rates", ",".join(f"{r:g}" for r in args.video_rates), "--duration", str(args.duration),
                    "--frames", str(args.frames), "--result-file", str(result_file),
                    *(f"--serve-arg={a}" for a in args.serve_arg)]
             result_file.unlink(missing_ok=True)

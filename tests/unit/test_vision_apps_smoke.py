@@ -30,6 +30,7 @@ def test_vision_apps_through_the_server_tiny(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (served,) = json.loads((tmp_path / "vision-apps-cpu.json").read_text())["served"]
+    assert served["video_frames"] == 8  # the tiny LLaVA's context holds a whole chunk
     assert served["first_request_ms"] > 0 and served["idle_image_ms_adapter"]["reps"] == 2
     for app in ("visual_retrieval", "video_analytics"):
         (point,) = served[app]
@@ -37,6 +38,32 @@ def test_vision_apps_through_the_server_tiny(tmp_path):
         assert point["ttft_s"]["p50"] is not None
         roof = point["roofline"]  # the workload's floor per request, from the lengths the harness saw
         assert roof["compute_ms"] > 0 and roof["decode_ms"] > 0 and point["fraction_of_roofline"] > 0, roof
+        assert point["arrival_rps"] == point["requests"] / 4 and point["arrivals_fraction_of_roofline"] > 0
         stages = served[f"{app}_stages"]  # the engine's own timers, read from the server's metrics
         assert {"queue", "image_decode", "preprocess", "vision", "prefill_step"} <= set(stages), stages
         assert all(v["mean_ms"] > 0 and v["count"] > 0 for v in stages.values()), stages
+
+
+def test_a_llava_chunk_holds_the_frames_its_context_fits(tmp_path):
+    """LLaVA-1.5-7B takes a chunk's frames as images of 576 tokens in a 4,096-token context: 8 frames (4,608 tokens)
+    are refused by the server, so the benchmark sends 6; a model folder without a fixed-size tower keeps them all."""
+    from benchmarks.vision_apps import frames_that_fit
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llava", "vision_config": {"image_size": 336, "patch_size": 14},
+        "text_config": {"max_position_embeddings": 4096}}))
+    assert frames_that_fit(tmp_path, 8) == 6 and frames_that_fit(tmp_path, 4) == 4
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {"patch_size": 14}}))
+    assert frames_that_fit(tmp_path, 8) == 8
+
+
+def test_the_rate_at_the_slo_is_the_highest_point_that_met_it():
+    """An application's figure: the highest rate point with every request answered and 90% within its SLO."""
+    from benchmarks.vision_apps import at_slo
+
+    def point(rate, met, error=0):
+        return {"offered_rate_rps": rate, "slo_attainment": {"app": met}, "error": error, "rejected": 0, "timeout": 0}
+
+    assert at_slo([point(4, 1.0), point(8, 0.95), point(16, 0.8)])["offered_rate_rps"] == 8
+    assert at_slo([point(4, 1.0), point(8, 1.0, error=3)])["offered_rate_rps"] == 4
+    assert at_slo([point(4, 0.5)]) is None
