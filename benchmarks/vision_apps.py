@@ -373,8 +373,8 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
         target = Target(http.replace("http://", ""), server.grpc_url, server.metrics_url)
         heads = HeadPolicy.from_adapter_root(root, tuple(names))
         settings = {"benchmark": "python -m benchmarks.vision_apps", "device": device_name(), "commit": git_commit()}
-        sweeps = (("visual_retrieval", retrieval, args.rates), ("video_analytics", video, args.video_rates or args.rates))
-        for name, workload, app_rates in sweeps if args.rates else ():
+        sweeps = (("visual_retrieval", retrieval, args.rates), ("video_analytics", video, args.video_rates))
+        for name, workload, app_rates in ((n, w, r) for n, w, r in sweeps if r):
             wait_idle(target.metrics_url, 120, sys.stdout)
             before = stage_totals(target.metrics_url)
             points = run_sweep(workload, sweep_points(app_rates, []), target, out_dir / name, names, heads,
@@ -435,7 +435,7 @@ def summary(result: dict) -> str:
         parts.append(f"{name} through the server: ready in {m['ready_s']:.0f} s, first request {m['first_request_ms']:.0f} ms, "
                      f"idle new image {base['p50']:.1f} ms ({m['idle_image_ms_adapter']['p50']:.1f} "
                      f"with an adapter{photo}; engine timers {stages}, untimed {base.get('untimed_ms', float('nan')):.1f})")
-        for app in ("visual_retrieval", "video_analytics") if m.get("visual_retrieval") is not None else ():
+        for app in (a for a in ("visual_retrieval", "video_analytics") if m.get(a) is not None):
             pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> answered {p['throughput_rps']:.2f}/s, TTFT p50 "
                             f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms, SLO met "
                             f"{_attained(p)}" for p in m.get(app, []))
@@ -463,10 +463,10 @@ def main() -> None:
     p.add_argument("--part", choices=("engine", "server", "both"), default="both")
     p.add_argument("--adapters", type=int, default=8, help="server part: random adapters (Zipf(1) popularity)")
     p.add_argument("--rank", type=int, default=64, help="server part: their rank")
-    p.add_argument("--rates", default="1,2,4,8", help="server part: offered requests/s of each application (empty: "
-                   "the idle figures only)")
-    p.add_argument("--video-rates", default="", help="server part: the video application's rates (default: --rates; "
-                   "its short answers take higher ones)")
+    p.add_argument("--rates", default="1,2,4,8", help="server part: offered requests/s of the applications (empty: "
+                   "the retrieval is not run; with no --video-rates, the idle figures only)")
+    p.add_argument("--video-rates", help="server part: the video application's rates (default: --rates; its short "
+                   "answers take higher ones; empty: the video application is not run)")
     p.add_argument("--duration", type=float, default=20.0, help="server part: seconds per rate point")
     p.add_argument("--frames", type=int, default=8, help="server part: frames per video chunk")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARGS",
@@ -481,7 +481,8 @@ def main() -> None:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     args.rates = [float(x) for x in str(args.rates).split(",") if x.strip()]
-    args.video_rates = [float(x) for x in str(args.video_rates).split(",") if x.strip()]
+    args.video_rates = args.rates if args.video_rates is None else [
+        float(x) for x in args.video_rates.split(",") if x.strip()]
     if args.child:
         part, _, preset = args.child.partition(":")
         work = Path(args.work)
