@@ -31,6 +31,7 @@ def test_vision_apps_through_the_server_tiny(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (served,) = json.loads((tmp_path / "vision-apps-cpu.json").read_text())["served"]
     assert served["video_frames"] == 8  # the tiny LLaVA's context holds a whole chunk
+    assert served["warm_s"] > 0  # each adapter answered a chunk before the sweeps
     assert served["first_request_ms"] > 0 and served["idle_image_ms_adapter"]["reps"] == 2
     for app in ("visual_retrieval", "video_analytics"):
         (point,) = served[app]
