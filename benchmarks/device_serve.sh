@@ -15,7 +15,10 @@
 #   the load scaled with the GPUs (32 x n requests, 64 x n images), vlora serve's default routing (issue 40); each
 #   count's JSON is copied to $OUT as soon as it is done (about 2, 4 and 3 minutes; run it alone on a 4-GPU machine),
 #   after tests/gpu/test_routing_gpus.py on every GPU; "adapter-host" (after "burst"): a cold adapter's read and
-#   staging with no server beside them, one at a time and four at once (benchmarks/host_transfers.py --only-adapters)
+#   staging with no server beside them, one at a time and four at once (benchmarks/host_transfers.py --only-adapters);
+#   "apps": issue 35's applications through the server (benchmarks/vision_apps.py --part server), each model with
+#   rates around where its rate at the SLO was found (LLAVA_RATES / LLAVA_VIDEO_RATES, QWEN_RATES / QWEN_VIDEO_RATES;
+#   about 4 minutes a model; run it alone: STEPS=apps; it needs .devpack/load.tar.xz carried, for locust)
 # Writes under $OUT (default benchmarks/device_out): log.txt (every step's output), bundle.tgz (server logs,
 # the results JSON and RESULTS.md lines this run wrote), and the built extension (few files: the device
 # tool brings back at most 8).
@@ -78,6 +81,16 @@ if want burst-scaling 200; then
 fi
 if want overhead 240; then
   python3 -m benchmarks.server_overhead --device cuda --preset configs/models/llava-1.5-7b.yaml --work /tmp/vlora-bench || rc=1
+fi
+apps() {  # apps MODEL RETRIEVAL_RATES VIDEO_RATES
+  timeout 280 python3 -m benchmarks.vision_apps --part server --presets "configs/models/$1.yaml" --rates "$2" \
+    --video-rates "$3" --duration 15 --reps 4 --work /tmp/vlora-bench || rc=1
+}
+if want apps 250; then
+  apps llava-1.5-7b "${LLAVA_RATES:-10,11,12}" "${LLAVA_VIDEO_RATES:-16,17,18}"
+fi
+if want apps 250; then
+  apps qwen2-vl-7b "${QWEN_RATES:-14,15,16}" "${QWEN_VIDEO_RATES:-44,46,48}"
 fi
 mkdir -p /tmp/bundle
 cp /tmp/vlora-bench/server.log /tmp/bundle/ 2>/dev/null
