@@ -296,7 +296,7 @@ def frames_that_fit(model_dir: Path, frames: int, reserve: int = 160) -> int:
 
 def at_slo(points: list[dict], attainment: float = 0.9) -> Optional[dict]:
     """The highest rate point that every request answered and at least ``attainment`` of them within the
-    workload's SLO (the goodput definition of DistServe and SGLang's benchmarks); None: no point did."""
+    workload's SLO (DistServe's goodput: the highest rate served at a 90% attainment goal); None: no point did."""
     good = [p for p in points if p.get("slo_attainment") and not (p.get("error") or p.get("rejected") or p.get("timeout"))
             and all((v or 0) >= attainment for v in p["slo_attainment"].values())]
     return max(good, key=lambda p: p["offered_rate_rps"], default=None)
