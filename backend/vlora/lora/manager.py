@@ -773,4 +773,3 @@ def _norms_to_host(ts: list) -> torch.Tensor:
     host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
     host.copy_(out, non_blocking=True)
     return host
-
