@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from vlora.atmm.tiling import TableEntry, gpu_slug, read_table, table_path, write_table
+from vlora.atmm.tiling import TableEntry, arch_of, gpu_slug, read_table, resolve_table, table_path, write_table
 
 
 def test_gpu_slug_and_path(tmp_path):
@@ -27,6 +27,39 @@ def test_bad_entry_is_named(tmp_path):
         dict(direction="sideways", dtype="bf16", tokens=1, width=8, rank=8, segments=1, config="c")]}))
     with pytest.raises(ValueError, match="entry 0"):
         read_table(tmp_path / "t.json")
+
+
+def _table(path, gpu, archs, n):
+    entry = dict(direction="shrink", dtype="bf16", tokens=256, width=4096, rank=32, segments=1, config="c", split_k=1)
+    write_table(path, {"gpu": gpu, "cuda_archs": archs}, [dict(entry, tokens=256 + i) for i in range(n)])
+
+
+def test_resolve_table_own_then_same_capability_then_the_rule(tmp_path):
+    """A GPU's own table serves it; without one, the largest shipped table of the same compute capability (an
+    H200 takes the H100's); without that, the default rule. $VLORA_ATMM_TABLE (the benchmarks') wins."""
+    assert arch_of("90a") == "90" and arch_of("sm_80") == "80" and arch_of("90a;80") == "90"
+    _table(tmp_path / "nvidia-h100-80gb-hbm3.json", "NVIDIA H100 80GB HBM3", "90a", 3)
+    _table(tmp_path / "nvidia-h100-pcie.json", "NVIDIA H100 PCIe", "90a", 2)
+    _table(tmp_path / "nvidia-a100-sxm4-80gb.json", "NVIDIA A100-SXM4-80GB", "80", 5)
+    (tmp_path / "broken.json").write_text("{")  # skipped, not fatal
+    path, why = resolve_table("NVIDIA H100 PCIe", (9, 0), tmp_path)
+    assert path == tmp_path / "nvidia-h100-pcie.json" and "this GPU's" in why
+    path, why = resolve_table("NVIDIA H200", (9, 0), tmp_path)
+    assert path == tmp_path / "nvidia-h100-80gb-hbm3.json"
+    assert "no table for NVIDIA H200" in why and "NVIDIA H100 80GB HBM3's" in why and "sm_90" in why
+    assert resolve_table("NVIDIA L4", (8, 9), tmp_path)[0] is None
+    assert resolve_table("NVIDIA H200", None, tmp_path)[0] is None
+    assert resolve_table("NVIDIA H200", (9, 0), tmp_path, env="none") == (None, "$VLORA_ATMM_TABLE=none: the built-in default rule")
+    assert resolve_table("NVIDIA H200", (9, 0), tmp_path, env=str(tmp_path / "x.json"))[0] == tmp_path / "x.json"
+
+
+def test_every_shipped_table_names_its_capability():
+    """What resolve_table matches a GPU without a table of its own against."""
+    from vlora.atmm.tiling import default_table_dir
+
+    for path in default_table_dir().glob("*.json"):
+        header, _ = read_table(path)
+        assert arch_of(header.get("cuda_archs", "")), path
 
 
 def test_committed_tables_parse():

@@ -31,6 +31,13 @@ def test_shape_grid_skips_more_segments_than_tokens():
     assert grid == [(4096, 16, 1, 1), (4096, 16, 64, 1), (4096, 16, 64, 4)]
 
 
+def test_shape_grid_of_explicit_pairs():
+    """--shapes names the calls an engine makes (a decode graph's one segment a row, a prefill graph's one)."""
+    assert tuner._pairs("1:1,32:32,1024") == [(1, 1), (32, 32), (1024, 1)]
+    grid = list(tuner.shape_grid([4096, 512], [64], [7], [9], [(32, 32), (1024, 1)]))
+    assert grid == [(4096, 64, 32, 32), (4096, 64, 1024, 1), (512, 64, 32, 32), (512, 64, 1024, 1)]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_sidecar_without_cuda_swaps_nothing(tmp_path):
     from vlora.atmm import AtmmKernels
@@ -52,6 +59,7 @@ class _FakeKernels:
         self.unavailable_reason = "" if available else "vlora_atmm_ext not importable"
         self._table_dir = table_dir
         self.table_source = "built-in default rule"
+        self.table_file = None  # the table in use (resolve_table), None: the default rule
 
 
 def _at_load(kernels, tmp_path, mode="auto", widths=(4096,), device="NVIDIA Test GPU"):
@@ -86,6 +94,14 @@ def test_tuner_at_load_auto_skips_a_covering_table_and_tunes_otherwise(tmp_path)
     always = _at_load(_FakeKernels(tmp_path), tmp_path, mode="always")
     assert always is not None
     always.stop()
+    # A GPU without its own table, served by another's of the same capability: tuned (auto), over that table.
+    fallback = _FakeKernels(tmp_path)
+    fallback.table_file = tmp_path / "nvidia-test-gpu.json"
+    car = _at_load(fallback, tmp_path, device="NVIDIA Other GPU")
+    try:
+        assert car is not None and car.base == tmp_path / "nvidia-test-gpu.json"
+    finally:
+        car.stop()
 
 
 def test_pair_shrinks_keeps_the_fastest_of_each_close_kind():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from vlora.atmm.reference import atmm_reference
-from vlora.atmm.tiling import read_table, table_path
+from vlora.atmm.tiling import TABLE_ENV, read_table, resolve_table
 from vlora.atmm.mapping import LoraBatchMapping
 
 log = logging.getLogger(__name__)
@@ -69,10 +70,16 @@ class AtmmKernels:
         # Call signatures the extension refused (RuntimeError): the PyTorch reference serves them.
         self._refused: dict[tuple, str] = {}
         self._warned: set[tuple] = set()
+        # The table file in use (None: the default rule): what a tuner sidecar's entries go over.
+        self.table_file: Path | None = None
         if ext is not None and load_table and torch.cuda.is_available():
-            path = table_path(torch.cuda.get_device_name(), table_dir)
-            if path.exists():
+            path, why = resolve_table(torch.cuda.get_device_name(), torch.cuda.get_device_capability(), table_dir,
+                                      os.environ.get(TABLE_ENV))
+            if path is not None:
                 self.load_table(path)
+                self.table_source = f"{path} ({why})"
+            else:
+                log.info("atmm: %s", why)
 
     @property
     def available(self) -> bool:
@@ -109,6 +116,7 @@ class AtmmKernels:
                         "entries serve those shapes", source, len(skipped), ", ".join(sorted(set(missing.values()))),
                         ", ".join(sorted({e.config for e in skipped})))
         self._table, self.table_source, self._plans = table, source, {}  # one reference swap: readers need no lock
+        self.table_file = Path(path)
         self.table_version += 1
         log.info("atmm: tiling table %s loaded (%d entries)", source, len(entries))
         return len(entries)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from vlora.atmm.dispatch import default_kernels
-from vlora.atmm.tiling import default_table_dir, shipped_tables, table_path
+from vlora.atmm.tiling import default_table_dir, resolve_table, shipped_tables
 
 
 def doctor_report() -> dict:
@@ -24,8 +24,8 @@ def doctor_report() -> dict:
         "tiling_tables_shipped": shipped_tables(),
     }
     if cuda:
-        path = table_path(torch.cuda.get_device_name())
-        report["tiling_table_for_gpu"] = str(path) if path.exists() else f"none ({path.name} missing: the built-in default rule)"
+        path, why = resolve_table(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+        report["tiling_table_for_gpu"] = f"{path} ({why})" if path is not None else f"none ({why})"
     if kernels.available:
         report["extension_archs"] = kernels.ext.CUDA_ARCHS
         report["configs"] = kernels.config_names

@@ -36,6 +36,47 @@ def table_path(gpu_name: str, table_dir: Path | None = None) -> Path:
     return (table_dir or default_table_dir()) / f"{gpu_slug(gpu_name)}.json"
 
 
+TABLE_ENV = "VLORA_ATMM_TABLE"  # the benchmarks': a table file to serve instead, or "none" (the default rule)
+
+
+def arch_of(cuda_archs: str) -> str:
+    """``"90a"`` or ``"sm_90a"`` -> ``"90"``: the compute capability a table's header names, without the
+    architecture-specific suffix (a table's kernels are chosen among one build's, on one capability)."""
+    return re.sub(r"[^0-9]", "", str(cuda_archs).split(";")[0].split(",")[0])
+
+
+def resolve_table(gpu_name: str, capability: tuple[int, int] | None, table_dir: Path | None = None,
+                  env: str | None = None) -> tuple[Path | None, str]:
+    """Which tiling table serves this GPU: (its file or None for the built-in default rule, why).
+
+    In order: ``env`` (``$VLORA_ATMM_TABLE``: a file, or ``none``); the table of this GPU
+    (``<table_dir>/<gpu>.json``); else a shipped table tuned on another GPU of the same compute capability
+    (an H200 takes the H100's: the same SM count, shared memory and kernels; the rule for shapes no entry
+    names, by contrast, is a guess: an H200 measured a LoRA prefill of 600 rows at 42 us a projection on it).
+    Of several same-capability tables, the one with the most entries."""
+    if env:
+        if env.strip().lower() == "none":
+            return None, f"${TABLE_ENV}=none: the built-in default rule"
+        return Path(env), f"${TABLE_ENV}"
+    own = table_path(gpu_name, table_dir)
+    if own.exists():
+        return own, f"this GPU's ({own.name})"
+    if capability is None:
+        return None, f"no table for {gpu_name}: the built-in default rule"
+    want = f"{capability[0]}{capability[1]}"
+    best: tuple[int, Path, str] | None = None
+    for path in sorted((table_dir or default_table_dir()).glob("*.json")):
+        try:
+            header, entries = read_table(path)
+        except (OSError, ValueError):
+            continue
+        if arch_of(header.get("cuda_archs", "")) == want and (best is None or len(entries) > best[0]):
+            best = (len(entries), path, str(header.get("gpu", path.stem)))
+    if best is None:
+        return None, f"no table for {gpu_name} or for its capability sm_{want}: the built-in default rule"
+    return best[1], f"no table for {gpu_name}; {best[2]}'s, the same capability sm_{want}"
+
+
 @dataclass(frozen=True)
 class TableEntry:
     """One shape -> configuration pair. ``width`` is d_in for shrink and d_out for expand."""

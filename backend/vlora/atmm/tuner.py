@@ -189,13 +189,15 @@ def _timed_or_none(kernels: AtmmKernels, p: Problem, shrink: tuple[str, int], ex
         return None
 
 
-def shape_grid(widths: list[int], ranks: list[int], tokens: list[int], segments: list[int]):
+def shape_grid(widths: list[int], ranks: list[int], tokens: list[int], segments: list[int],
+               shapes: list[tuple[int, int]] | None = None):
+    """(width, rank, tokens, segments) to profile: every tokens x segments pair with no more segments than tokens,
+    or the (tokens, segments) pairs of ``shapes`` (the calls an engine makes: a decode graph's one segment a row)."""
+    pairs = shapes if shapes is not None else [(T, S) for T in tokens for S in segments if S <= T]
     for d in widths:
         for r in ranks:
-            for T in tokens:
-                for S in segments:
-                    if S <= T:
-                        yield d, r, T, S
+            for T, S in pairs:
+                yield d, r, T, S
 
 
 def paused_seconds(path: Path | None) -> float:
@@ -211,14 +213,15 @@ def paused_seconds(path: Path | None) -> float:
 
 def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], tokens: list[int],
          segments: list[int], progress: Callable[[str], None] = lambda s: None,
-         budget_s: float | None = None, paused_file: Path | None = None) -> list[dict]:
+         budget_s: float | None = None, paused_file: Path | None = None,
+         shapes: list[tuple[int, int]] | None = None) -> list[dict]:
     """Profile the grid; return table entries (both directions) with their measured times.
     With ``budget_s``, stop after the shape that crosses it (the table is then partial); the time the serving
     engine held this process stopped (``paused_file``, TunerSidecar.pause) does not count."""
     smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     shrink_cfgs = feasible_configs(kernels, "shrink", smem)
     expand_cfgs = feasible_configs(kernels, "expand", smem)
-    grid = list(shape_grid(widths, ranks, tokens, segments))
+    grid = list(shape_grid(widths, ranks, tokens, segments, shapes))
     entries = []
     t0 = time.monotonic()
     for i, (d, r, T, S) in enumerate(grid):
@@ -245,6 +248,15 @@ def _ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
 
+def _pairs(s: str) -> list[tuple[int, int]]:
+    """``"1:1,32:32,512:1"`` -> [(1, 1), (32, 32), (512, 1)]: (tokens, segments) pairs."""
+    out = []
+    for v in filter(None, s.split(",")):
+        t, _, seg = v.partition(":")
+        out.append((int(t), int(seg or 1)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vlora.atmm.tuner", description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=_ints, default=[4096], help="model widths (d_in of shrink, d_out of expand)")
@@ -254,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-step", type=int, default=32)
     ap.add_argument("--tokens", type=_ints, default=None, help="explicit token counts (overrides the 32-step grid)")
     ap.add_argument("--segments", type=_ints, default=[1, 4, 16, 64])
+    ap.add_argument("--shapes", type=_pairs, default=None,
+                    help="explicit tokens:segments pairs, e.g. 1:1,32:32,1024:1 (overrides --tokens x --segments)")
     ap.add_argument("--out", type=Path, default=None, help="table file (default configs/tiling/<gpu>.json)")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "vlora" / "tiling")
     ap.add_argument("--budget-s", type=float, default=None, help="stop profiling after this many seconds")
@@ -272,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     tokens = args.tokens or list(range(args.token_step, args.max_tokens + 1, args.token_step))
     out = args.out or table_path(gpu, default_table_dir())
-    key = cache_key(gpu, args.dtype, args.widths, args.ranks, tokens, args.segments, kernels.config_names)
+    segments = args.segments if args.shapes is None else [f"{t}:{seg}" for t, seg in args.shapes]
+    key = cache_key(gpu, args.dtype, args.widths, args.ranks, tokens if args.shapes is None else [], segments,
+                    kernels.config_names)
     cached = args.cache_dir / f"{gpu_slug(gpu)}-{args.dtype}-{key}.json"
     if cached.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -281,10 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     entries = tune(kernels, args.dtype, args.widths, args.ranks, tokens, args.segments,
                    progress=lambda s: print(s, file=sys.stderr, flush=True), budget_s=args.budget_s,
-                   paused_file=args.paused_file)
-    complete = len(entries) == 2 * len(list(shape_grid(args.widths, args.ranks, tokens, args.segments)))
+                   paused_file=args.paused_file, shapes=args.shapes)
+    complete = len(entries) == 2 * len(list(shape_grid(args.widths, args.ranks, tokens, args.segments, args.shapes)))
+    grid = ({"segments": args.segments, "token_grid": [min(tokens), max(tokens), len(tokens)]} if args.shapes is None
+            else {"shapes": [[t, seg] for t, seg in args.shapes]})
     header = {"gpu": gpu, "cuda_archs": kernels.ext.CUDA_ARCHS, "dtype": args.dtype, "widths": args.widths,
-              "ranks": args.ranks, "segments": args.segments, "token_grid": [min(tokens), max(tokens), len(tokens)],
+              "ranks": args.ranks, **grid,
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timing": "CUDA-graph replay, >256 MB rotated inputs", "complete": complete}
     write_table(out, header, entries)
     if complete:  # a partial table is written but never cached
@@ -465,7 +483,9 @@ def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: 
     args = ["--widths", ",".join(map(str, widths)), "--ranks", ",".join(map(str, ranks)), "--dtype", dtype,
             "--max-tokens", str(max_tokens), "--segments", ",".join(map(str, segments)),
             "--cache-dir", str(cache_dir), "--budget-s", str(budget_s)]
-    car = TunerSidecar(kernels, work_dir / f"{slug}.json", args, base=base, env=env)
+    # The tuned entries go over the table in use: this GPU's, or another GPU's of the same capability that
+    # serves until then (tiling.resolve_table).
+    car = TunerSidecar(kernels, work_dir / f"{slug}.json", args, base=kernels.table_file or base, env=env)
     car.start()
     return car
 

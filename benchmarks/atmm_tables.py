@@ -1,0 +1,165 @@
+"""Which tiling table serves the engine's LoRA calls best on this GPU: the built-in default rule, the table this GPU
+resolves to (its own, or a same-capability GPU's: ``vlora.atmm.tiling.resolve_table``), and any table files given,
+each timed on the calls a 7B engine makes, in one run.
+
+The calls are the engine's own, through ``AtmmKernels.run_rows`` as its captured steps make them:
+- a prefill graph of T tokens: one sequence of T rows among ``--max-batch`` segments whose bounds only the device
+  holds (the others empty), as ``engine.prefill_graph_tokens`` replays it;
+- a decode graph of B rows: one segment a row, each its own adapter slot;
+and through ``AtmmKernels.run`` for an eager prefill step of two sequences of two adapters (past the prefill graphs).
+
+Every projection of the model's decoder blocks (q, k, v, o, gate, up, down) at rank ``--rank`` with ``--slots``
+adapter slots, each timed as CUDA-graph replays over rotated inputs and slot buffers larger than L2, beside its
+floor (the bytes it must move at the measured copy rate: x, y read and written, the used slots' A and B). A step's
+LoRA time is the sum over the projections times the blocks.
+
+    python -m benchmarks.atmm_tables [--tables a.json,b.json] [--prefill 256,600,1024,2048] [--decode 1,8,32]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from benchmarks.common import ROOT, device_name, git_commit, record_result
+
+from vlora.atmm import AtmmKernels
+from vlora.atmm.mapping import LoraBatchMapping
+from vlora.atmm.tiling import TABLE_ENV, resolve_table
+from vlora.atmm.timing import copy_bandwidth_gbs, graph_time_us, sets_needed
+
+MODELS = {"llava-1.5-7b": "configs/models/llava-1.5-7b.yaml", "qwen2-vl-7b": "configs/models/qwen2-vl-7b.yaml"}
+
+
+def projections(preset: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(decoder blocks, {projection: (d_in, d_out)}) of a model preset."""
+    text = yaml.safe_load((ROOT / preset).read_text())["text"]
+    h, inter = text["hidden_size"], text["intermediate_size"]
+    head = h // text["num_attention_heads"]
+    kv = head * text.get("num_key_value_heads", text["num_attention_heads"])
+    return text["num_hidden_layers"], {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                                       "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def call_sets(T: int, d_in: int, d_out: int, slots: int, rank: int) -> list[tuple]:
+    """Rotated (y, x, A, B) sets: one replay moves more than 256 MB, so every operand comes from HBM."""
+    per_set = 2 * (T * d_in + 2 * T * d_out + slots * rank * (d_in + d_out))
+    out = []
+    for _ in range(sets_needed(per_set)):
+        a = torch.randn(slots, rank, d_in, device="cuda", dtype=torch.bfloat16) / d_in ** 0.5
+        b = torch.randn(slots, d_out, rank, device="cuda", dtype=torch.bfloat16) / rank ** 0.5
+        out.append((torch.randn(T, d_out, device="cuda", dtype=torch.bfloat16),
+                    torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16), a, b))
+    return out
+
+
+def prefill_graph_mapping(T: int, max_batch: int) -> LoraBatchMapping:
+    """A prefill graph's mapping: ``max_batch`` segments, the first of all T rows (slot 0), the rest empty."""
+    m = LoraBatchMapping.from_segments([0] + [T] * max_batch, [0] + [-1] * (max_batch - 1), "cuda")
+    return LoraBatchMapping(m.seg_indptr, m.seg_slot, m.seg_indptr_host, m.seg_slot_host, T, True, even=False)
+
+
+def time_call(kernels: AtmmKernels, kind: str, T: int, d_in: int, d_out: int, args) -> tuple[float, str, int]:
+    """Microseconds of one LoRA call of this kind and shape, the kernels the table chose, the bytes it must move."""
+    sets = call_sets(T, d_in, d_out, args.slots, args.rank)
+    if kind == "prefill-graph":
+        mapping = prefill_graph_mapping(T, args.max_batch)
+        used = 1
+    elif kind == "decode-graph":
+        mapping = LoraBatchMapping.from_segments(list(range(T + 1)), [i % args.slots for i in range(T)], "cuda")
+        used = min(T, args.slots)
+    else:  # an eager prefill step of two sequences, two adapters
+        mapping = LoraBatchMapping.from_segments([0, T // 2, T], [0, 1], "cuda")
+        used = 2
+    ranks, scales = (args.rank,) * args.slots, (1.0,) * args.slots
+    if kind == "eager":
+        calls = [lambda s=s: kernels.run(s[0], s[1], s[2], s[3], ranks, scales, mapping) for s in sets]
+        plan_s = 2
+    else:
+        calls = [lambda s=s: kernels.run_rows(s[0], s[1], s[2], s[3], mapping, 1.0) for s in sets]
+        plan_s = T if mapping.even else 1
+    shrink = kernels.lookup("shrink", "bf16", T, d_in, args.rank, plan_s)
+    expand = kernels.lookup("expand", "bf16", T, d_out, args.rank, plan_s)
+    us = graph_time_us(calls)
+    del sets
+    floor_bytes = 2 * (T * d_in + 2 * T * d_out + used * args.rank * (d_in + d_out))
+    return us, f"{shrink['config']}/{shrink['split_k']} + {expand['config']}", floor_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.atmm_tables", description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
+    ap.add_argument("--tables", default="", help="more table files to time, comma-separated")
+    ap.add_argument("--prefill", default="256,600,1024,2048", help="prefill graph sizes in tokens")
+    ap.add_argument("--eager", default="2048", help="eager prefill steps in tokens (two sequences)")
+    ap.add_argument("--decode", default="1,8,32", help="decode graph sizes in rows")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=8, help="adapter slots (lora.max_gpu_adapters)")
+    ap.add_argument("--max-batch", type=int, default=32, help="scheduler.max_batch_size: a prefill graph's segments")
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.atmm_tables: needs CUDA", file=sys.stderr)
+        return 0
+    probe = AtmmKernels(load_table=False)
+    if not probe.available:
+        print(f"benchmarks.atmm_tables: {probe.unavailable_reason}", file=sys.stderr)
+        return 1
+    gpu = torch.cuda.get_device_name()
+    resolved, why = resolve_table(gpu, torch.cuda.get_device_capability())
+    options: dict[str, Path | None] = {"default rule": None}
+    if resolved is not None:
+        options[f"resolved: {resolved.name}"] = resolved
+    for t in filter(None, args.tables.split(",")):
+        options[Path(t).name] = Path(t)
+    bw = copy_bandwidth_gbs()
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    shapes = [("prefill-graph", T) for T in ints(args.prefill)] + [("eager", T) for T in ints(args.eager)] + \
+             [("decode-graph", T) for T in ints(args.decode)]
+    result: dict = {"device": device_name(), "gpu": gpu, "commit": git_commit(), "copy_gbs": round(bw, 1),
+                    "resolved": f"{resolved} ({why})", "rank": args.rank, "slots": args.slots,
+                    "max_batch": args.max_batch, "options": list(options), "models": {}}
+    t0 = time.monotonic()
+    for name in filter(None, args.models.split(",")):
+        layers, projs = projections(MODELS[name])
+        model: dict = {"layers": layers, "projections": {k: list(v) for k, v in projs.items()}, "steps": []}
+        for kind, T in shapes:
+            row: dict = {"kind": kind, "tokens": T, "floor_ms": 0.0, "options": {}}
+            for label, path in options.items():
+                os.environ[TABLE_ENV] = str(path) if path is not None else "none"
+                kernels = AtmmKernels()  # resolves $VLORA_ATMM_TABLE
+                per, total, floor = {}, 0.0, 0.0
+                for proj, (d_in, d_out) in projs.items():
+                    us, chose, nbytes = time_call(kernels, kind, T, d_in, d_out, args)
+                    per[proj] = {"us": round(us, 2), "floor_us": round(nbytes / bw / 1e3, 2), "kernels": chose}
+                    total += us * layers
+                    floor += nbytes / bw / 1e3 * layers
+                row["floor_ms"] = round(floor / 1e3, 3)
+                row["options"][label] = {"step_ms": round(total / 1e3, 3), "x_floor": round(total / floor, 2),
+                                         "projections": per}
+                print(f"{name} {kind} T={T} {label}: LoRA {total / 1e3:.2f} ms a step ({total / floor:.2f}x its "
+                      f"floor {floor / 1e3:.2f} ms; {time.monotonic() - t0:.0f} s)", flush=True)
+            model["steps"].append(row)
+        result["models"][name] = model
+    os.environ.pop(TABLE_ENV, None)
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    parts = []
+    for name, model in result["models"].items():
+        for row in model["steps"]:
+            figs = ", ".join(f"{label} {o['step_ms']:.2f} ms ({o['x_floor']:.1f}x)" for label, o in row["options"].items())
+            parts.append(f"{name} {row['kind']} {row['tokens']}: {figs}; floor {row['floor_ms']:.2f} ms")
+    summary = (f"LoRA time of one step, every decoder projection at rank {args.rank}, {args.slots} slots, against its "
+               f"floor at {bw:.0f} GB/s, per table (resolved here: {why}): " + "; ".join(parts))
+    if not args.no_record:
+        record_result("atmm-tables", result["device"], result, summary)
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
