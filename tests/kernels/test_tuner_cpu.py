@@ -27,15 +27,16 @@ def test_cache_key_depends_on_every_input():
 
 
 def test_shape_grid_skips_more_segments_than_tokens():
-    grid = list(tuner.shape_grid([4096], [16], [1, 64], [1, 4]))
-    assert grid == [(4096, 16, 1, 1), (4096, 16, 64, 1), (4096, 16, 64, 4)]
+    grid = list(tuner.shape_grid(tuner.squares([4096]), [16], [1, 64], [1, 4]))
+    assert grid == [(4096, 4096, 16, 1, 1), (4096, 4096, 16, 64, 1), (4096, 4096, 16, 64, 4)]
 
 
 def test_shape_grid_of_explicit_pairs():
     """--shapes names the calls an engine makes (a decode graph's one segment a row, a prefill graph's one)."""
     assert tuner._pairs("1:1,32:32,1024") == [(1, 1), (32, 32), (1024, 1)]
-    grid = list(tuner.shape_grid([4096, 512], [64], [7], [9], [(32, 32), (1024, 1)]))
-    assert grid == [(4096, 64, 32, 32), (4096, 64, 1024, 1), (512, 64, 32, 32), (512, 64, 1024, 1)]
+    assert tuner._projections("3584x18944,512") == [(3584, 18944), (512, 512)]
+    grid = list(tuner.shape_grid([(3584, 512), (512, 512)], [64], [7], [9], [(32, 32), (1024, 1)]))
+    assert grid == [(3584, 512, 64, 32, 32), (3584, 512, 64, 1024, 1), (512, 512, 64, 32, 32), (512, 512, 64, 1024, 1)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")

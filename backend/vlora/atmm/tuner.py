@@ -189,15 +189,21 @@ def _timed_or_none(kernels: AtmmKernels, p: Problem, shrink: tuple[str, int], ex
         return None
 
 
-def shape_grid(widths: list[int], ranks: list[int], tokens: list[int], segments: list[int],
+def shape_grid(projections: list[tuple[int, int]], ranks: list[int], tokens: list[int], segments: list[int],
                shapes: list[tuple[int, int]] | None = None):
-    """(width, rank, tokens, segments) to profile: every tokens x segments pair with no more segments than tokens,
-    or the (tokens, segments) pairs of ``shapes`` (the calls an engine makes: a decode graph's one segment a row)."""
+    """(d_in, d_out, rank, tokens, segments) to profile: every tokens x segments pair with no more segments than
+    tokens, or the (tokens, segments) pairs of ``shapes`` (the calls an engine makes: a decode graph's one segment
+    a row), for each (d_in, d_out) projection."""
     pairs = shapes if shapes is not None else [(T, S) for T in tokens for S in segments if S <= T]
-    for d in widths:
+    for d_in, d_out in projections:
         for r in ranks:
             for T, S in pairs:
-                yield d, r, T, S
+                yield d_in, d_out, r, T, S
+
+
+def squares(widths: list[int]) -> list[tuple[int, int]]:
+    """``--widths``: square projections, d_in = d_out = each width."""
+    return [(d, d) for d in widths]
 
 
 def paused_seconds(path: Path | None) -> float:
@@ -214,23 +220,35 @@ def paused_seconds(path: Path | None) -> float:
 def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], tokens: list[int],
          segments: list[int], progress: Callable[[str], None] = lambda s: None,
          budget_s: float | None = None, paused_file: Path | None = None,
-         shapes: list[tuple[int, int]] | None = None) -> list[dict]:
+         shapes: list[tuple[int, int]] | None = None, projections: list[tuple[int, int]] | None = None) -> list[dict]:
     """Profile the grid; return table entries (both directions) with their measured times.
+
+    ``projections``: the (d_in, d_out) calls to profile, in order of priority (default: ``widths`` as squares).
+    A projection's shrink entry is keyed by its d_in and its expand entry by its d_out, so two projections can
+    name one key (LLaVA's q_proj and gate_proj share d_in): the first one listed keeps it. An expand tuned on a
+    square call can be 3x off on the engine's (Qwen2-VL's gate_proj, 3,584 -> 18,944, on an H200: the whole call
+    of the square 18,944 problem hides a different expand behind its long shrink).
     With ``budget_s``, stop after the shape that crosses it (the table is then partial); the time the serving
     engine held this process stopped (``paused_file``, TunerSidecar.pause) does not count."""
     smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     shrink_cfgs = feasible_configs(kernels, "shrink", smem)
     expand_cfgs = feasible_configs(kernels, "expand", smem)
-    grid = list(shape_grid(widths, ranks, tokens, segments, shapes))
-    entries = []
+    grid = list(shape_grid(projections or squares(widths), ranks, tokens, segments, shapes))
+    entries: list[dict] = []
+    seen: set[tuple] = set()
     t0 = time.monotonic()
-    for i, (d, r, T, S) in enumerate(grid):
-        p = make_problem(kernels, T, d, d, [r] * S, dtype)
+    for i, (d_in, d_out, r, T, S) in enumerate(grid):
+        p = make_problem(kernels, T, d_in, d_out, [r] * S, dtype)
         res = profile_shape(kernels, p, shrink_cfgs, expand_cfgs)
         (sc, sk), ec = res["pair"]
-        entries += table_entries(res, dtype=dtype, tokens=T, width=d, rank=r, segments=S)
-        progress(f"[{i + 1}/{len(grid)}] {dtype} d={d} r={r} T={T} S={S}: shrink {sc}/{sk} {res['shrink_us']:.1f} us, "
-                 f"expand {ec}, whole call {res['pair_us']:.1f} us "
+        for e in table_entries(res, dtype=dtype, tokens=T, width=0, rank=r, segments=S):
+            e["width"] = d_in if e["direction"] == "shrink" else d_out
+            key = (e["direction"], e["dtype"], e["tokens"], e["width"], e["rank"], e["segments"])
+            if key not in seen:
+                seen.add(key)
+                entries.append(e)
+        progress(f"[{i + 1}/{len(grid)}] {dtype} {d_in}x{d_out} r={r} T={T} S={S}: shrink {sc}/{sk} "
+                 f"{res['shrink_us']:.1f} us, expand {ec}, whole call {res['pair_us']:.1f} us "
                  f"({time.monotonic() - t0:.0f} s)")
         del p
         if budget_s is not None and time.monotonic() - t0 - paused_seconds(paused_file) > budget_s:
@@ -248,6 +266,15 @@ def _ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
 
+def _projections(s: str) -> list[tuple[int, int]]:
+    """``"4096x4096,4096x11008"`` -> [(4096, 4096), (4096, 11008)]: (d_in, d_out) projections."""
+    out = []
+    for v in filter(None, s.split(",")):
+        d_in, _, d_out = v.partition("x")
+        out.append((int(d_in), int(d_out or d_in)))
+    return out
+
+
 def _pairs(s: str) -> list[tuple[int, int]]:
     """``"1:1,32:32,512:1"`` -> [(1, 1), (32, 32), (512, 1)]: (tokens, segments) pairs."""
     out = []
@@ -260,6 +287,9 @@ def _pairs(s: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vlora.atmm.tuner", description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=_ints, default=[4096], help="model widths (d_in of shrink, d_out of expand)")
+    ap.add_argument("--projections", type=_projections, default=None,
+                    help="the engine's (d_in x d_out) projections, most frequent first, e.g. 4096x4096,4096x11008,"
+                         "11008x4096 (overrides --widths: their squares)")
     ap.add_argument("--ranks", type=_ints, default=[8, 16, 32, 64, 128])
     ap.add_argument("--dtype", choices=sorted(_TORCH_DTYPES), default="bf16")
     ap.add_argument("--max-tokens", type=int, default=8192, help="largest batch in tokens")
@@ -286,9 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     tokens = args.tokens or list(range(args.token_step, args.max_tokens + 1, args.token_step))
     out = args.out or table_path(gpu, default_table_dir())
+    projections = args.projections or squares(args.widths)
+    widths = sorted({w for p in projections for w in p})
     segments = args.segments if args.shapes is None else [f"{t}:{seg}" for t, seg in args.shapes]
-    key = cache_key(gpu, args.dtype, args.widths, args.ranks, tokens if args.shapes is None else [], segments,
-                    kernels.config_names)
+    key = cache_key(gpu, args.dtype, [f"{a}x{b}" for a, b in projections], args.ranks,
+                    tokens if args.shapes is None else [], segments, kernels.config_names)
     cached = args.cache_dir / f"{gpu_slug(gpu)}-{args.dtype}-{key}.json"
     if cached.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -297,11 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     entries = tune(kernels, args.dtype, args.widths, args.ranks, tokens, args.segments,
                    progress=lambda s: print(s, file=sys.stderr, flush=True), budget_s=args.budget_s,
-                   paused_file=args.paused_file, shapes=args.shapes)
-    complete = len(entries) == 2 * len(list(shape_grid(args.widths, args.ranks, tokens, args.segments, args.shapes)))
+                   paused_file=args.paused_file, shapes=args.shapes, projections=projections)
+    grid_shapes = list(shape_grid(projections, args.ranks, tokens, args.segments, args.shapes))
+    keys = {(d, r, T, S, direction) for d_in, d_out, r, T, S in grid_shapes
+            for d, direction in ((d_in, "shrink"), (d_out, "expand"))}
+    complete = len(entries) == len(keys)
     grid = ({"segments": args.segments, "token_grid": [min(tokens), max(tokens), len(tokens)]} if args.shapes is None
             else {"shapes": [[t, seg] for t, seg in args.shapes]})
-    header = {"gpu": gpu, "cuda_archs": kernels.ext.CUDA_ARCHS, "dtype": args.dtype, "widths": args.widths,
+    header = {"gpu": gpu, "cuda_archs": kernels.ext.CUDA_ARCHS, "dtype": args.dtype, "widths": widths,
+              **({"projections": [[a, b] for a, b in projections]} if args.projections else {}),
               "ranks": args.ranks, **grid,
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timing": "CUDA-graph replay, >256 MB rotated inputs", "complete": complete}
     write_table(out, header, entries)
@@ -453,12 +489,15 @@ class TunerSidecar:
 
 def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: list[int], max_tokens: int,
                   segments: list[int], dtype: str, budget_s: float, cache_dir: Path, work_dir: Path,
-                  device_name: str | None, env: Mapping[str, str] | None = None) -> TunerSidecar | None:
+                  device_name: str | None, env: Mapping[str, str] | None = None,
+                  projections: list[tuple[int, int]] | None = None) -> TunerSidecar | None:
     """Start the tuner sidecar when the model loads (the engine calls this); None when nothing is tuned.
 
     ``mode`` is ``atmm.tune_at_load``: ``auto`` tunes only when the committed table for this GPU is
     missing, is for another dtype, or lacks one of ``widths`` (other ranks take the nearest key).
-    ``env`` is the sidecar's environment (None: this process's), e.g. one that shows it one GPU."""
+    ``projections``: the model's (d_in, d_out) LoRA calls, most frequent first, which the sidecar profiles
+    (None: ``widths`` as squares). ``env`` is the sidecar's environment (None: this process's), e.g. one that
+    shows it one GPU."""
     if mode == "never":
         return None
     if device_name is None:
@@ -480,7 +519,9 @@ def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: 
             log.info("atmm: %s covers widths %s: no tuning at load (atmm.tune_at_load=always tunes anyway)", base, widths)
             return None
     slug = f"{gpu_slug(device_name)}-{dtype}-w{'_'.join(map(str, widths))}-r{'_'.join(map(str, ranks))}"
-    args = ["--widths", ",".join(map(str, widths)), "--ranks", ",".join(map(str, ranks)), "--dtype", dtype,
+    shape = (["--projections", ",".join(f"{a}x{b}" for a, b in projections)] if projections
+             else ["--widths", ",".join(map(str, widths))])
+    args = [*shape, "--ranks", ",".join(map(str, ranks)), "--dtype", dtype,
             "--max-tokens", str(max_tokens), "--segments", ",".join(map(str, segments)),
             "--cache-dir", str(cache_dir), "--budget-s", str(budget_s)]
     # The tuned entries go over the table in use: this GPU's, or another GPU's of the same capability that

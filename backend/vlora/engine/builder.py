@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -241,6 +242,9 @@ def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device,
     cfg = config.atmm
     dims = runner.module_dims()
     widths = sorted({w for m in config.lora.target_modules for w in dims[m]})
+    # The calls themselves, most frequent first (an expand tuned on a square call can be far off the engine's).
+    counts = Counter(dims[m] for m in config.lora.target_modules if m in dims)
+    projections = [pq for pq, _ in counts.most_common()]
     ranks = sorted(r for r in cfg.tune_ranks if r <= config.lora.max_rank) or [config.lora.max_rank]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     cache = Path(cfg.tune_cache_dir) if cfg.tune_cache_dir else default_cache_dir() / "tiling"
@@ -252,7 +256,7 @@ def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device,
         max_tokens=config.scheduler.max_num_batched_tokens, segments=list(cfg.tune_segments),
         dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype)), budget_s=cfg.tune_budget_s,
         cache_dir=cache, work_dir=cache / "runs" / f"cuda{index}", device_name=name,
-        env=child_env(index if device.type == "cuda" else None))
+        env=child_env(index if device.type == "cuda" else None), projections=projections)
 
 
 def visible_devices_for_child(index: int, visible: Optional[str]) -> Optional[str]:
