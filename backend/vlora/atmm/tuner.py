@@ -68,7 +68,8 @@ def serves_rank(c: dict, padded_rank: int) -> bool:
 
 @dataclass
 class Problem:
-    """Rotated input sets for one shape: S equal segments over T tokens, one slot of rank r each."""
+    """Rotated input sets for one shape: S equal segments over T tokens, one slot of rank r each (and, padded,
+    empty segments of no slot after them)."""
 
     mapping: LoraBatchMapping
     ranks: tuple[int, ...]
@@ -77,13 +78,17 @@ class Problem:
 
 
 def make_problem(kernels: AtmmKernels, T: int, d_in: int, d_out: int, seg_ranks: list[int], dtype: str,
-                 max_split: int = max(SPLITS), min_bytes: int = 256 << 20) -> Problem:
+                 max_split: int = max(SPLITS), min_bytes: int = 256 << 20, pad_to: int = 0) -> Problem:
+    """``pad_to``: segments in all, the ones past ``seg_ranks`` empty and of no slot: the layout of a prefill
+    graph's call (``AtmmKernels.run_rows``: one segment per sequence the step could hold, the others empty)."""
     S = len(seg_ranks)
     lengths = [T // S + (1 if i < T % S else 0) for i in range(S)]
-    mapping = LoraBatchMapping.from_segments([sum(lengths[:i]) for i in range(S + 1)], list(range(S)), "cuda")
+    pad = max(0, pad_to - S)
+    mapping = LoraBatchMapping.from_segments([sum(lengths[:i]) for i in range(S + 1)] + [T] * pad,
+                                             list(range(S)) + [-1] * pad, "cuda")
     r_max = max(8, max(seg_ranks))
     tdt = _TORCH_DTYPES[dtype]
-    ws_bytes = kernels.ext.workspace_size(S, max_split, T, r_max, dtype)
+    ws_bytes = kernels.ext.workspace_size(S + pad, max_split, T, r_max, dtype)
     per_set = 2 * (T * d_in + 2 * T * d_out + S * r_max * (d_in + d_out))
     sets = []
     for _ in range(sets_needed(per_set, min_bytes)):
@@ -220,7 +225,8 @@ def paused_seconds(path: Path | None) -> float:
 def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], tokens: list[int],
          segments: list[int], progress: Callable[[str], None] = lambda s: None,
          budget_s: float | None = None, paused_file: Path | None = None,
-         shapes: list[tuple[int, int]] | None = None, projections: list[tuple[int, int]] | None = None) -> list[dict]:
+         shapes: list[tuple[int, int]] | None = None, projections: list[tuple[int, int]] | None = None,
+         pad_segments: int = 0) -> list[dict]:
     """Profile the grid; return table entries (both directions) with their measured times.
 
     ``projections``: the (d_in, d_out) calls to profile, in order of priority (default: ``widths`` as squares).
@@ -228,6 +234,10 @@ def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], 
     name one key (LLaVA's q_proj and gate_proj share d_in): the first one listed keeps it. An expand tuned on a
     square call can be 3x off on the engine's (Qwen2-VL's gate_proj, 3,584 -> 18,944, on an H200: the whole call
     of the square 18,944 problem hides a different expand behind its long shrink).
+    ``pad_segments``: one-segment shapes are timed as a prefill graph makes them, with this many segments in all
+    (``scheduler.max_batch_size``; the table's one-segment key serves both, and the graphs are the usual prefill):
+    a stream expand splits its columns over the row tiles of every segment, empty ones too, so with 31 empty
+    segments it ran 3x slower on an H200 than the unpadded call the tuner had chosen it on.
     With ``budget_s``, stop after the shape that crosses it (the table is then partial); the time the serving
     engine held this process stopped (``paused_file``, TunerSidecar.pause) does not count."""
     smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
@@ -238,7 +248,7 @@ def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], 
     seen: set[tuple] = set()
     t0 = time.monotonic()
     for i, (d_in, d_out, r, T, S) in enumerate(grid):
-        p = make_problem(kernels, T, d_in, d_out, [r] * S, dtype)
+        p = make_problem(kernels, T, d_in, d_out, [r] * S, dtype, pad_to=pad_segments if S == 1 else 0)
         res = profile_shape(kernels, p, shrink_cfgs, expand_cfgs)
         (sc, sk), ec = res["pair"]
         for e in table_entries(res, dtype=dtype, tokens=T, width=0, rank=r, segments=S):
@@ -298,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segments", type=_ints, default=[1, 4, 16, 64])
     ap.add_argument("--shapes", type=_pairs, default=None,
                     help="explicit tokens:segments pairs, e.g. 1:1,32:32,1024:1 (overrides --tokens x --segments)")
+    ap.add_argument("--pad-segments", type=int, default=0,
+                    help="time one-segment shapes as a prefill graph calls them: this many segments in all, the "
+                         "others empty (scheduler.max_batch_size)")
     ap.add_argument("--out", type=Path, default=None, help="table file (default configs/tiling/<gpu>.json)")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "vlora" / "tiling")
     ap.add_argument("--budget-s", type=float, default=None, help="stop profiling after this many seconds")
@@ -320,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     widths = sorted({w for p in projections for w in p})
     segments = args.segments if args.shapes is None else [f"{t}:{seg}" for t, seg in args.shapes]
     key = cache_key(gpu, args.dtype, [f"{a}x{b}" for a, b in projections], args.ranks,
-                    tokens if args.shapes is None else [], segments, kernels.config_names)
+                    tokens if args.shapes is None else [], segments + [f"pad{args.pad_segments}"], kernels.config_names)
     cached = args.cache_dir / f"{gpu_slug(gpu)}-{args.dtype}-{key}.json"
     if cached.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -329,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     entries = tune(kernels, args.dtype, args.widths, args.ranks, tokens, args.segments,
                    progress=lambda s: print(s, file=sys.stderr, flush=True), budget_s=args.budget_s,
-                   paused_file=args.paused_file, shapes=args.shapes, projections=projections)
+                   paused_file=args.paused_file, shapes=args.shapes, projections=projections,
+                   pad_segments=args.pad_segments)
     grid_shapes = list(shape_grid(projections, args.ranks, tokens, args.segments, args.shapes))
     keys = {(d, r, T, S, direction) for d_in, d_out, r, T, S in grid_shapes
             for d, direction in ((d_in, "shrink"), (d_out, "expand"))}
@@ -338,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             else {"shapes": [[t, seg] for t, seg in args.shapes]})
     header = {"gpu": gpu, "cuda_archs": kernels.ext.CUDA_ARCHS, "dtype": args.dtype, "widths": widths,
               **({"projections": [[a, b] for a, b in projections]} if args.projections else {}),
-              "ranks": args.ranks, **grid,
+              "ranks": args.ranks, **grid, **({"pad_segments": args.pad_segments} if args.pad_segments else {}),
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timing": "CUDA-graph replay, >256 MB rotated inputs", "complete": complete}
     write_table(out, header, entries)
     if complete:  # a partial table is written but never cached
@@ -490,13 +504,14 @@ class TunerSidecar:
 def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: list[int], max_tokens: int,
                   segments: list[int], dtype: str, budget_s: float, cache_dir: Path, work_dir: Path,
                   device_name: str | None, env: Mapping[str, str] | None = None,
-                  projections: list[tuple[int, int]] | None = None) -> TunerSidecar | None:
+                  projections: list[tuple[int, int]] | None = None, pad_segments: int = 0) -> TunerSidecar | None:
     """Start the tuner sidecar when the model loads (the engine calls this); None when nothing is tuned.
 
     ``mode`` is ``atmm.tune_at_load``: ``auto`` tunes only when the committed table for this GPU is
     missing, is for another dtype, or lacks one of ``widths`` (other ranks take the nearest key).
     ``projections``: the model's (d_in, d_out) LoRA calls, most frequent first, which the sidecar profiles
-    (None: ``widths`` as squares). ``env`` is the sidecar's environment (None: this process's), e.g. one that
+    (None: ``widths`` as squares); ``pad_segments``: the prefill graphs' segments (:func:`tune`). ``env`` is the
+    sidecar's environment (None: this process's), e.g. one that
     shows it one GPU."""
     if mode == "never":
         return None
@@ -521,6 +536,8 @@ def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: 
     slug = f"{gpu_slug(device_name)}-{dtype}-w{'_'.join(map(str, widths))}-r{'_'.join(map(str, ranks))}"
     shape = (["--projections", ",".join(f"{a}x{b}" for a, b in projections)] if projections
              else ["--widths", ",".join(map(str, widths))])
+    if pad_segments:
+        shape += ["--pad-segments", str(pad_segments)]
     args = [*shape, "--ranks", ",".join(map(str, ranks)), "--dtype", dtype,
             "--max-tokens", str(max_tokens), "--segments", ",".join(map(str, segments)),
             "--cache-dir", str(cache_dir), "--budget-s", str(budget_s)]

@@ -256,7 +256,8 @@ def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device,
         max_tokens=config.scheduler.max_num_batched_tokens, segments=list(cfg.tune_segments),
         dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype)), budget_s=cfg.tune_budget_s,
         cache_dir=cache, work_dir=cache / "runs" / f"cuda{index}", device_name=name,
-        env=child_env(index if device.type == "cuda" else None), projections=projections)
+        env=child_env(index if device.type == "cuda" else None), projections=projections,
+        pad_segments=config.scheduler.max_batch_size if config.engine.prefill_graph_tokens else 0)
 
 
 def visible_devices_for_child(index: int, visible: Optional[str]) -> Optional[str]:
