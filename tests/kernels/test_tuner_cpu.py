@@ -31,6 +31,18 @@ def test_shape_grid_skips_more_segments_than_tokens():
     assert grid == [(4096, 4096, 16, 1, 1), (4096, 4096, 16, 64, 1), (4096, 4096, 16, 64, 4)]
 
 
+def test_run_key_of_every_grid_form():
+    """The key a run caches its table under, for the default grid, explicit shapes, projections and padding: each
+    form gives a key (a list of int segments beside a padding tag once failed to sort, on a GPU only), and each
+    setting changes it."""
+    def key(*argv):
+        args = tuner.parser().parse_args(list(argv))
+        return tuner.run_key(args, "GPU", args.tokens or [32, 64], args.projections or tuner.squares(args.widths), ["c"])
+    keys = {key(), key("--pad-segments", "32"), key("--shapes", "1:1,256:1"), key("--projections", "4096x11008"),
+            key("--widths", "4096,11008"), key("--segments", "1,4")}
+    assert len(keys) == 6 and key() == key()
+
+
 def test_shape_grid_of_explicit_pairs():
     """--shapes names the calls an engine makes (a decode graph's one segment a row, a prefill graph's one)."""
     assert tuner._pairs("1:1,32:32,1024") == [(1, 1), (32, 32), (1024, 1)]

@@ -267,6 +267,15 @@ def tune(kernels: AtmmKernels, dtype: str, widths: list[int], ranks: list[int], 
     return entries
 
 
+def run_key(args: argparse.Namespace, gpu: str, tokens: list[int], projections: list[tuple[int, int]],
+            configs: list[str]) -> str:
+    """The cache key of one tuner run's grid (:func:`cache_key` over its projections, token and segment grid or
+    explicit shapes, and padding)."""
+    grid = ([str(s) for s in args.segments] if args.shapes is None else [f"{t}:{seg}" for t, seg in args.shapes])
+    return cache_key(gpu, args.dtype, [f"{a}x{b}" for a, b in projections], args.ranks,
+                     tokens if args.shapes is None else [], grid + [f"pad{args.pad_segments}"], configs)
+
+
 def cache_key(gpu: str, dtype: str, widths, ranks, tokens, segments, configs) -> str:
     blob = json.dumps([gpu, dtype, sorted(widths), sorted(ranks), sorted(tokens), sorted(segments), configs])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -294,7 +303,7 @@ def _pairs(s: str) -> list[tuple[int, int]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m vlora.atmm.tuner", description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=_ints, default=[4096], help="model widths (d_in of shrink, d_out of expand)")
     ap.add_argument("--projections", type=_projections, default=None,
@@ -316,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="stop profiling after this many seconds")
     ap.add_argument("--paused-file", type=Path, default=None,
                     help="where the serving engine writes the seconds it held this process stopped (not counted)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
 
     if not torch.cuda.is_available():
         print("vlora.atmm.tuner: no CUDA device here; nothing to tune (the PyTorch reference serves ATMM)",
@@ -331,9 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or table_path(gpu, default_table_dir())
     projections = args.projections or squares(args.widths)
     widths = sorted({w for p in projections for w in p})
-    segments = args.segments if args.shapes is None else [f"{t}:{seg}" for t, seg in args.shapes]
-    key = cache_key(gpu, args.dtype, [f"{a}x{b}" for a, b in projections], args.ranks,
-                    tokens if args.shapes is None else [], segments + [f"pad{args.pad_segments}"], kernels.config_names)
+    key = run_key(args, gpu, tokens, projections, kernels.config_names)
     cached = args.cache_dir / f"{gpu_slug(gpu)}-{args.dtype}-{key}.json"
     if cached.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
