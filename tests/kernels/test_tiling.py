@@ -50,6 +50,9 @@ def test_resolve_table_own_then_same_capability_then_the_rule(tmp_path):
     assert resolve_table("NVIDIA L4", (8, 9), tmp_path)[0] is None
     assert resolve_table("NVIDIA H200", None, tmp_path)[0] is None
     assert resolve_table("NVIDIA H200", (9, 0), tmp_path, env="none") == (None, "$VLORA_ATMM_TABLE=none: the built-in default rule")
+    with pytest.raises(FileNotFoundError, match="VLORA_ATMM_TABLE"):
+        resolve_table("NVIDIA H200", (9, 0), tmp_path, env=str(tmp_path / "x.json"))
+    _table(tmp_path / "x.json", "mine", "90a", 1)
     assert resolve_table("NVIDIA H200", (9, 0), tmp_path, env=str(tmp_path / "x.json"))[0] == tmp_path / "x.json"
 
 

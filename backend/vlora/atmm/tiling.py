@@ -57,6 +57,8 @@ def resolve_table(gpu_name: str, capability: tuple[int, int] | None, table_dir: 
     if env:
         if env.strip().lower() == "none":
             return None, f"${TABLE_ENV}=none: the built-in default rule"
+        if not Path(env).is_file():
+            raise FileNotFoundError(f"${TABLE_ENV}={env}: no such table file (or 'none' for the default rule)")
         return Path(env), f"${TABLE_ENV}"
     own = table_path(gpu_name, table_dir)
     if own.exists():
