@@ -492,9 +492,7 @@ def main() -> None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.rates = [float(x) for x in str(args.rates).split(",") if x.strip()]
-    args.video_rates = args.rates if args.video_rates is None else [
-        float(x) for x in args.video_rates.split(",") if x.strip()]
+    args.rates, args.video_rates = parse_rates(args.rates, args.video_rates)
     if args.child:
         part, _, preset = args.child.partition(":")
         work = Path(args.work)
@@ -523,6 +521,13 @@ def main() -> None:
     result = {"device": device_name() if device.startswith("cuda") else "cpu", "commit": git_commit(),
               "models": found["engine"], "served": found["server"]}
     write_result("vision-apps", args.out, result, summary(result), record=not args.no_record and device != "cpu")
+
+
+def parse_rates(rates: str, video_rates: str | None) -> tuple[list[float], list[float]]:
+    """(retrieval rates, video rates) of ``--rates`` and ``--video-rates``: the video's default to the retrieval's;
+    an empty string is no rate point, so that application is not run (and with neither, only the idle figures)."""
+    retrieval = [float(x) for x in str(rates).split(",") if x.strip()]
+    return retrieval, (list(retrieval) if video_rates is None else [float(x) for x in video_rates.split(",") if x.strip()])
 
 
 def argparse_hidden() -> str:

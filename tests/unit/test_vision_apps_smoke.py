@@ -68,3 +68,13 @@ def test_the_rate_at_the_slo_is_the_highest_point_that_met_it():
     assert at_slo([point(4, 1.0), point(8, 0.95), point(16, 0.8)])["offered_rate_rps"] == 8
     assert at_slo([point(4, 1.0), point(8, 1.0, error=3)])["offered_rate_rps"] == 4
     assert at_slo([point(4, 0.5)]) is None
+
+
+def test_rates_empty_skips_an_application():
+    """--rates "" runs no retrieval point, --video-rates "" no video point; the video's rates default to --rates."""
+    from benchmarks.vision_apps import parse_rates
+
+    assert parse_rates("10,11", None) == ([10.0, 11.0], [10.0, 11.0])
+    assert parse_rates("", "44,48") == ([], [44.0, 48.0])
+    assert parse_rates("14, 16", "") == ([14.0, 16.0], [])
+    assert parse_rates("", None) == ([], [])
