@@ -261,8 +261,11 @@ class AtmmConfig:
 
     ``tune_at_load``: ``auto`` tunes when ``configs/tiling/<gpu>.json`` is missing, is for another
     dtype, or lacks one of this model's LoRA widths (other ranks take the nearest key); ``always`` tunes anyway (the tuner's cache makes
-    a repeated load instant); ``never`` serves with the committed table or the default rule. Serving
-    starts at once; the tuned entries replace the table's when the sidecar finishes. The sidecar shares
+    a repeated load instant); ``never`` serves with the committed table (or a same-capability GPU's) or the
+    default rule. Serving starts at once; the tuned entries replace the table's when the sidecar finishes. The
+    sidecar profiles the model's own projections at the calls the engine makes
+    (:func:`vlora.engine.builder.tuner_shapes`: decode graphs, one-sequence prefills up to the step budget, and
+    eager steps of ``tune_segments`` sequences where more than one), the largest of ``tune_ranks`` first. It shares
     the GPU, so it is stopped while requests are in flight and goes on after a second of idleness
     (``tune_budget_s`` of its running time at most: the time it is stopped does not count).
     """

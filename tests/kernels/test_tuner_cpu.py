@@ -126,3 +126,37 @@ def test_pair_shrinks_keeps_the_fastest_of_each_close_kind():
     assert tuner.pair_shrinks(shrink, kinds, 3) == [("tr_a", 2), ("tr_b", 2), ("tr_a", 4), ("xs_a", 4)]
     assert tuner.pair_shrinks(shrink, kinds, 1, within=1.25) == [("tr_a", 2), ("xs_a", 4), ("t64", 2)]
     assert tuner.pair_shrinks(shrink, kinds, 10) == sorted(shrink, key=shrink.get)
+
+
+def test_shape_grid_puts_ranks_outermost():
+    """A run cut short by its budget has every projection and shape at the first rank listed (the sidecar lists
+    the largest first: the graphs' calls look up lora.max_rank, and its kernels serve every smaller rank)."""
+    grid = list(tuner.shape_grid([(8, 16), (16, 8)], [64, 16], [], [], [(32, 32), (512, 1)]))
+    assert [g[2] for g in grid] == [64] * 4 + [16] * 4
+    assert grid[:2] == [(8, 16, 64, 32, 32), (8, 16, 64, 512, 1)]
+
+
+def test_sidecar_tunes_the_engines_own_calls(tmp_path):
+    """At load the sidecar profiles the calls the engine makes (decode graphs' one segment a row, one-sequence
+    prefills up to the step budget, eager steps of more sequences), not the 32-token grid times the segments."""
+    from vlora.config import EngineConfig
+    from vlora.engine.builder import tuner_shapes
+
+    shapes = tuner_shapes(EngineConfig())
+    assert shapes[:7] == [(1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (24, 24), (32, 32)]
+    assert shapes[7:15] == [(256, 1), (384, 1), (512, 1), (640, 1), (768, 1), (1024, 1), (1536, 1), (2048, 1)]
+    assert shapes[15:] == [(1024, 4), (1024, 16), (1024, 64), (2048, 4), (2048, 16), (2048, 64)]
+    small = EngineConfig.from_dict({"scheduler": {"max_num_batched_tokens": 512, "max_batch_size": 8}})
+    assert tuner_shapes(small) == [(1, 1), (2, 2), (4, 4), (8, 8), (256, 1), (384, 1), (512, 1), (512, 4), (512, 16),
+                                   (512, 64)]
+    car = tuner.start_at_load(_FakeKernels(tmp_path), mode="always", widths=[4096], ranks=[64, 16], max_tokens=512,
+                              segments=[1], dtype="bf16", budget_s=5, cache_dir=tmp_path / "cache",
+                              work_dir=tmp_path / "runs", device_name="NVIDIA Test GPU",
+                              projections=[(4096, 4096), (4096, 11008)], pad_segments=32, shapes=[(1, 1), (512, 1)])
+    try:
+        args = car.args
+        assert args[args.index("--projections") + 1] == "4096x4096,4096x11008"
+        assert args[args.index("--pad-segments") + 1] == "32" and args[args.index("--shapes") + 1] == "1:1,512:1"
+        assert args[args.index("--ranks") + 1] == "64,16"
+    finally:
+        car.stop()

@@ -200,8 +200,10 @@ def shape_grid(projections: list[tuple[int, int]], ranks: list[int], tokens: lis
     tokens, or the (tokens, segments) pairs of ``shapes`` (the calls an engine makes: a decode graph's one segment
     a row), for each (d_in, d_out) projection."""
     pairs = shapes if shapes is not None else [(T, S) for T in tokens for S in segments if S <= T]
-    for d_in, d_out in projections:
-        for r in ranks:
+    # Rank outermost, in the order given: a run cut short by its budget has covered every projection and shape at
+    # the first rank (the sidecar lists the largest first: its kernels serve every smaller rank, the nearest key).
+    for r in ranks:
+        for d_in, d_out in projections:
             for T, S in pairs:
                 yield d_in, d_out, r, T, S
 
@@ -515,14 +517,16 @@ class TunerSidecar:
 def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: list[int], max_tokens: int,
                   segments: list[int], dtype: str, budget_s: float, cache_dir: Path, work_dir: Path,
                   device_name: str | None, env: Mapping[str, str] | None = None,
-                  projections: list[tuple[int, int]] | None = None, pad_segments: int = 0) -> TunerSidecar | None:
+                  projections: list[tuple[int, int]] | None = None, pad_segments: int = 0,
+                  shapes: list[tuple[int, int]] | None = None) -> TunerSidecar | None:
     """Start the tuner sidecar when the model loads (the engine calls this); None when nothing is tuned.
 
     ``mode`` is ``atmm.tune_at_load``: ``auto`` tunes only when the committed table for this GPU is
     missing, is for another dtype, or lacks one of ``widths`` (other ranks take the nearest key).
     ``projections``: the model's (d_in, d_out) LoRA calls, most frequent first, which the sidecar profiles
-    (None: ``widths`` as squares); ``pad_segments``: the prefill graphs' segments (:func:`tune`). ``env`` is the
-    sidecar's environment (None: this process's), e.g. one that
+    (None: ``widths`` as squares); ``pad_segments``: the prefill graphs' segments (:func:`tune`); ``shapes``: the
+    (tokens, segments) calls to profile (None: tokens every 32 up to ``max_tokens`` times ``segments``). ``env`` is
+    the sidecar's environment (None: this process's), e.g. one that
     shows it one GPU."""
     if mode == "never":
         return None
@@ -549,6 +553,8 @@ def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: 
              else ["--widths", ",".join(map(str, widths))])
     if pad_segments:
         shape += ["--pad-segments", str(pad_segments)]
+    if shapes:
+        shape += ["--shapes", ",".join(f"{t}:{seg}" for t, seg in shapes)]
     args = [*shape, "--ranks", ",".join(map(str, ranks)), "--dtype", dtype,
             "--max-tokens", str(max_tokens), "--segments", ",".join(map(str, segments)),
             "--cache-dir", str(cache_dir), "--budget-s", str(budget_s)]

@@ -234,6 +234,25 @@ def resolve_cost_model(config: EngineConfig, runner: ModelRunner, loras, orchest
     info["cost_model"] = model.summary()
 
 
+# One-sequence prefill sizes the tuner sidecar profiles (up to the step's token budget): the prefill graphs'
+# buckets run at these and between them (the table's nearest key serves the others).
+TUNE_PREFILL_TOKENS = (256, 384, 512, 640, 768, 1024, 1536, 2048, 4096, 8192)
+
+
+def tuner_shapes(config: EngineConfig) -> list[tuple[int, int]]:
+    """The (tokens, segments) LoRA calls this engine makes, for the tuner sidecar: a decode graph's one segment a
+    row at each captured batch size; prefill steps of one sequence (a prefill graph's key, however many segments
+    its call has) at :data:`TUNE_PREFILL_TOKENS` and the step's token budget; and eager steps of more sequences,
+    ``atmm.tune_segments`` of them, at 1,024 tokens and at the budget. About 20 shapes, where the token grid times
+    the segments was about 250 per rank and projection, far past ``atmm.tune_budget_s``."""
+    budget = config.scheduler.max_num_batched_tokens
+    max_bs = config.scheduler.max_batch_size
+    decode = sorted({b for b in config.engine.graph_batch_sizes if b < max_bs} | {max_bs})
+    prefill = sorted({t for t in TUNE_PREFILL_TOKENS if t < budget} | {budget})
+    eager = [(t, s) for t in sorted({min(1024, budget), budget}) for s in config.atmm.tune_segments if 1 < s <= t]
+    return [(b, b) for b in decode] + [(t, 1) for t in prefill] + eager
+
+
 def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device, dtype: torch.dtype):
     """The ATMM tuner sidecar for this model's LoRA shapes (``atmm`` config section), or None."""
     from vlora.atmm import tuner
@@ -245,7 +264,8 @@ def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device,
     # The calls themselves, most frequent first (an expand tuned on a square call can be far off the engine's).
     counts = Counter(dims[m] for m in config.lora.target_modules if m in dims)
     projections = [pq for pq, _ in counts.most_common()]
-    ranks = sorted(r for r in cfg.tune_ranks if r <= config.lora.max_rank) or [config.lora.max_rank]
+    # The largest first: a run cut short by its budget then has every shape at the rank whose kernels serve all.
+    ranks = sorted((r for r in cfg.tune_ranks if r <= config.lora.max_rank), reverse=True) or [config.lora.max_rank]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     cache = Path(cfg.tune_cache_dir) if cfg.tune_cache_dir else default_cache_dir() / "tiling"
     index = device.index if device.type == "cuda" and device.index is not None else 0
@@ -257,7 +277,8 @@ def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device,
         dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype)), budget_s=cfg.tune_budget_s,
         cache_dir=cache, work_dir=cache / "runs" / f"cuda{index}", device_name=name,
         env=child_env(index if device.type == "cuda" else None), projections=projections,
-        pad_segments=config.scheduler.max_batch_size if config.engine.prefill_graph_tokens else 0)
+        pad_segments=config.scheduler.max_batch_size if config.engine.prefill_graph_tokens else 0,
+        shapes=tuner_shapes(config))
 
 
 def visible_devices_for_child(index: int, visible: Optional[str]) -> Optional[str]:
