@@ -213,6 +213,11 @@ def squares(widths: list[int]) -> list[tuple[int, int]]:
     return [(d, d) for d in widths]
 
 
+def widths_of(projections: list[tuple[int, int]]) -> list[int]:
+    """The table widths the projections' entries are keyed by: every d_in (shrink) and d_out (expand)."""
+    return sorted({w for p in projections for w in p})
+
+
 def paused_seconds(path: Path | None) -> float:
     """The seconds the serving engine has held this process stopped so far, as its sidecar writes them to
     ``path`` (0 without one, or while it cannot be read)."""
@@ -345,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or list(range(args.token_step, args.max_tokens + 1, args.token_step))
     out = args.out or table_path(gpu, default_table_dir())
     projections = args.projections or squares(args.widths)
-    widths = sorted({w for p in projections for w in p})
+    widths = widths_of(projections)
     key = run_key(args, gpu, tokens, projections, kernels.config_names)
     cached = args.cache_dir / f"{gpu_slug(gpu)}-{args.dtype}-{key}.json"
     if cached.exists():
@@ -526,8 +531,7 @@ def start_at_load(kernels: AtmmKernels, *, mode: str, widths: list[int], ranks: 
     ``projections``: the model's (d_in, d_out) LoRA calls, most frequent first, which the sidecar profiles
     (None: ``widths`` as squares); ``pad_segments``: the prefill graphs' segments (:func:`tune`); ``shapes``: the
     (tokens, segments) calls to profile (None: tokens every 32 up to ``max_tokens`` times ``segments``). ``env`` is
-    the sidecar's environment (None: this process's), e.g. one that
-    shows it one GPU."""
+    the sidecar's environment (None: this process's), e.g. one that shows it one GPU."""
     if mode == "never":
         return None
     if device_name is None:

@@ -260,10 +260,9 @@ def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device,
 
     cfg = config.atmm
     dims = runner.module_dims()
-    widths = sorted({w for m in config.lora.target_modules for w in dims[m]})
     # The calls themselves, most frequent first (an expand tuned on a square call can be far off the engine's).
-    counts = Counter(dims[m] for m in config.lora.target_modules if m in dims)
-    projections = [pq for pq, _ in counts.most_common()]
+    projections = [pq for pq, _ in Counter(dims[m] for m in config.lora.target_modules).most_common()]
+    widths = tuner.widths_of(projections)
     # The largest first: a run cut short by its budget then has every shape at the rank whose kernels serve all.
     ranks = sorted((r for r in cfg.tune_ranks if r <= config.lora.max_rank), reverse=True) or [config.lora.max_rank]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
