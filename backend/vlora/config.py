@@ -318,8 +318,9 @@ class RunnerConfig:
     H200 against 0.5 ms of FLOPs); empty: eager. ``vision_graph_grids``: with ``cuda_graphs: auto`` and a vision
     tower of many grids (Qwen2-VL), the item sizes captured at load, per bucket of ``vision_graph_images``:
     images as ``HxW``, videos as ``FxHxW`` (F frames of H x W, one video per graph); other grids are captured the
-    second time a step meets them (:class:`vlora.engine.vision_graphs.GridGraphs`; one 448x448 image's
-    eager tower took 20-26 ms on an H200 against a 1.9 ms floor). ``gemv_max_rows``: steps of at most this many
+    second time a step meets them, at one item, and a run of several items of a grid without a graph of that
+    bucket replays the grid's graphs once per item (:class:`vlora.engine.vision_graphs.GridGraphs`; one 448x448
+    image's eager tower took 20-26 ms on an H200 against a 1.9 ms floor). ``gemv_max_rows``: steps of at most this many
     rows (tokens; 0..16) run their projections (q/k/v, o, gate/up with SiLU * up fused where the layer has
     no LoRA work, down, and the LM head) as memory-bound Triton kernels (:mod:`vlora.engine.gemv`) instead
     of cuBLAS, on CUDA in bf16/fp16 (fp32 keeps cuBLAS); a row gives the same bits in any step of up to that

@@ -181,8 +181,8 @@ def test_graphs_and_paged_attention_match_the_eager_reference(qwen, dtype, rtol,
 def test_grid_graphs_match_the_eager_tower(qwen):
     """The vision tower's grid graphs (fp32) against its eager forward on the same pixels: a grid captured at
     load (engine.vision_graph_grids, the bucket of 4 serving 3 images: the padding item dropped), a grid met for
-    the first time (eager) and the second (captured then), a run of two grids in one call, and a video; the
-    counters say which ran."""
+    the first time (eager) and the second (captured then, at one item), a run of two grids in one call (two items
+    of that grid replay its one-item graph twice), and a video; the counters say which ran."""
     from vlora.models.qwen_vision import vision_forward
 
     _, model_dir, root = qwen
@@ -217,8 +217,9 @@ def test_grid_graphs_match_the_eager_tower(qwen):
     assert gg.eager_items == eager0 + 1 and (other, 1) not in gg.graphs
     check([other], 3)
     assert (other, 1) in gg.graphs and gg.captures >= len(gg.sizes) + 1
-    check([other, other, grid448], 4)  # two runs: (other, 2) first met (eager), then grid448 at bucket 1
-    assert gg.eager_items == eager0 + 3
+    replays = gg.replays
+    check([other, other, grid448], 4)  # two runs: other's one-item graph twice (no bucket 2 captured), grid448's
+    assert gg.eager_items == eager0 + 1 and gg.replays == replays + 3 and (other, 2) not in gg.graphs
     check([(2, 4, 8)], 5)  # a 4-frame video's grid of the tiny model's frames
     check([(2, 4, 8)], 6)
     assert ((2, 4, 8), 1) in gg.graphs

@@ -73,3 +73,19 @@ def test_the_plan_lays_out_a_prefill_graph_step_with_padding():
     with pytest.raises(ValueError, match="64-token graph"):
         builder.build([SeqInput(token_ids=[1] * 65, start_pos=0, blocks=SequenceBlocks(list(range(17))))],
                       PlanShape(PREFILL_GRAPH, lay))
+
+
+def test_grid_runs_compose_the_captured_buckets():
+    """GridGraphs.compose: a run of a grid replays its own bucket where captured, else the grid's captured
+    buckets (a video grid captured at one item: one replay per video, never an eager run or a new capture)."""
+    from vlora.engine.vision_graphs import compose
+
+    assert compose([1, 2, 4, 8], 3, 4) == [(4, 3)]  # its own bucket, one padding item
+    assert compose([1], 3, 4) == [(1, 1)] * 3
+    assert compose([1, 2], 7, 8) == [(2, 2)] * 3 + [(1, 1)]
+    assert compose([2, 8], 3, 4) == [(2, 2), (2, 1)]  # the rest padded up to the smallest that holds it
+    assert compose([4], 6, 8) == [(4, 4), (4, 2)]
+    for have in ([1], [2], [1, 4], [2, 8], [1, 2, 4, 8]):
+        for n in range(1, 9):
+            plan = compose(have, n, None)
+            assert sum(k for _, k in plan) == n and all(b in have and 0 < k <= b for b, k in plan)

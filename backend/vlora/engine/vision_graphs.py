@@ -136,11 +136,15 @@ class GridGraphs:
     padding items' rows are encoded and dropped: attention never crosses items), a run longer than the
     largest bucket as several replays.
 
-    Which grids: those of ``engine.vision_graph_grids`` at load (sizes of images, and of videos as frames x
-    size), and any other on the second time a step meets it (the first runs eagerly: a one-off size never pays
-    a capture), at most ``max_graphs`` at once, least recently used out. ``captures``, ``replays`` and
-    ``eager_items`` count what happened. Items with vision-side LoRA run eagerly (the runner does not send
-    them here)."""
+    Which grids: those of ``engine.vision_graph_grids`` at load (images at every bucket; videos, given as frames x
+    size, at one item), and any other on the second time a step meets it (the first runs eagerly: a one-off size
+    never pays a capture), then at one item only, at most ``max_graphs`` at once, least recently used out. A run
+    of a grid whose bucket has no graph replays the grid's captured buckets instead (:func:`compose`: several
+    videos of a step replay the one-video graph once each), so that a grid costs one capture, however many
+    items of it later steps bring: a capture stalls the engine thread for about three tower runs, and captures
+    of each new item count under load were what the first seconds of a video workload waited for.
+    ``captures``, ``replays`` and ``eager_items`` count what happened. Items with vision-side LoRA run eagerly
+    (the runner does not send them here)."""
 
     def __init__(self, runner: "ModelRunner", sizes: tuple[int, ...], pool=None, max_graphs: int = 32) -> None:
         loaded = runner.loaded
@@ -158,7 +162,7 @@ class GridGraphs:
         self.max_graphs = max_graphs
         self.pool = pool
         self.graphs: "OrderedDict[tuple, tuple]" = OrderedDict()  # (grid, bucket) -> (graph, pixels, out, plan)
-        self.seen: Counter = Counter()  # keys met without a graph
+        self.seen: Counter = Counter()  # grids met once without a graph
         self.captures = self.replays = self.eager_items = 0
         self.capture_s = 0.0
 
@@ -185,30 +189,42 @@ class GridGraphs:
                  sorted({k[0] for k in self.graphs}), list(self.sizes), self.capture_s)
 
     @torch.inference_mode()
-    def _capture(self, key: tuple) -> tuple:
+    def _capture(self, key: tuple, reason: str = "") -> tuple:
+        """Capture the graph of ``key`` (grid, bucket); ``reason``: why, while serving (logged with its time)."""
         grid, b = key
+        t0 = time.perf_counter()
         rows = b * grid[0] * grid[1] * grid[2]
         pixels = torch.zeros(rows, self.patch_dim, dtype=self.dtype, device=self.device)
         plan = self.forward.plan([grid] * b, self.device)
         g, out, self.pool = capture_graph(self.device, lambda: self.forward.run(pixels, plan), self.pool)
         entry = self.graphs[key] = (g, pixels, out, plan)
-        self.seen.pop(key, None)
+        self.seen.pop(grid, None)
         self.captures += 1
+        if reason:
+            dt = time.perf_counter() - t0
+            self.capture_s += dt
+            log.info("CUDA graphs: captured the vision tower for grid %s at %s (%.0f ms)", list(grid), reason, 1e3 * dt)
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return entry
 
-    def _entry(self, key: tuple) -> Optional[tuple]:
-        e = self.graphs.get(key)
-        if e is not None:
-            self.graphs.move_to_end(key)
-            return e
-        if self.seen[key] >= 1:
-            return self._capture(key)
-        if len(self.seen) > 4096:  # the grids met once: a bounded memory of them
-            self.seen.clear()
-        self.seen[key] += 1
-        return None
+    def _replays(self, grid: tuple, n: int) -> Optional[list[tuple[int, int]]]:
+        """(bucket, items) replays that encode a run of ``n`` items of ``grid``: the bucket's own graph, else
+        the grid's captured buckets composed; None: the run goes eagerly (the grid's first sighting, which is
+        remembered: at the second, its one-item graph is captured)."""
+        have = sorted(b for g, b in self.graphs if g == grid)
+        if not have:
+            if self.seen[grid] < 1:
+                if len(self.seen) > 4096:  # the grids met once: a bounded memory of them
+                    self.seen.clear()
+                self.seen[grid] += 1
+                return None
+            self._capture((grid, 1), reason="its second sighting")
+            have = [1]
+        plan = compose(have, n, smallest_at_least(self.sizes, n))
+        for b, _ in plan:
+            self.graphs.move_to_end((grid, b))
+        return plan
 
     @torch.inference_mode()
     def run(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[torch.Tensor]:
@@ -220,18 +236,37 @@ class GridGraphs:
             starts.append(starts[-1] + t * h * w)
         out: list[torch.Tensor] = []
         unit = self.forward.unit
-        for grid, b, i, j in self.key_grids(grids):
-            chunk = pix[starts[i]:starts[j]]
-            tokens = grid[0] * grid[1] * grid[2] // unit
-            entry = self._entry((grid, b))
-            if entry is None:
-                merged = self.forward.run(chunk, self.forward.plan([grid] * (j - i), self.device))
+        for grid, _, i, j in self.key_grids(grids):
+            rows = grid[0] * grid[1] * grid[2]
+            tokens = rows // unit
+            plan = self._replays(grid, j - i)
+            if plan is None:
+                merged = self.forward.run(pix[starts[i]:starts[j]], self.forward.plan([grid] * (j - i), self.device))
                 self.eager_items += j - i
-            else:
-                g, pixels, feats, _ = entry
-                pixels[:chunk.shape[0]].copy_(chunk, non_blocking=True)
+                out.extend(torch.split(merged, tokens))
+                continue
+            k = i
+            for b, n in plan:
+                g, pixels, feats, _ = self.graphs[(grid, b)]
+                pixels[:n * rows].copy_(pix[starts[k]:starts[k + n]], non_blocking=True)
                 g.replay()
                 self.replays += 1
-                merged = feats[:(j - i) * tokens].clone()
-            out.extend(torch.split(merged, tokens))
+                out.extend(torch.split(feats[:n * tokens].clone(), tokens))
+                k += n
         return out
+
+
+def compose(have: list[int], n: int, bucket: Optional[int] = None) -> list[tuple[int, int]]:
+    """(bucket, items) replays of the captured buckets ``have`` (ascending, not empty) that encode ``n`` items:
+    ``bucket`` alone where it was captured (the run's own graph), else the largest captured bucket that the
+    items left fill, again and again, and the rest padded up to the smallest that holds it (padding items are
+    encoded and dropped)."""
+    if bucket is not None and bucket in have:
+        return [(bucket, n)]
+    plan, left = [], n
+    while left > 0:
+        fits = [b for b in have if b <= left]
+        b = fits[-1] if fits else next(b for b in have if b >= left)
+        plan.append((b, min(b, left)))
+        left -= min(b, left)
+    return plan
