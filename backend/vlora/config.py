@@ -310,12 +310,12 @@ class RunnerConfig:
     with the step's unmerged adapters inside (one graph per bucket and LoRA variant, as the decode graphs);
     0 runs every such step eagerly. An eager prefill issues about 350 launches from Python and is bound by its host on most
     machines seen: a 600-token prompt of the 7B model took 14.3-22 ms eagerly on H100 hosts against 12.3 ms
-    of kernels; an eager 2,300-token step on an H200 left the GPU idle 11 of its 60 ms. The default 2,048 is
-    the default step budget (``scheduler.max_num_batched_tokens``, which caps it): every step of a chunked
-    prefill replays a graph. Its 49 graphs per variant take about 6 s to capture at load (7B on an H200, base
-    variant: 6.1 s and 1,868 MiB against 4.8 s and 1,558 MiB for the 33 up to 1,024) and share the decode
-    graphs' memory pool. On Qwen2-VL-7B's video application (H200) 48 requests/s met the SLO with 2,048 where
-    1,024 missed it (52.5% within, its ~1,100-token video prompts eager).
+    of kernels. The default 1,024 covers a one-image LLaVA prompt; its 33 graphs take a few seconds to
+    capture at load (7B on an H100: 3.4 s, 388 MiB) and share the decode graphs' memory pool. 2,048 (the
+    default step budget, which caps this: every chunk of a chunked prefill would replay a graph) takes single
+    prompts of 1,500-2,000 tokens to 1.36x their FLOP floor against 1.42x eagerly (H200, 49 graphs of the base
+    variant: 6.1 s and 1,868 MiB at load against 4.8 s and 1,558 MiB), but through the server it did not win
+    on both models' video applications (benchmarks/NOTES.md), so it is not the default.
     ``vision_graph_images``: with ``cuda_graphs: auto``, a vision tower of one fixed image size (LLaVA's CLIP)
     and its projector are captured per bucket of this many images, with vision-side LoRA inside
     (:mod:`vlora.engine.vision_graphs`); an eager CLIP forward is bound by its host (22 ms for one image on an
@@ -357,7 +357,7 @@ class RunnerConfig:
 
     cuda_graphs: str = "auto"
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-    prefill_graph_tokens: int = 2048
+    prefill_graph_tokens: int = 1024
     vision_graph_images: tuple[int, ...] = (1, 2, 4, 8)
     vision_graph_grids: tuple[str, ...] = ("448x448",)
     gemv_max_rows: int = 16

@@ -19,8 +19,7 @@ def test_buckets_8_short_of_multiples_of_32_then_64_then_128():
 
 
 def test_on_by_default_and_checked():
-    assert EngineConfig().engine.prefill_graph_tokens == 2048  # the default step budget: every chunk replays a graph
-    assert EngineConfig().scheduler.max_num_batched_tokens == 2048
+    assert EngineConfig().engine.prefill_graph_tokens == 1024
     assert EngineConfig().with_overrides({"engine.prefill_graph_tokens": "0"}).engine.prefill_graph_tokens == 0
     for bad in ("-64", "100000"):
         with pytest.raises(ConfigError, match="prefill_graph_tokens"):
