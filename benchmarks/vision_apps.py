@@ -28,7 +28,10 @@ rank-``--rank`` adapters, then
   latency over output tokens) and the SLO attainment of the workload's SLO. Each application's figure is its
   rate at the SLO: the arrivals per second of the highest rate point at which every request was answered and
   90% within the SLO (the goodput of DistServe); the answered requests/s of a point (over the window to its
-  last answer) is reported beside it.
+  last answer) is reported beside it. Every rate point draws new images and clips (the harness gives point i
+  its own seed), and each says what its answers took from the server's encoder and prefix caches (its
+  ``server_caches``; near 0 for new content). Before 2026-11-29 every point re-sent the first point's
+  content, and the caches answered most requests of every point after the first.
 Before the sweeps every adapter answers one video chunk of new frames, so that the sweeps measure the steady
 state: an adapter's first use (its cold read and slot copy) is serve_burst's cold rows, and a video grid's graph
 is captured at its second sighting. Per application over its whole sweep: the mean time per stage from the
@@ -415,7 +418,7 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
 def _point(s: dict) -> dict:
     """One rate point's figures from the harness's summary."""
     keep = ("offered_rate_rps", "requests", "ok", "rejected", "error", "timeout", "throughput_rps",
-            "output_tokens_per_s", "avg_token_latency_s", "error_messages")
+            "output_tokens_per_s", "avg_token_latency_s", "error_messages", "server_caches")
     out = {k: s.get(k) for k in keep}
     for k in ("ttft", "e2e"):
         out[f"{k}_s"] = {q: s.get(f"{k}_{q}_s") for q in ("p50", "p99")}
@@ -450,7 +453,7 @@ def summary(result: dict) -> str:
         for app in (a for a in ("visual_retrieval", "video_analytics") if m.get(a) is not None):
             pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> answered {p['throughput_rps']:.2f}/s, TTFT p50 "
                             f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms, SLO met "
-                            f"{_attained(p)}" for p in m.get(app, []))
+                            f"{_attained(p)}{_cache_hits(p)}" for p in m.get(app, []))
             good = at_slo(m.get(app, []))
             if good is not None and good.get("roofline", {}).get("roofline_rps"):
                 pts += (f"; at its SLO (90% met, none failed) {good['arrival_rps']:.2f} req/s arriving = "
@@ -461,6 +464,14 @@ def summary(result: dict) -> str:
             frames = f" ({m['video_frames']} frames a chunk)" if app == "video_analytics" and "video_frames" in m else ""
             parts.append(f"{name} {app}{frames}: {pts}")
     return "; ".join(parts) + " (new images)"
+
+
+def _cache_hits(p: dict) -> str:
+    """What a point's answers took from the server's caches (its images are new: both should be near 0)."""
+    c = p.get("server_caches") or {}
+    parts = [f"{label} {c[k]:.0%}" for k, label in (("encoder_hit_rate", "images"), ("prefix_reused_share", "prompt tokens"))
+             if c.get(k) is not None]
+    return f" (from the caches: {', '.join(parts)})" if parts else ""
 
 
 def _attained(p: dict) -> str:

@@ -25,7 +25,7 @@ from vlora_load import report
 from vlora_load.generators import WorkloadGenerator
 from vlora_load.heads import HeadPolicy
 from vlora_load.proccpu import CPU_FILE, CpuSampler
-from vlora_load.scrape import INSTANCES_FILE, MetricsScraper, parse_prometheus
+from vlora_load.scrape import CACHES_FILE, INSTANCES_FILE, MetricsScraper, Snapshot, cache_deltas, parse_prometheus
 from vlora_load.summary import read_records, summarize, timeline_stats
 from vlora_load.workload import Workload
 
@@ -132,6 +132,13 @@ def run_point(workload: Workload, target: Target, out_dir: Path, adapter_names: 
             raise
         finally:
             scraper.stop()
+    time.sleep(0.3)  # the model applies its metrics every 0.2 s: the last answers' cache counts
+    last = scraper.scrape_once()
+    if last is not None:
+        scraper.snapshots.append(Snapshot(time.monotonic(), last))
+    caches = cache_deltas(scraper.snapshots)
+    if caches is not None:
+        report.write_json(out_dir / CACHES_FILE, caches)
     code = proc.returncode
     if code != 0 or not (out_dir / "requests.csv").exists():
         raise RuntimeError(f"locust exited with code {code}; see {log_path}:\n" + _tail(log_path, 30))
@@ -164,6 +171,8 @@ def finish_run(out_dir: Path) -> dict:
     extra = {"server": server, "started_at": clock["t0_unix"]}
     if (out_dir / CPU_FILE).exists():
         extra["process_cpu"] = json.loads((out_dir / CPU_FILE).read_text())
+    if (out_dir / CACHES_FILE).exists():
+        extra["server_caches"] = json.loads((out_dir / CACHES_FILE).read_text())
     summary = summarize(records, workload, scheduled=plan.get("scheduled"), extra=extra)
     summary["run"] = out_dir.name
     report.write_json(out_dir / "summary.json", summary)
@@ -232,11 +241,16 @@ def run_sweep(workload: Workload, points: Sequence[Point], target: Target, out_d
               adapter_names: Sequence[str], heads: HeadPolicy, out: TextIO = sys.stdout,
               grpc_workers: int = 256, settle_timeout_s: float = 120.0, settings: Optional[dict] = None,
               title: Optional[str] = None) -> list[dict]:
-    """Every point against the same server; one folder per point and a sweep page when there are several."""
+    """Every point against the same server; one folder per point and a sweep page when there are several.
+
+    Point i draws its requests from seed ``workload.seed + i``: with one seed, every point would send the images,
+    clips and prompts of the point before it again (a video stream's k-th chunk is the same clip at any rate), and
+    the server's encoder and prefix caches would answer them, so that only the first point measured new content.
+    Each point's summary says what its answers took from those caches (``server_caches``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = []
     for i, point in enumerate(points):
-        wl = workload.with_overrides(rate=point.rate, skewness=point.skewness)
+        wl = workload.with_overrides(rate=point.rate, skewness=point.skewness, seed=workload.seed + i)
         sub = out_dir if len(points) == 1 else out_dir / point.label(workload)
         if i > 0:
             wait_idle(target.metrics_url, settle_timeout_s, out)

@@ -243,3 +243,40 @@ def totals_by_label(metrics_url: str, name: str, label: str) -> dict[str, float]
             key = labels.get(label, "?")
             out[key] = out.get(key, 0.0) + value
     return out
+
+
+# The server's cache counters (vlora_encoder_cache_*, vlora_prefix_cache_*): what a run's answers took from the
+# caches rather than from the GPU, which a run of new content must show near zero.
+CACHE_COUNTERS = {"encoder_hits": "vlora_encoder_cache_hits_total", "encoder_misses": "vlora_encoder_cache_misses_total",
+                  "prefix_prompt_tokens": "vlora_prefix_cache_prompt_tokens_total",
+                  "prefix_reused_tokens": "vlora_prefix_cache_reused_tokens_total"}
+CACHES_FILE = "server_caches.json"
+
+
+def cache_deltas(snapshots: list[Snapshot]) -> Optional[dict]:
+    """The cache counters' growth from the first snapshot to the last (summed over instances), and the shares
+    they make: ``encoder_hit_rate`` (of the images a step needed) and ``prefix_reused_share`` (of the prompt
+    tokens admitted); None without two snapshots or without those counters."""
+    if len(snapshots) < 2:
+        return None
+
+    def totals(snap: Snapshot) -> dict:
+        got = {k: 0.0 for k in CACHE_COUNTERS}
+        seen = False
+        for name, _labels, value in snap.samples:
+            for k, metric in CACHE_COUNTERS.items():
+                if name == metric:
+                    got[k] += value
+                    seen = True
+        return got if seen else {}
+
+    first, last = totals(snapshots[0]), totals(snapshots[-1])
+    if not first or not last:
+        return None
+    out = {k: int(round(last[k] - first[k])) for k in CACHE_COUNTERS}
+    images = out["encoder_hits"] + out["encoder_misses"]
+    out["encoder_hit_rate"] = round(out["encoder_hits"] / images, 4) if images else None
+    out["prefix_reused_share"] = (round(out["prefix_reused_tokens"] / out["prefix_prompt_tokens"], 4)
+                                  if out["prefix_prompt_tokens"] else None)
+    return out
+

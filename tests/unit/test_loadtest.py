@@ -1,6 +1,7 @@
 """The load-test harness without a server: workloads, generators, popularity, heads, summary, metrics parsing."""
 from __future__ import annotations
 
+import io
 import math
 import random
 from collections import Counter
@@ -240,6 +241,45 @@ def test_instance_series_per_device_label():
     summary = summarize([record()], wl, scheduled=1, extra={"server": {"scrapes": 3, "instances": series}})
     page = report.run_markdown(summary, {}, {})
     assert "| vlora_0 | cuda:0 | 10 | 300 |" in page and "| vlora_0 | cuda:1 | 12 | 360 |" in page
+
+
+def test_cache_counters_per_run():
+    """What a run took from the server's caches: the counters' growth over the run, summed over instances,
+    with the image hit rate and the prompt tokens' reused share (None where a server has no such counters)."""
+    from vlora_load.scrape import cache_deltas
+
+    text = ('vlora_encoder_cache_hits_total{instance="vlora_0",device="cuda:0"} %d\n'
+            'vlora_encoder_cache_hits_total{instance="vlora_0",device="cuda:1"} %d\n'
+            'vlora_encoder_cache_misses_total{instance="vlora_0",device="cuda:0"} %d\n'
+            'vlora_prefix_cache_prompt_tokens_total %d\nvlora_prefix_cache_reused_tokens_total %d\n')
+    snaps = [Snapshot(0.0, parse_prometheus(text % (5, 1, 10, 1000, 100))),
+             Snapshot(1.0, parse_prometheus(text % (6, 2, 40, 4000, 400))),
+             Snapshot(2.0, parse_prometheus(text % (8, 4, 110, 11000, 600)))]
+    got = cache_deltas(snaps)
+    assert got == {"encoder_hits": 6, "encoder_misses": 100, "prefix_prompt_tokens": 10000, "prefix_reused_tokens": 500,
+                   "encoder_hit_rate": round(6 / 106, 4), "prefix_reused_share": 0.05}
+    assert cache_deltas(snaps[:1]) is None
+    assert cache_deltas([Snapshot(0.0, parse_prometheus("vlora_batch_size 2\n"))] * 2) is None
+
+
+def test_each_sweep_point_sends_new_content(monkeypatch, tmp_path):
+    """run_sweep gives point i the seed workload.seed + i: a video stream's k-th chunk is another clip at the next
+    rate, and retrieval images differ too, so that no point is answered from the caches the point before filled."""
+    from vlora_load import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "run_point", lambda wl, *a, **k: seen.append(wl) or {"offered_rate_rps": wl.arrivals.rate})
+    monkeypatch.setattr(runner, "write_sweep_page", lambda *a, **k: tmp_path / "report.md")
+    monkeypatch.setattr(runner, "wait_idle", lambda *a, **k: True)
+    target = runner.Target("127.0.0.1:1", "127.0.0.1:2", "http://127.0.0.1:3/metrics")
+    for name in ("video", "visual_retrieval"):
+        seen.clear()
+        wl = small(name, duration_s=3.0)
+        points = [runner.Point(rate=r, skewness=None) for r in (4.0, 5.0, 6.0)]
+        runner.run_sweep(wl, points, target, tmp_path / name, ADAPTERS[:4], HeadPolicy.none(), out=io.StringIO())
+        assert [w.seed for w in seen] == [wl.seed, wl.seed + 1, wl.seed + 2]
+        images = [{img for spec in WorkloadGenerator(w, ADAPTERS[:4]).schedule() for img in spec.images} for w in seen]
+        assert not images[0] & images[1] and not images[1] & images[2]
 
 
 def test_cpu_sampler_keeps_a_process_that_exits_before_the_last_sample(monkeypatch):
