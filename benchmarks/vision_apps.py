@@ -418,7 +418,7 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
 def _point(s: dict) -> dict:
     """One rate point's figures from the harness's summary."""
     keep = ("offered_rate_rps", "requests", "ok", "rejected", "error", "timeout", "throughput_rps",
-            "output_tokens_per_s", "avg_token_latency_s", "error_messages", "server_caches")
+            "output_tokens_per_s", "avg_token_latency_s", "error_messages", "server_caches", "server_stages")
     out = {k: s.get(k) for k in keep}
     for k in ("ttft", "e2e"):
         out[f"{k}_s"] = {q: s.get(f"{k}_{q}_s") for q in ("p50", "p99")}
@@ -453,7 +453,7 @@ def summary(result: dict) -> str:
         for app in (a for a in ("visual_retrieval", "video_analytics") if m.get(a) is not None):
             pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> answered {p['throughput_rps']:.2f}/s, TTFT p50 "
                             f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms, SLO met "
-                            f"{_attained(p)}{_cache_hits(p)}" for p in m.get(app, []))
+                            f"{_attained(p)}{_steps(p)}{_cache_hits(p)}" for p in m.get(app, []))
             good = at_slo(m.get(app, []))
             if good is not None and good.get("roofline", {}).get("roofline_rps"):
                 pts += (f"; at its SLO (90% met, none failed) {good['arrival_rps']:.2f} req/s arriving = "
@@ -464,6 +464,14 @@ def summary(result: dict) -> str:
             frames = f" ({m['video_frames']} frames a chunk)" if app == "video_analytics" and "video_frames" in m else ""
             parts.append(f"{name} {app}{frames}: {pts}")
     return "; ".join(parts) + " (new images)"
+
+
+def _steps(p: dict) -> str:
+    """A point's mean queue wait and step times from the engine's timers over that point."""
+    st = p.get("server_stages") or {}
+    parts = [f"{label} {st[k]['mean_ms']:.0f}" for k, label in (("queue", "queue"), ("prefill_step", "prefill step"),
+                                                               ("decode_step", "decode step")) if k in st]
+    return f" ({', '.join(parts)} ms)" if parts else ""
 
 
 def _cache_hits(p: dict) -> str:

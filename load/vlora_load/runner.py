@@ -25,7 +25,8 @@ from vlora_load import report
 from vlora_load.generators import WorkloadGenerator
 from vlora_load.heads import HeadPolicy
 from vlora_load.proccpu import CPU_FILE, CpuSampler
-from vlora_load.scrape import CACHES_FILE, INSTANCES_FILE, MetricsScraper, Snapshot, cache_deltas, parse_prometheus
+from vlora_load.scrape import (CACHES_FILE, INSTANCES_FILE, STAGES_FILE, MetricsScraper, Snapshot, cache_deltas,
+                                parse_prometheus, stage_deltas)
 from vlora_load.summary import read_records, summarize, timeline_stats
 from vlora_load.workload import Workload
 
@@ -136,9 +137,9 @@ def run_point(workload: Workload, target: Target, out_dir: Path, adapter_names: 
     last = scraper.scrape_once()
     if last is not None:
         scraper.snapshots.append(Snapshot(time.monotonic(), last))
-    caches = cache_deltas(scraper.snapshots)
-    if caches is not None:
-        report.write_json(out_dir / CACHES_FILE, caches)
+    for path, deltas in ((CACHES_FILE, cache_deltas(scraper.snapshots)), (STAGES_FILE, stage_deltas(scraper.snapshots))):
+        if deltas is not None:
+            report.write_json(out_dir / path, deltas)
     code = proc.returncode
     if code != 0 or not (out_dir / "requests.csv").exists():
         raise RuntimeError(f"locust exited with code {code}; see {log_path}:\n" + _tail(log_path, 30))
@@ -171,8 +172,9 @@ def finish_run(out_dir: Path) -> dict:
     extra = {"server": server, "started_at": clock["t0_unix"]}
     if (out_dir / CPU_FILE).exists():
         extra["process_cpu"] = json.loads((out_dir / CPU_FILE).read_text())
-    if (out_dir / CACHES_FILE).exists():
-        extra["server_caches"] = json.loads((out_dir / CACHES_FILE).read_text())
+    for path, key in ((CACHES_FILE, "server_caches"), (STAGES_FILE, "server_stages")):
+        if (out_dir / path).exists():
+            extra[key] = json.loads((out_dir / path).read_text())
     summary = summarize(records, workload, scheduled=plan.get("scheduled"), extra=extra)
     summary["run"] = out_dir.name
     report.write_json(out_dir / "summary.json", summary)
@@ -246,7 +248,8 @@ def run_sweep(workload: Workload, points: Sequence[Point], target: Target, out_d
     Point i draws its requests from seed ``workload.seed + i``: with one seed, every point would send the images,
     clips and prompts of the point before it again (a video stream's k-th chunk is the same clip at any rate), and
     the server's encoder and prefix caches would answer them, so that only the first point measured new content.
-    Each point's summary says what its answers took from those caches (``server_caches``)."""
+    Each point's summary says what its answers took from those caches (``server_caches``) and where the engine's
+    time went over the point (``server_stages``: its stage timers' means)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = []
     for i, point in enumerate(points):

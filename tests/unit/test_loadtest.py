@@ -262,6 +262,21 @@ def test_cache_counters_per_run():
     assert cache_deltas([Snapshot(0.0, parse_prometheus("vlora_batch_size 2\n"))] * 2) is None
 
 
+def test_stage_timers_per_run():
+    """The engine's stage timers over a run (the sum and count series of vlora_stage_seconds), summed over
+    instances: each stage's mean over what was timed between the first snapshot and the last."""
+    from vlora_load.scrape import stage_deltas
+
+    text = ('vlora_stage_seconds_sum{stage="queue",device="cuda:0"} %g\nvlora_stage_seconds_count{stage="queue",device="cuda:0"} %d\n'
+            'vlora_stage_seconds_sum{stage="queue",device="cuda:1"} %g\nvlora_stage_seconds_count{stage="queue",device="cuda:1"} %d\n'
+            'vlora_stage_seconds_sum{stage="decode_step"} %g\nvlora_stage_seconds_count{stage="decode_step"} %d\n'
+            'vlora_stage_seconds_bucket{stage="queue",le="0.1"} 3\n')
+    snaps = [Snapshot(0.0, parse_prometheus(text % (1.0, 10, 0.5, 5, 2.0, 100))),
+             Snapshot(1.0, parse_prometheus(text % (1.3, 13, 0.6, 7, 2.0, 100)))]
+    assert stage_deltas(snaps) == {"queue": {"mean_ms": 80.0, "count": 5}}  # no decode step between them
+    assert stage_deltas(snaps[:1]) is None
+
+
 def test_each_sweep_point_sends_new_content(monkeypatch, tmp_path):
     """run_sweep gives point i the seed workload.seed + i: a video stream's k-th chunk is another clip at the next
     rate, and retrieval images differ too, so that no point is answered from the caches the point before filled."""

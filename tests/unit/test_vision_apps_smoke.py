@@ -43,6 +43,10 @@ def test_vision_apps_through_the_server_tiny(tmp_path):
         stages = served[f"{app}_stages"]  # the engine's own timers, read from the server's metrics
         assert {"queue", "image_decode", "preprocess", "vision", "prefill_step"} <= set(stages), stages
         assert all(v["mean_ms"] > 0 and v["count"] > 0 for v in stages.values()), stages
+        # the point's own counters: its images are new, so the encoder cache answered none of them
+        caches, own = point["server_caches"], point["server_stages"]
+        assert caches["encoder_hits"] == 0 and caches["encoder_misses"] > 0, caches
+        assert caches["prefix_prompt_tokens"] > 0 and "prefill_step" in own, (caches, own)
 
 
 def test_a_llava_chunk_holds_the_frames_its_context_fits(tmp_path):
