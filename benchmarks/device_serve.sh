@@ -17,7 +17,8 @@
 #   after tests/gpu/test_routing_gpus.py on every GPU; "adapter-host" (after "burst"): a cold adapter's read and
 #   staging with no server beside them, one at a time and four at once (benchmarks/host_transfers.py --only-adapters);
 #   "apps": issue 35's applications through the server (benchmarks/vision_apps.py --part server), each model with
-#   rates around where its rate at the SLO was found (LLAVA_RATES / LLAVA_VIDEO_RATES, QWEN_RATES / QWEN_VIDEO_RATES;
+#   rates around where the first points of new content put its rate at the SLO (every point draws new content since
+#   0cf2101; LLAVA_RATES / LLAVA_VIDEO_RATES, QWEN_RATES / QWEN_VIDEO_RATES;
 #   about 4 minutes a model; run it alone: STEPS=apps; it needs .devpack/load.tar.xz carried, for locust)
 # Writes under $OUT (default benchmarks/device_out): log.txt (every step's output), bundle.tgz (server logs,
 # the results JSON and RESULTS.md lines this run wrote), and the built extension (few files: the device
@@ -87,10 +88,10 @@ apps() {  # apps MODEL RETRIEVAL_RATES VIDEO_RATES
     --video-rates "$3" --duration 15 --reps 4 --work /tmp/vlora-bench || rc=1
 }
 if want apps 250; then
-  apps llava-1.5-7b "${LLAVA_RATES:-10,11,12}" "${LLAVA_VIDEO_RATES:-16,17,18}"
+  apps llava-1.5-7b "${LLAVA_RATES:-8,10,12}" "${LLAVA_VIDEO_RATES:-12,14,16}"
 fi
 if want apps 250; then
-  apps qwen2-vl-7b "${QWEN_RATES:-14,15,16}" "${QWEN_VIDEO_RATES:-44,46,48}"
+  apps qwen2-vl-7b "${QWEN_RATES:-10,12,14}" "${QWEN_VIDEO_RATES:-36,40,44}"
 fi
 mkdir -p /tmp/bundle
 cp /tmp/vlora-bench/server.log /tmp/bundle/ 2>/dev/null
