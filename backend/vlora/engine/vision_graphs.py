@@ -141,8 +141,8 @@ class GridGraphs:
     never pays a capture), then at one item only, at most ``max_graphs`` at once, least recently used out. A run
     of a grid whose bucket has no graph replays the grid's captured buckets instead (:func:`compose`: several
     videos of a step replay the one-video graph once each), so that a grid costs one capture, however many
-    items of it later steps bring: a capture stalls the engine thread for about three tower runs, and captures
-    of each new item count under load were what the first seconds of a video workload waited for.
+    items of it later steps bring (a capture stalls the engine thread for about three tower runs, and each new
+    item count used to cost an eager tower first and a capture at its second sighting).
     ``captures``, ``replays`` and ``eager_items`` count what happened. Items with vision-side LoRA run eagerly
     (the runner does not send them here)."""
 
