@@ -232,29 +232,15 @@ def _generate(http_url: str, prompt: str, images: list[str], params: dict) -> fl
 
 def stage_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
     """stage -> (sum of seconds, count) of the engine's stage timers (``vlora_stage_seconds``), summed over
-    the server's instances."""
-    import re
-    import urllib.request
+    the server's instances (:func:`vlora_load.scrape.stage_totals` of one scrape; OSError when the server does
+    not answer)."""
+    from vlora_load.scrape import MetricsScraper
+    from vlora_load.scrape import stage_totals as totals
 
-    with urllib.request.urlopen(metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, list[float]] = {}
-    for m in re.finditer(r'^vlora_stage_seconds_(sum|count)\{([^}]*)\} ([0-9.eE+-]+)$', text, re.MULTILINE):
-        stage = re.search(r'stage="([^"]+)"', m.group(2))
-        if stage:
-            pair = out.setdefault(stage.group(1), [0.0, 0.0])
-            pair[0 if m.group(1) == "sum" else 1] += float(m.group(3))
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
-def stage_means(before: dict, after: dict) -> dict[str, dict]:
-    """Per stage: the mean ms and the count of what was timed between two :func:`stage_totals`."""
-    out = {}
-    for stage, (s1, c1) in after.items():
-        s0, c0 = before.get(stage, (0.0, 0.0))
-        if c1 > c0:
-            out[stage] = {"mean_ms": round(1e3 * (s1 - s0) / (c1 - c0), 2), "count": int(c1 - c0)}
-    return out
+    samples = MetricsScraper(metrics_url).scrape_once()
+    if samples is None:
+        raise OSError(f"{metrics_url} did not answer")
+    return totals(samples)
 
 
 def roofline(model_dir: Path, rates: dict, point: dict, images: float, image_side: int, batch: int) -> dict:
@@ -314,6 +300,7 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
     from vlora_load import cli
     from vlora_load.heads import HeadPolicy
     from vlora_load.runner import Target, run_sweep, sweep_points, wait_idle
+    from vlora_load.scrape import stage_means
 
     cuda = device.startswith("cuda")
     model_dir = model_folder(preset, work, cuda)

@@ -284,26 +284,30 @@ def cache_deltas(snapshots: list[Snapshot]) -> Optional[dict]:
 STAGES_FILE = "server_stages.json"
 
 
-def stage_deltas(snapshots: list[Snapshot]) -> Optional[dict]:
-    """The engine's stage timers (``vlora_stage_seconds``: queue, image_decode, preprocess, vision, prefill_step,
-    decode_step, ...) over a run, from the first snapshot to the last, summed over instances: per stage the mean ms
-    and the count of what was timed in between; None without two snapshots or without those timers."""
-    if len(snapshots) < 2:
-        return None
+def stage_totals(samples: list) -> dict[str, tuple[float, float]]:
+    """stage -> (seconds, count) of the engine's stage timers (``vlora_stage_seconds``: queue, image_decode,
+    preprocess, vision, prefill_step, decode_step, ...) in one scrape's samples, summed over instances."""
+    got: dict[str, list[float]] = {}
+    for name, labels, value in samples:
+        if name in ("vlora_stage_seconds_sum", "vlora_stage_seconds_count") and "stage" in labels:
+            pair = got.setdefault(labels["stage"], [0.0, 0.0])
+            pair[0 if name.endswith("_sum") else 1] += value
+    return {k: (v[0], v[1]) for k, v in got.items()}
 
-    def totals(snap: Snapshot) -> dict:
-        got: dict = {}
-        for name, labels, value in snap.samples:
-            if name in ("vlora_stage_seconds_sum", "vlora_stage_seconds_count") and "stage" in labels:
-                pair = got.setdefault(labels["stage"], [0.0, 0.0])
-                pair[0 if name.endswith("_sum") else 1] += value
-        return got
 
-    first, last = totals(snapshots[0]), totals(snapshots[-1])
+def stage_means(before: dict, after: dict) -> dict[str, dict]:
+    """Per stage: the mean ms and the count of what was timed between two :func:`stage_totals`."""
     out = {}
-    for stage, (s1, c1) in last.items():
-        s0, c0 = first.get(stage, (0.0, 0.0))
+    for stage, (s1, c1) in after.items():
+        s0, c0 = before.get(stage, (0.0, 0.0))
         if c1 > c0:
             out[stage] = {"mean_ms": round(1e3 * (s1 - s0) / (c1 - c0), 2), "count": int(round(c1 - c0))}
-    return out or None
+    return out
 
+
+def stage_deltas(snapshots: list[Snapshot]) -> Optional[dict]:
+    """The engine's stage timers over a run, from the first snapshot to the last (:func:`stage_means`); None
+    without two snapshots or without those timers."""
+    if len(snapshots) < 2:
+        return None
+    return stage_means(stage_totals(snapshots[0].samples), stage_totals(snapshots[-1].samples)) or None
