@@ -111,6 +111,8 @@ def test_whole_run_on_tiny_model(ef, tiny_model_dir, tmp_path):
     assert rows[("merged", 2)]["mode"] == "merge" and rows[("merged", 2)]["merged"]
     assert rows[("lora", 2)]["parts"]["adapters"] > 0 and rows[("base", 2)]["parts"]["adapters"] == 0
     assert res["prefill"][0]["ms"] > 0 and res["vision"][0]["ms"] > 0
+    # batches of 1 and 2, but the engine is built as the server's (its prefill graphs carry that many LoRA segments)
+    assert res["engine"]["config"]["scheduler"]["max_batch_size"] == 32
     assert res["profile"]["cpu_wall_ms_per_step"] > 0
     assert any(t["target"].startswith("base decode bs1") for t in res["targets"])
     assert "targets" in res["summary"]
