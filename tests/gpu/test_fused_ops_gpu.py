@@ -263,3 +263,40 @@ def test_cuda_graph_capture_and_replay(dtype):
         for got, want in zip(outs, wants):
             assert torch.equal(got, want)
         assert torch.equal(kp, kr) and torch.equal(vp, vr)
+
+
+# -- the Qwen2-VL vision tower's rotary and QuickGELU -------------------------------------------------------
+VH, VD, VI = 16, 80, 5120  # Qwen2-VL-7B's vision blocks: 16 heads of 80, MLP 5,120
+VISION_ROWS = [1, 576, 2304]  # one merge unit's row, a 336 px image, an 8-frame 336 px video
+
+
+@pytest.mark.parametrize("dtype", ALL)
+@pytest.mark.parametrize("N", VISION_ROWS)
+def test_vision_rotary_matches_transformers(dtype, N):
+    """q and k as head views of one fused qkv output, cos/sin fp32 as the tower builds them: the same bits as
+    transformers' apply_rotary_pos_emb_vision (fp32 within 1e-6)."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    qkv = randn(N, 3 * VH * VD, dtype=dtype, seed=N, scale=3.0)
+    q, k, _ = qkv.reshape(N, 3, VH, VD).permute(1, 0, 2, 3).unbind(0)
+    ang = randn(N, VD // 2, dtype=torch.float32, seed=N + 1, scale=20.0)
+    emb = torch.cat([ang, ang], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    want_q, want_k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    got_q, got_k = fo.vision_rotary(q, k, cos, sin)
+    check(got_q, want_q, dtype)
+    check(got_k, want_k, dtype)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    empty = fo.vision_rotary(q[:0], k[:0], cos[:0], sin[:0])
+    assert empty[0].shape == (0, VH, VD)
+
+
+@pytest.mark.parametrize("dtype", ALL)
+@pytest.mark.parametrize("N", VISION_ROWS)
+def test_quick_gelu_matches_transformers(dtype, N):
+    from transformers.activations import QuickGELUActivation
+
+    x = randn(N, VI, dtype=dtype, seed=N + 7, scale=4.0)
+    check(fo.quick_gelu(x), QuickGELUActivation()(x), dtype)
+    check(fo.quick_gelu(x[:, : VI // 2]), QuickGELUActivation()(x[:, : VI // 2]), dtype)  # a strided view
+    assert fo.quick_gelu(x[:0]).shape == (0, VI)

@@ -225,6 +225,31 @@ def test_grid_graphs_match_the_eager_tower(qwen):
     assert ((2, 4, 8), 1) in gg.graphs
 
 
+def test_fused_tower_ops_give_the_eager_bits(qwen):
+    """The engine's tower runs its rotary and MLP activation as fused kernels (QwenVisionForward.use_ops,
+    vlora.engine.fused_ops); in bf16 its features are the eager forward's bit for bit, for an image and a video."""
+    from vlora.models.qwen_vision import QwenVisionForward, vision_forward
+
+    _, model_dir, root = qwen
+    engine = make_engine(model_dir, root, "bfloat16", fast=False)
+    loaded = engine.runner.loaded
+    visual = loaded.model.model.visual
+    fused = vision_forward(visual)
+    assert fused.rotary is not QwenVisionForward(visual).rotary  # the engine switched the ops on
+    assert set(fused.mlp_kind) != {"module"}
+    eager = QwenVisionForward(visual)
+    pe = visual.patch_embed
+    patch_dim = int(pe.in_channels * pe.temporal_patch_size * pe.patch_size ** 2)
+    grid448 = loaded.family.item_grid(loaded, 448, 448)
+    for grids in ([grid448], [(2, 4, 8), grid448]):
+        rows = sum(t * h * w for t, h, w in grids)
+        pv = torch.randn(rows, patch_dim, generator=torch.Generator(device=DEV).manual_seed(rows), device=DEV)
+        with torch.inference_mode():
+            got = fused(pv.to(torch.bfloat16), grids)
+            want = eager(pv.to(torch.bfloat16), grids)
+        assert torch.equal(got, want), grids
+
+
 # -- kernels at Qwen2-7B's attention shape ---------------------------------------------------------------
 
 HQ, HKV, D, BS = 28, 4, 128, 16

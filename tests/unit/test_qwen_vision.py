@@ -90,3 +90,33 @@ def test_the_plan_and_run_split_is_the_whole_forward(loaded):
         plan = fwd.plan(grids, torch.device("cpu"))
         assert plan.rows == prompt.pixel_values.shape[0]
         torch.testing.assert_close(fwd.run(prompt.pixel_values, plan), fwd(prompt.pixel_values, grids))
+
+
+def test_use_ops_routes_the_rotary_and_the_mlp_activation(loaded):
+    """use_ops sends every block's rotary and MLP activation through the given functions (the engine's fused
+    kernels on CUDA); here fused_ops' torch references, which must give the eager forward's bits."""
+    from vlora.engine import fused_ops
+    from vlora.models.qwen_vision import QwenVisionForward
+
+    visual = loaded.model.model.visual
+    kind = "quick_gelu" if loaded.model.config.model_type == "qwen2_vl" else "silu_gate"
+    calls = {"rotary": 0, "act": 0}
+
+    def rotary(q, k, cos, sin):
+        calls["rotary"] += 1
+        return fused_ops.vision_rotary(q, k, cos, sin, impl="torch")
+
+    def act(*xs):
+        calls["act"] += 1
+        return fused_ops.quick_gelu(*xs, impl="torch") if len(xs) == 1 else fused_ops.silu_mul(*xs, impl="torch")
+
+    fwd = QwenVisionForward(visual)
+    assert set(fwd.mlp_kind) == {kind}
+    prompt = loaded.family.prompt(loaded, "Describe.", _images([(56, 56), (112, 84)]), False)
+    grids = prompt.image_grid_thw.tolist()
+    with torch.inference_mode():
+        want = fwd(prompt.pixel_values, grids)
+        fwd.use_ops(rotary, act, act)
+        got = fwd(prompt.pixel_values, grids)
+    assert torch.equal(got, want)
+    assert calls == {"rotary": len(fwd.blocks), "act": len(fwd.blocks)}

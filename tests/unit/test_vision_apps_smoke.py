@@ -47,6 +47,8 @@ def test_vision_apps_through_the_server_tiny(tmp_path):
         caches, own = point["server_caches"], point["server_stages"]
         assert caches["encoder_hits"] == 0 and caches["encoder_misses"] > 0, caches
         assert caches["prefix_prompt_tokens"] > 0 and "prefill_step" in own, (caches, own)
+        # each sweep's line is printed when it ends, so a run cut short later still shows it
+        assert f"vision-apps: tiny-llava {app}" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_a_llava_chunk_holds_the_frames_its_context_fits(tmp_path):

@@ -1,7 +1,10 @@
 """Fused elementwise kernels for the decoder layer: RMSNorm (with the residual add), rotary embedding + KV
 cache write, and SiLU * up. They replace the ~30 small eager kernels per layer (LlamaRMSNorm's ~7,
 rotate_half's ~10, residual adds, ``index_copy_``) with four launches, and give the *same bits* as the eager
-PyTorch/Hugging Face code they replace (RMSNorm: with ``impl="triton"``, see below).
+PyTorch/Hugging Face code they replace (RMSNorm: with ``impl="triton"``, see below). The Qwen2-VL vision tower
+takes two more (:meth:`vlora.models.qwen_vision.QwenVisionForward.use_ops`): :func:`vision_rotary` (its fp32
+rotary, about a dozen fp32 kernels per block in eager) and :func:`quick_gelu` (QuickGELU, three); on an H200 they
+took one 448x448 image's tower from 6.8 to 4.8 ms and eight images' from 41.9 to 28.8 ms (floor 15.8).
 
 Every public function has a torch reference (the eager code itself, used on CPU, where triton is missing, or
 with ``impl="torch"``) and a Triton kernel (used for CUDA tensors when triton imports, or with
@@ -20,8 +23,8 @@ Bit-exactness: the kernels compute in fp32 and round to the model dtype exactly 
 contract a multiply and an add into an FMA (``enable_fp_fusion=False``), they divide with IEEE ``div_rn`` and
 take ``exp``/``rsqrt`` from libdevice (the same CUDA math library functions PyTorch's kernels call).
 
-- :func:`rotary_and_cache` and :func:`silu_mul`, and the residual of :func:`add_rms_norm`, are elementwise:
-  identical to eager in bf16, fp16 and fp32.
+- :func:`rotary_and_cache`, :func:`silu_mul`, :func:`vision_rotary`, :func:`quick_gelu`, and the residual of
+  :func:`add_rms_norm`, are elementwise: identical to eager in bf16, fp16 and fp32.
 - RMSNorm's variance is an fp32 sum over the hidden dim, and the order of that sum decides its last bits.
   The ``impl="triton"`` kernel reproduces the order of PyTorch's CUDA reduction (``ATen/native/cuda/Reduce.cuh``,
   ``setReduceConfig``: vectorised loads of 4, per-thread accumulators, block_x halving tree, and
@@ -191,6 +194,11 @@ def silu_mul_reference(gate: torch.Tensor, up: Optional[torch.Tensor] = None) ->
     return F.silu(gate.contiguous()) * up
 
 
+def quick_gelu_reference(x: torch.Tensor) -> torch.Tensor:
+    """transformers' QuickGELUActivation (CLIP's and the Qwen2-VL vision tower's MLP): ``x * sigmoid(1.702 x)``."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def _halves(gate_up: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if gate_up.shape[-1] % 2:
         raise ValueError(f"silu_mul: gate_up's last dim must be even, got {tuple(gate_up.shape)}")
@@ -351,6 +359,44 @@ if triton is not None:
         u = tl.load(u_ptr + t * stride_u + c, mask=m, other=0.0).to(tl.float32)
         s = tl.div_rn(g, 1.0 + _exp(-g)).to(DT).to(tl.float32)  # F.silu: x / (1 + expf(-x)), rounded
         tl.store(o_ptr + t * stride_o + c, (s * u).to(DT), mask=m)
+
+    @triton.jit
+    def _rotate_fp32(src, dst, m, c1, s1, c2, s2, HALF, DT: tl.constexpr):
+        """dst = (x * cos) + (rotate_half(x) * sin) in fp32, rounded to DT once (the vision tower's rotary)."""
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst, (x1 * c1 + (-x2) * s1).to(DT), mask=m)
+        tl.store(dst + HALF, (x2 * c2 + x1 * s2).to(DT), mask=m)
+
+    @triton.jit
+    def _vision_rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, sq_t, sq_h, sk_t, sk_h, sc_t, ss_t,
+                              so_t, so_h, H, HALF, BH: tl.constexpr, BD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        DT = qo_ptr.dtype.element_ty
+        d = tl.arange(0, BD)
+        dm = d < HALF
+        c1 = tl.load(cos_ptr + t * sc_t + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + t * sc_t + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + t * ss_t + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + t * ss_t + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        hl = h.to(tl.int64)[:, None]
+        dd = d[None, :]
+        m = (h < H)[:, None] & dm[None, :]
+        out = t * so_t + hl * so_h + dd
+        _rotate_fp32(q_ptr + t * sq_t + hl * sq_h + dd, qo_ptr + out, m, c1, s1, c2, s2, HALF, DT)
+        _rotate_fp32(k_ptr + t * sk_t + hl * sk_h + dd, ko_ptr + out, m, c1, s1, c2, s2, HALF, DT)
+
+    @triton.jit
+    def _quick_gelu_kernel(x_ptr, o_ptr, N, stride_x, stride_o, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < N
+        DT = o_ptr.dtype.element_ty
+        x = tl.load(x_ptr + t * stride_x + c, mask=m, other=0.0).to(tl.float32)
+        a = (x * 1.702).to(DT).to(tl.float32)  # 1.702 * x, rounded as eager's mul by a scalar
+        s = tl.div_rn(1.0, 1.0 + _exp(-a)).to(DT).to(tl.float32)  # torch.sigmoid: 1 / (1 + expf(-a)), rounded
+        tl.store(o_ptr + t * stride_o + c, (x * s).to(DT), mask=m)
 
 
 def _pow2(n: int) -> int:
@@ -575,4 +621,50 @@ def silu_mul(gate: torch.Tensor, up: Optional[torch.Tensor] = None, *, out: Opti
     block, n_prog = _silu_params(N)
     _silu_mul_kernel[(T, n_prog)](g2, u2, o2, N, g2.stride(0), u2.stride(0), o2.stride(0),
                                                 BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def vision_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                  impl: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+    """The Qwen2-VL / Qwen2.5-VL vision tower's rotary (transformers' ``apply_rotary_pos_emb_vision``): q and k
+    [N, H, D] (strided views of one qkv output welcome; the last dim contiguous) rotated in fp32 by cos, sin
+    [N, D] (fp32) and rounded back to their dtype once. One launch for both, where eager takes about a dozen
+    fp32 kernels per block; the same bits as the reference, :func:`vlora.models.qwen_vision.rotary`. Returns
+    new contiguous (q, k)."""
+    if not _use_triton(impl, q):
+        from vlora.models.qwen_vision import rotary
+
+        return rotary(q, k, cos, sin)
+    _check_float("vision_rotary", q, k, cos, sin)
+    N, H, D = q.shape
+    if k.shape != q.shape or k.dtype != q.dtype or cos.shape != (N, D) or sin.shape != (N, D) or D % 2:
+        raise ValueError(f"vision_rotary: shapes q {tuple(q.shape)} {q.dtype} k {tuple(k.shape)} {k.dtype} "
+                         f"cos {tuple(cos.shape)} sin {tuple(sin.shape)}")
+    q, k, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin))
+    qo = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
+    ko = torch.empty_like(qo)
+    if N == 0:
+        return qo, ko
+    half, bd, bh, n_prog = _rotary_params(H, D)
+    _vision_rotary_kernel[(N, n_prog)](q, k, cos, sin, qo, ko, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                       cos.stride(0), sin.stride(0), qo.stride(0), qo.stride(1), H, half,
+                                       BH=bh, BD=bd, num_warps=4, enable_fp_fusion=False)
+    return qo, ko
+
+
+def quick_gelu(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """``x * sigmoid(1.702 x)`` (transformers' QuickGELUActivation) in one kernel, with eager's three roundings
+    (the scaled input, the sigmoid, the product); eager takes three kernels and their round trips."""
+    if not _use_triton(impl, x):
+        return quick_gelu_reference(x)
+    _check_float("quick_gelu", x)
+    x2 = _rows(x, "x")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o2 = out.view(-1, x.shape[-1]) if x.dim() else out
+    T, N = x2.shape
+    if T == 0 or N == 0:
+        return out
+    block, n_prog = _silu_params(N)
+    _quick_gelu_kernel[(T, n_prog)](x2, o2, N, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4,
+                                    enable_fp_fusion=False)
     return out

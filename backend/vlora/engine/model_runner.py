@@ -30,7 +30,8 @@ from torch import nn
 
 from vlora.engine import gemv
 from vlora.engine.attention import get_attention_backend
-from vlora.engine.fused_ops import add_rms_norm, fused_available, rms_norm, rotary_and_cache
+from vlora.engine.fused_ops import (add_rms_norm, fused_available, quick_gelu, rms_norm, rotary_and_cache, silu_mul,
+                                    vision_rotary)
 from vlora.engine.kv_cache import PagedKVCache, SequenceBlocks
 from vlora.engine.plan import PlanBuilder, StepPlan
 from vlora.lora.adapter import VisionSites
@@ -136,6 +137,11 @@ class ModelRunner:
         # The family's vision-side projections that adapters may target; wrapped for LoRA with ``vision_lora``.
         self.vision_sites = loaded.family.vision_lora_sites(loaded) if loaded is not None else []
         self.vision_lora = VisionLora(model, self.vision_sites, num_slots, max_rank) if vision_lora and self.vision_sites else None
+        # A tower of many grids (Qwen2-VL) runs its rotary and MLP activation as fused kernels on CUDA (the same
+        # bits as eager: vlora.engine.fused_ops), in its graphs and its eager encodes alike.
+        tower = loaded.family.grid_vision(loaded) if loaded is not None else None
+        if tower is not None and fused_available(p):
+            tower.use_ops(vision_rotary, quick_gelu, silu_mul)
 
     # -- setup ---------------------------------------------------------------------------------
     def _wrap_lora(self, targets: tuple[str, ...], num_slots: int, max_rank: int) -> None:

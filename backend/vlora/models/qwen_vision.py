@@ -114,6 +114,19 @@ class QwenVisionForward:
         self.windowed = hasattr(visual, "fullatt_block_indexes")  # Qwen2.5-VL
         self.window, self.patch = getattr(cfg, "window_size", 0), int(cfg.patch_size)
         self.inv_freq = visual.rotary_pos_emb.inv_freq
+        self.rotary = rotary  # the eager ops until use_ops: a fused kernel set replaces them
+        self.quick_gelu = self.silu_mul = None
+        self.mlp_kind = [_mlp_kind(b.mlp) for b in self.blocks]
+
+    def use_ops(self, rotary_fn=None, quick_gelu_fn=None, silu_mul_fn=None) -> None:
+        """Run the rotary, and the activation between the MLP's projections (Qwen2-VL's QuickGELU between fc1
+        and fc2, Qwen2.5-VL's SiLU gate times up), with these functions instead of the eager ops: the engine
+        passes :mod:`vlora.engine.fused_ops`' kernels on CUDA, which give the same bits in one launch each
+        (eager takes about a dozen fp32 kernels per block for the rotary, three for QuickGELU). The
+        projections stay the model's modules, so vision-side LoRA wrappers inside them work unchanged. A CUDA
+        graph captured before keeps the ops it was captured with."""
+        self.rotary = rotary_fn or rotary
+        self.quick_gelu, self.silu_mul = quick_gelu_fn, silu_mul_fn
 
     def __call__(self, pixel_values: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
         return self.run(pixel_values, self.plan(grids, pixel_values.device))
@@ -151,17 +164,24 @@ class QwenVisionForward:
             for i, blk in enumerate(self.blocks):
                 runs = plan.window_runs if self.windowed and i not in self.full_blocks else plan.full_runs
                 x = x + self._attention(blk.attn, blk.norm1(x), plan.cos, plan.sin, runs)
-                x = x + blk.mlp(blk.norm2(x))
+                x = x + self._mlp(blk.mlp, self.mlp_kind[i], blk.norm2(x))
         merged = v.merger(x)
         if plan.inverse is not None:
             merged = merged[plan.inverse]
         return merged
 
+    def _mlp(self, mlp: nn.Module, kind: str, h: torch.Tensor) -> torch.Tensor:
+        if kind == "quick_gelu" and self.quick_gelu is not None:
+            return mlp.fc2(self.quick_gelu(mlp.fc1(h)))
+        if kind == "silu_gate" and self.silu_mul is not None:
+            return mlp.down_proj(self.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+        return mlp(h)
+
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    runs: list[tuple[int, int, int]]) -> torch.Tensor:
         n = h.shape[0]
         q, k, val = attn.qkv(h).reshape(n, 3, self.heads, -1).permute(1, 0, 2, 3).unbind(0)
-        q, k = rotary(q, k, cos, sin)
+        q, k = self.rotary(q, k, cos, sin)
         hd = q.shape[-1]
         scale = getattr(attn, "scaling", hd ** -0.5)
         parts = []
@@ -174,6 +194,20 @@ class QwenVisionForward:
             parts.append(o.transpose(1, 2).reshape(count * length, self.heads * hd))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return attn.proj(out)
+
+
+def _mlp_kind(mlp: nn.Module) -> str:
+    """How a block's MLP computes, where :meth:`QwenVisionForward.use_ops` may fuse its activation:
+    ``quick_gelu`` (Qwen2-VL's fc1, QuickGELU, fc2), ``silu_gate`` (Qwen2.5-VL's down(silu(gate) * up)), or
+    ``module`` (anything else: the module's own forward)."""
+    # By class name: transformers' SiLU activation is nn.SiLU in some releases and its own class in others.
+    act = type(getattr(mlp, "act", None)).__name__
+    if act == "QuickGELUActivation" and hasattr(mlp, "fc1") and hasattr(mlp, "fc2"):
+        return "quick_gelu"
+    act = type(getattr(mlp, "act_fn", None)).__name__
+    if act in ("SiLU", "SiLUActivation") and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return "silu_gate"
+    return "module"
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
