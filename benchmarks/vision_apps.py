@@ -397,6 +397,8 @@ def serve_apps(preset: str, work: Path, device: str, args) -> dict:
                 if roof["roofline_rps"]:
                     row["fraction_of_roofline"] = round(row["throughput_rps"] / roof["roofline_rps"], 3)
                     row["arrivals_fraction_of_roofline"] = round(row["arrival_rps"] / roof["roofline_rps"], 3)
+            # printed now as well: a run cut short later (a device call's time limit) still shows this sweep
+            print(f"vision-apps: {app_line(result, name)}", flush=True)
     finally:
         server.stop()
     return result
@@ -438,19 +440,24 @@ def summary(result: dict) -> str:
                      f"idle new image {base['p50']:.1f} ms ({m['idle_image_ms_adapter']['p50']:.1f} "
                      f"with an adapter{photo}; engine timers {stages}, untimed {base.get('untimed_ms', float('nan')):.1f})")
         for app in (a for a in ("visual_retrieval", "video_analytics") if m.get(a) is not None):
-            pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> answered {p['throughput_rps']:.2f}/s, TTFT p50 "
-                            f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms, SLO met "
-                            f"{_attained(p)}{_steps(p)}{_cache_hits(p)}" for p in m.get(app, []))
-            good = at_slo(m.get(app, []))
-            if good is not None and good.get("roofline", {}).get("roofline_rps"):
-                pts += (f"; at its SLO (90% met, none failed) {good['arrival_rps']:.2f} req/s arriving = "
-                        f"{good.get('arrivals_fraction_of_roofline', 0):.2f} of its roofline "
-                        f"{good['roofline']['roofline_rps']:.1f} req/s")
-            elif m.get(app):
-                pts += "; no rate point met its SLO"
-            frames = f" ({m['video_frames']} frames a chunk)" if app == "video_analytics" and "video_frames" in m else ""
-            parts.append(f"{name} {app}{frames}: {pts}")
+            parts.append(app_line(m, app))
     return "; ".join(parts) + " (new images)"
+
+
+def app_line(m: dict, app: str) -> str:
+    """One application's rate points on one served model, and its rate at the SLO against its roofline."""
+    pts = ", ".join(f"{p['offered_rate_rps']:g}/s -> answered {p['throughput_rps']:.2f}/s, TTFT p50 "
+                    f"{1e3 * (p['ttft_s'].get('p50') or float('nan')):.0f} ms, SLO met "
+                    f"{_attained(p)}{_steps(p)}{_cache_hits(p)}" for p in m.get(app, []))
+    good = at_slo(m.get(app, []))
+    if good is not None and good.get("roofline", {}).get("roofline_rps"):
+        pts += (f"; at its SLO (90% met, none failed) {good['arrival_rps']:.2f} req/s arriving = "
+                f"{good.get('arrivals_fraction_of_roofline', 0):.2f} of its roofline "
+                f"{good['roofline']['roofline_rps']:.1f} req/s")
+    elif m.get(app):
+        pts += "; no rate point met its SLO"
+    frames = f" ({m['video_frames']} frames a chunk)" if app == "video_analytics" and "video_frames" in m else ""
+    return f"{Path(m['preset']).stem} {app}{frames}: {pts}"
 
 
 def _steps(p: dict) -> str:
