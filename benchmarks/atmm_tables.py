@@ -5,6 +5,8 @@ each timed on the calls a 7B engine makes, in one run.
 The calls are the engine's own, through ``AtmmKernels.run_rows`` as its captured steps make them:
 - a prefill graph of T tokens: one sequence of T rows among ``--max-batch`` segments whose bounds only the device
   holds (the others empty), as ``engine.prefill_graph_tokens`` replays it;
+- the same graph replaying a mixed step (``--mixed``): ``--max-batch`` - 2 decode rows first, one segment each, then
+  two prompts sharing the rest, as a prefill step under load carries them;
 - a decode graph of B rows: one segment a row, each its own adapter slot;
 and through ``AtmmKernels.run`` for an eager prefill step of two sequences of two adapters (past the prefill graphs).
 
@@ -29,6 +31,7 @@ import yaml
 from benchmarks.common import ROOT, device_name, git_commit, record_result
 
 from vlora.atmm import AtmmKernels
+from vlora.atmm.dispatch import mixed_step_expand
 from vlora.atmm.mapping import LoraBatchMapping
 from vlora.atmm.tiling import TABLE_ENV, resolve_table
 from vlora.atmm.timing import copy_bandwidth_gbs, graph_time_us, sets_needed
@@ -64,12 +67,24 @@ def prefill_graph_mapping(T: int, max_batch: int) -> LoraBatchMapping:
     return LoraBatchMapping(m.seg_indptr, m.seg_slot, m.seg_indptr_host, m.seg_slot_host, T, True, even=False)
 
 
+def mixed_graph_mapping(T: int, max_batch: int, slots: int) -> LoraBatchMapping:
+    """A prefill graph replaying a mixed step: ``max_batch - 2`` decode rows first (one segment each, slots in
+    turn), then two prompts sharing the rest of the T rows."""
+    d = max_batch - 2
+    half = (T - d) // 2
+    m = LoraBatchMapping.from_segments(list(range(d + 1)) + [d + half, T], [i % slots for i in range(d + 2)], "cuda")
+    return LoraBatchMapping(m.seg_indptr, m.seg_slot, m.seg_indptr_host, m.seg_slot_host, T, True, even=False)
+
+
 def time_call(kernels: AtmmKernels, kind: str, T: int, d_in: int, d_out: int, args) -> tuple[float, str, int]:
     """Microseconds of one LoRA call of this kind and shape, the kernels the table chose, the bytes it must move."""
     sets = call_sets(T, d_in, d_out, args.slots, args.rank)
     if kind == "prefill-graph":
         mapping = prefill_graph_mapping(T, args.max_batch)
         used = 1
+    elif kind == "prefill-mixed":
+        mapping = mixed_graph_mapping(T, args.max_batch, args.slots)
+        used = min(args.max_batch, args.slots)
     elif kind == "decode-graph":
         mapping = LoraBatchMapping.from_segments(list(range(T + 1)), [i % args.slots for i in range(T)], "cuda")
         used = min(T, args.slots)
@@ -85,6 +100,8 @@ def time_call(kernels: AtmmKernels, kind: str, T: int, d_in: int, d_out: int, ar
         plan_s = T if mapping.even else 1
     shrink = kernels.lookup("shrink", "bf16", T, d_in, args.rank, plan_s)
     expand = kernels.lookup("expand", "bf16", T, d_out, args.rank, plan_s)
+    if kind != "eager" and not mapping.even:  # what run_rows uses for a prefill graph
+        expand = {**expand, "config": mixed_step_expand(expand["config"], args.rank, kernels.config_names())}
     us = graph_time_us(calls)
     del sets
     floor_bytes = 2 * (T * d_in + 2 * T * d_out + used * args.rank * (d_in + d_out))
@@ -96,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
     ap.add_argument("--tables", default="", help="more table files to time, comma-separated")
     ap.add_argument("--prefill", default="256,600,1024,2048", help="prefill graph sizes in tokens")
+    ap.add_argument("--mixed", default="1024", help="prefill graph sizes in tokens replaying a mixed step (decode rows "
+                    "first, then two prompts)")
     ap.add_argument("--eager", default="2048", help="eager prefill steps in tokens (two sequences)")
     ap.add_argument("--decode", default="1,8,32", help="decode graph sizes in rows")
     ap.add_argument("--rank", type=int, default=64)
@@ -119,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         options[Path(t).name] = Path(t)
     bw = copy_bandwidth_gbs()
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
-    shapes = [("prefill-graph", T) for T in ints(args.prefill)] + [("eager", T) for T in ints(args.eager)] + \
-             [("decode-graph", T) for T in ints(args.decode)]
+    shapes = [("prefill-graph", T) for T in ints(args.prefill)] + [("prefill-mixed", T) for T in ints(args.mixed)] + \
+             [("eager", T) for T in ints(args.eager)] + [("decode-graph", T) for T in ints(args.decode)]
     result: dict = {"device": device_name(), "gpu": gpu, "commit": git_commit(), "copy_gbs": round(bw, 1),
                     "resolved": f"{resolved} ({why})", "rank": args.rank, "slots": args.slots,
                     "max_batch": args.max_batch, "options": list(options), "models": {}}

@@ -29,3 +29,30 @@ def test_prefill_graph_mapping_is_the_graphs_layout(monkeypatch):
     assert m.seg_indptr.tolist() == [0] + [600] * 32
     assert m.seg_slot.tolist() == [0] + [-1] * 31
     assert m.seg_indptr.dtype == torch.int32
+
+
+def test_mixed_graph_mapping_puts_decode_rows_first(monkeypatch):
+    """A prefill graph replaying a mixed step: max_batch - 2 one-row decode segments, then two prompts."""
+    from vlora.atmm.mapping import LoraBatchMapping
+
+    real = LoraBatchMapping.from_segments
+    monkeypatch.setattr(LoraBatchMapping, "from_segments",
+                        classmethod(lambda cls, indptr, slots, device="cpu": real(indptr, slots, "cpu")))
+    m = atmm_tables.mixed_graph_mapping(1024, 32, 8)
+    assert m.num_segments == 32 and not m.even
+    assert m.seg_indptr.tolist() == list(range(31)) + [527, 1024]
+    assert m.seg_slot.tolist() == [i % 8 for i in range(32)]
+
+
+def test_prefill_graphs_take_a_row_tile_expand_over_a_column_stationary_one():
+    """run_rows' choice for a prefill graph: the table's column-stationary expand (its cost grows with a mixed
+    step's short segments) becomes the row-tile Triton expand of the rank, where that is compiled; any other
+    choice stays."""
+    from vlora.atmm.dispatch import mixed_step_expand
+
+    compiled = ["tr_c_m64n128_r64_w4s4_g1", "tr_e_m64n128_r64_c1024_w4s3", "tr_e_m64n128_r128_c1024_w4s2"]
+    assert mixed_step_expand("tr_c_m64n128_r64_w4s4_g1", 64, compiled) == "tr_e_m64n128_r64_c1024_w4s3"
+    assert mixed_step_expand("tr_c_m64n128_r128_w8s4_g1", 128, compiled) == "tr_e_m64n128_r128_c1024_w4s2"
+    assert mixed_step_expand("tr_c_m64n128_r64_w4s4_g1", 256, compiled) == "tr_c_m64n128_r64_w4s4_g1"
+    assert mixed_step_expand("ye_m64n256_r64_w1x8", 64, compiled) == "ye_m64n256_r64_w1x8"
+    assert mixed_step_expand("tr_c_m64n128_r64_w4s4_g1", 64, compiled[:1]) == "tr_c_m64n128_r64_w4s4_g1"

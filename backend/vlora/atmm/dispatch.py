@@ -11,7 +11,7 @@ import os
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -272,6 +272,8 @@ class AtmmKernels:
             hit = self.lookup("shrink", dtype, T, d_in, r_max, plan_s)
             shrink = (hit["config"], hit["split_k"])
             expand = self.lookup("expand", dtype, T, d_out, r_max, plan_s)["config"]
+            if not mapping.even:
+                expand = mixed_step_expand(expand, r_max, self._names)
             split_k = int(shrink[1])
             need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
             workspace = torch.empty(max(need, 256), dtype=torch.uint8, device=y.device)
@@ -315,6 +317,24 @@ class AtmmKernels:
         split_k = int(shrink[1])
         need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
         return self._names.index(shrink[0]), split_k, self._names.index(expand), ranks_list, need
+
+
+# A prefill graph also replays steps that carry decode rows beside the prompts (one short segment each, first in
+# the step): the column-stationary expand (tr_c_*) walks the segments of its run of rows one after another, so 30
+# one-row segments took a call from 17-27 us to 124-173 us (H200, T = 1,024, rank 64, 8 slots; the q/o, gate/up
+# and down widths; benchmarks/atmm_tables.py's prefill-mixed calls), about 11 ms more per mixed 32-block step with
+# q/k/v/o adapters. The row-tile expand gives each segment its own tiles: 36-53 us on that mixed step, 28-35 us
+# on one prompt of all T rows. Under load nearly every prefill step is mixed, so prefill graphs take the row-tile one.
+ROW_TILE_EXPANDS = ((64, "tr_e_m64n128_r64_c1024_w4s3"), (128, "tr_e_m64n128_r128_c1024_w4s2"))
+
+
+def mixed_step_expand(config: str, r_max: int, compiled: Sequence[str]) -> str:
+    """The expand a prefill graph's LoRA calls use: ``config`` (the table's for one prompt of the graph's tokens),
+    unless it is column-stationary, whose cost grows with the step's short segments: then the row-tile Triton
+    expand for ``r_max``, where one is among the ``compiled`` configs (else ``config``)."""
+    if not config.startswith("tr_c_"):
+        return config
+    return next((name for rank, name in ROW_TILE_EXPANDS if r_max <= rank and name in compiled), config)
 
 
 class _Default:
