@@ -313,3 +313,47 @@ def test_triton_silu_mul(dtype, T, I):
     # exp differs by an ulp between numpy and torch's CPU kernels; eager CUDA and the kernel share expf
     torch.testing.assert_close(got, want, rtol=(4 if dtype == torch.float32 else 2.5) * STEP[dtype], atol=1e-30)
     assert fo.silu_mul(gu[:0], impl="triton").shape == (0, I)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", INTERP_DTYPES + [pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("N, H, D", [(3, 16, 80), (5, 2, 8), (1, 3, 64)])
+def test_triton_vision_rotary(dtype, N, H, D):
+    """The Qwen2-VL tower's fp32 rotary on q, k as head views of one qkv output, against transformers' own."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    qkv = _randn(N, 3 * H * D, dtype=dtype, seed=N + H, scale=3.0)
+    q, k, _ = qkv.reshape(N, 3, H, D).permute(1, 0, 2, 3).unbind(0)
+    ang = _randn(N, D // 2, dtype=torch.float32, seed=D, scale=20.0)
+    emb = torch.cat([ang, ang], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    want = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    got = fo.vision_rotary(q, k, cos, sin, impl="triton")
+    assert torch.equal(fo.vision_rotary(q, k, cos, sin, impl="torch")[0], want[0])
+    for g, w in zip(got, want):
+        assert g.is_contiguous() and g.shape == w.shape
+        if dtype == torch.bfloat16:  # the interpreter's bf16 casts truncate
+            torch.testing.assert_close(g.float(), w.float(), rtol=STEP[dtype], atol=1e-30)
+        else:
+            assert torch.equal(g, w)
+    assert fo.vision_rotary(q[:0], k[:0], cos[:0], sin[:0], impl="triton")[0].shape == (0, H, D)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", INTERP_DTYPES + [pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("T, I", [(3, 256), (2, 5120), (4, 300)])
+def test_triton_quick_gelu(dtype, T, I):
+    """QuickGELU (x * sigmoid(1.702 x)) against transformers' module, a row-strided view too."""
+    from transformers.activations import QuickGELUActivation
+
+    x = _randn(T, 2 * I, dtype=dtype, seed=I, scale=4.0)
+    for inp in (x, x[:, :I]):
+        want = QuickGELUActivation()(inp)
+        assert torch.equal(fo.quick_gelu(inp, impl="torch"), want)
+        # exp differs by an ulp between numpy and torch's CPU kernels (eager CUDA and the kernel share expf),
+        # and three roundings follow it. bf16: the interpreter truncates 1.702 x, and a step of that moves the
+        # sigmoid of a large negative x by several percent of its (tiny) value: an absolute bound there.
+        atol = 4e-3 if dtype == torch.bfloat16 else 1e-30
+        torch.testing.assert_close(fo.quick_gelu(inp, impl="triton"), want,
+                                   rtol=(4 if dtype == torch.float32 else 2.5) * STEP[dtype], atol=atol)
+    assert fo.quick_gelu(x[:0], impl="triton").shape == (0, 2 * I)
