@@ -100,7 +100,7 @@ def time_call(kernels: AtmmKernels, kind: str, T: int, d_in: int, d_out: int, ar
         plan_s = T if mapping.even else 1
     shrink = kernels.lookup("shrink", "bf16", T, d_in, args.rank, plan_s)
     expand = kernels.lookup("expand", "bf16", T, d_out, args.rank, plan_s)
-    if kind != "eager" and not mapping.even:  # what run_rows uses for a prefill graph
+    if kind != "eager" and not mapping.even and mapping.num_segments > 1:  # what run_rows uses for a prefill graph
         expand = {**expand, "config": mixed_step_expand(expand["config"], args.rank, kernels.config_names())}
     us = graph_time_us(calls)
     del sets

@@ -272,7 +272,7 @@ class AtmmKernels:
             hit = self.lookup("shrink", dtype, T, d_in, r_max, plan_s)
             shrink = (hit["config"], hit["split_k"])
             expand = self.lookup("expand", dtype, T, d_out, r_max, plan_s)["config"]
-            if not mapping.even:
+            if not mapping.even and S > 1:  # a graph of one sequence never replays a mixed step
                 expand = mixed_step_expand(expand, r_max, self._names)
             split_k = int(shrink[1])
             need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
