@@ -1,7 +1,12 @@
 """Qwen2-VL's processor without torchvision: transformers 5's ``Qwen2VLVideoProcessor`` needs torchvision,
 and ``AutoProcessor`` builds it even for image-only use. Where torchvision is missing, the processor is
 composed from the folder's own files (image processor, tokenizer, chat template) with
-:class:`QwenVideoProcessorPil`, which follows the video processor's resize rule and patch layout."""
+:class:`QwenVideoProcessorPil`, which follows the video processor's resize rule and patch layout.
+
+Why torchvision is not simply a dependency (tried 2026-11-29): the CPU install pins torch 2.13.0+cpu, and the
+package index the CI installs from holds only the CUDA build of the matching torchvision (0.28.0, manylinux
+x86-64), whose C++ operators fail to load against the CPU torch (``operator torchvision::nms does not exist``); a
+newer torchvision would pull a newer torch. GPU machines have torchvision, and there ``AutoProcessor`` serves."""
 from __future__ import annotations
 
 import json
