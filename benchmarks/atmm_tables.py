@@ -15,7 +15,8 @@ adapter slots, each timed as CUDA-graph replays over rotated inputs and slot buf
 floor (the bytes it must move at the measured copy rate: x, y read and written, the used slots' A and B). A step's
 LoRA time is the sum over the projections times the blocks.
 
-    python -m benchmarks.atmm_tables [--tables a.json,b.json] [--prefill 256,600,1024,2048] [--decode 1,8,32]
+    python -m benchmarks.atmm_tables [--tables a.json,b.json] [--prefill 256,600,1024,2048] [--mixed 1024]
+        [--decode 1,8,32] [--prefill-graph-expand tr_c_m64n128_r64_w4s4_g1 ...]
 """
 from __future__ import annotations
 
@@ -100,8 +101,10 @@ def time_call(kernels: AtmmKernels, kind: str, T: int, d_in: int, d_out: int, ar
         plan_s = T if mapping.even else 1
     shrink = kernels.lookup("shrink", "bf16", T, d_in, args.rank, plan_s)
     expand = kernels.lookup("expand", "bf16", T, d_out, args.rank, plan_s)
-    if kind != "eager" and not mapping.even and mapping.num_segments > 1:  # what run_rows uses for a prefill graph
-        expand = {**expand, "config": mixed_step_expand(expand["config"], args.rank, kernels.config_names())}
+    if kind != "eager" and not mapping.even and kernels.prefill_graph_expand is not None:
+        expand = {**expand, "config": kernels.prefill_graph_expand}
+    elif kind != "eager" and not mapping.even and mapping.num_segments > 1:  # what run_rows uses for a prefill graph
+        expand = {**expand, "config": mixed_step_expand(expand["config"], args.rank, kernels.config_names)}
     us = graph_time_us(calls)
     del sets
     floor_bytes = 2 * (T * d_in + 2 * T * d_out + used * args.rank * (d_in + d_out))
@@ -120,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--slots", type=int, default=8, help="adapter slots (lora.max_gpu_adapters)")
     ap.add_argument("--max-batch", type=int, default=32, help="scheduler.max_batch_size: a prefill graph's segments")
+    ap.add_argument("--prefill-graph-expand", action="append", default=[], metavar="CONFIG",
+                    help="also time the prefill-graph kinds with this expand config (each a column of its own; the "
+                         "engine's choice otherwise: the table's, the row-tile one on a mixed step)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -136,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         options[f"resolved: {resolved.name}"] = resolved
     for t in filter(None, args.tables.split(",")):
         options[Path(t).name] = Path(t)
+    for cfg in args.prefill_graph_expand:  # the resolved table, with this expand for the prefill graphs
+        if cfg not in probe.config_names:
+            print(f"benchmarks.atmm_tables: --prefill-graph-expand {cfg}: not a compiled config", file=sys.stderr)
+            return 2
+        options[f"expand {cfg}"] = resolved
     bw = copy_bandwidth_gbs()
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     shapes = [("prefill-graph", T) for T in ints(args.prefill)] + [("prefill-mixed", T) for T in ints(args.mixed)] + \
@@ -152,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             for label, path in options.items():
                 os.environ[TABLE_ENV] = str(path) if path is not None else "none"
                 kernels = AtmmKernels()  # resolves $VLORA_ATMM_TABLE
+                if label.startswith("expand "):
+                    if kind not in ("prefill-graph", "prefill-mixed"):
+                        continue
+                    kernels.prefill_graph_expand = label.removeprefix("expand ")
                 per, total, floor = {}, 0.0, 0.0
                 for proj, (d_in, d_out) in projs.items():
                     us, chose, nbytes = time_call(kernels, kind, T, d_in, d_out, args)

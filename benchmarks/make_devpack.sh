@@ -71,8 +71,9 @@ du -sh "$PACK"
 # What a device call can carry: the tracked tree travels too, and with the whole pack it can pass the 64 MiB limit
 # (it did at 11 MB of tree). The pack's parts by need: site (always), numpy1 (the stub under NumPy 2), load (locust:
 # load_device.sh only), the CUTLASS wheel (only until a call has built the ATMM extension: build_atmm.sh leaves
-# vlora_atmm_ext*.so.gz in $OUT; copy it into .devpack/ and carry it instead; keep $OUT to a few files, as the
-# device tool brings back at most 8).
+# vlora_atmm_ext*.so.gz and vlora_atmm_ext.src-sha256 in $OUT; copy both into .devpack/ and carry them instead: a
+# prebuilt one whose src-sha256 does not match csrc/ is built again; keep $OUT to a few files, as the device tool
+# brings back at most 8).
 tree=$(git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
 echo "tracked tree: $(( tree / 1048576 )) MiB; carry by name, e.g."
 echo "  carry=[\".devpack/site.tar.xz\", \".devpack/numpy1.tar.xz\", \".devpack/$(cd "$PACK" && ls nvidia_cutlass-*.whl | head -1)\"]"

@@ -75,6 +75,8 @@ def compile_one(job: tuple) -> tuple:
     constexprs["EVEN"] = bool(even)
     if "NS" in fn.arg_names:
         constexprs["NS"] = stages
+    if "PDL" in fn.arg_names:  # the programmatic-dependent-launch waits (off only under Triton's interpreter)
+        constexprs["PDL"] = True
     for c in constexprs:
         signature[c] = "constexpr"
     # attrs are keyed by the argument's position in the kernel's own parameter list

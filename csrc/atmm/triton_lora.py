@@ -13,8 +13,8 @@ hand-written (mma.sync) kernel here.
 Row tiles are numbered segment by segment (segments with slot -1 or no tokens have none); in the shrink
 and the row-tile expand each program finds its segment by scanning seg_indptr in chunks of SEGS, so any
 number of segments works. Their grid's first dimension is the upper bound T // BM + num_segments; programs
-past the last tile return at once. The column-stationary expand (lora_expand_cols) walks the segments of
-its own run of rows instead.
+past the last tile return at once. The column-stationary expand (lora_expand_cols) shares the segments' work
+items (runs of rows) out among its programs instead, scanning the same way.
 Every integer argument is a multiple of 8 (the extension checks widths, r_max and strides), which the
 compiler is told, so masked loads stay 16-byte vectors.
 """
@@ -24,8 +24,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _row_tile(pid, seg_indptr, seg_slot, num_segments, BM: tl.constexpr, SEGS: tl.constexpr):
-    """The segment of row tile `pid` and the tiles before that segment; seg == num_segments: no tile."""
+def _row_tile(pid, seg_indptr, seg_slot, num_segments, BM, SEGS: tl.constexpr):
+    """The segment of row tile `pid` (tiles of BM rows from each segment's first row; the expand_cols' work items
+    with BM its run-time item size) and the tiles before that segment; seg == num_segments: no tile."""
     seg = 0
     before = 0
     base = 0
@@ -75,8 +76,9 @@ def _live_columns(rr, slot_rank, slot):
 def _partials_sum(partial, vo, vm, splits, num_tokens, r_max, BM: tl.constexpr, R: tl.constexpr):
     """v of the rows at offsets vo: the sum of `splits` fp32 partials, masked (vm) to the live columns."""
     acc = tl.zeros((BM, R), tl.float32)
+    stride = num_tokens.to(tl.int64) * r_max  # one partial's elements, in int64 (the loop index is a plain int in the interpreter)
     for k in range(0, splits):
-        acc += tl.load(partial + k.to(tl.int64) * num_tokens * r_max + vo, mask=vm, other=0.0)
+        acc += tl.load(partial + k * stride + vo, mask=vm, other=0.0)
     return acc
 
 
@@ -173,61 +175,86 @@ def _cols_tiles(src, y, lo, hi, t0, t1, rr, vcm, rn, nm, r_max, ld_y, bt, scale,
 
 
 @triton.jit
-def _first_segment_past(row, seg_indptr, num_segments, SEGS: tl.constexpr):
-    """The first segment that ends after `row` (num_segments if none): seg_indptr does not decrease."""
-    n = 0
+def _items(seg_indptr, seg_slot, num_segments, size, SEGS: tl.constexpr):
+    """The work items of all segments: a segment of n rows (with a slot) has ceil(n / size) of them."""
+    total = 0
     for c0 in range(0, num_segments, SEGS):
         s = c0 + tl.arange(0, SEGS)
         m = s < num_segments
-        n += tl.sum((m & (tl.load(seg_indptr + s + 1, mask=m, other=0) <= row)).to(tl.int32), 0)
-    return n
+        lo = tl.load(seg_indptr + s, mask=m, other=0)
+        hi = tl.load(seg_indptr + s + 1, mask=m, other=0)
+        sl = tl.load(seg_slot + s, mask=m, other=-1)
+        total += tl.sum(tl.where(m & (sl >= 0), (hi - lo + size - 1) // size, 0), 0)
+    return total
+
+
+@triton.jit
+def _cols_item(y, v, partial, lora_b, slot_scale, slot_rank, slot, lo, hi, t0, t1, rn, nm, rr, cm, num_tokens, d_out,
+               r_max, ld_y, splits, BM: tl.constexpr, R: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr):
+    """y of one segment's row tiles t0..t1 (tiles of BM rows from its first row lo, up to hi) += its slot's scale *
+    v @ B[slot] for this program's columns rn."""
+    scale = tl.load(slot_scale + slot)
+    if scale != 0.0:  # scale 0: a slot of rank 0, its rows stay as they are
+        vcm = cm & _live_columns(rr, slot_rank, slot)  # v's columns within r_max and the slot's rank
+        bt = tl.load(lora_b + slot.to(tl.int64) * d_out * r_max + rr[:, None] + rn[None, :] * r_max,
+                     mask=cm[:, None] & nm[None, :], other=0.0)
+        if PDL:
+            gdc_wait()  # launched as the shrink's programmatic dependent: v is complete from here on
+        if splits == 0:  # v written by the shrink: the pipelined loop
+            _cols_tiles(v, y, lo, hi, t0, t1, rr, vcm, rn, nm, r_max, ld_y, bt, scale, BM, NS)
+        elif splits == 1:  # one fp32 partial (a split Triton shrink adds into it): the same loop, rounding v
+            _cols_tiles(partial, y, lo, hi, t0, t1, rr, vcm, rn, nm, r_max, ld_y, bt, scale, BM, NS)
+        else:  # v is the sum of `splits` fp32 partials, rounded to the dtype as the reference rounds it
+            for t in range(t0, t1):
+                rows = lo + t * BM + tl.arange(0, BM)
+                rows_c = _clamped(rows, hi)
+                vo = rows_c.to(tl.int64)[:, None] * r_max + rr[None, :]
+                acc = _partials_sum(partial, vo, vcm[None, :], splits, num_tokens, r_max, BM, R)
+                _update_y(y, rows_c, rows < hi, rn, nm, ld_y, acc.to(y.dtype.element_ty), bt, scale)
 
 
 @triton.jit
 def lora_expand_cols(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, seg_slot, num_segments, num_tokens, d_out,
                      r_max, ld_y, splits, BM: tl.constexpr, BN: tl.constexpr, R: tl.constexpr, NS: tl.constexpr,
-                     SEGS: tl.constexpr, EVEN: tl.constexpr = False):
-    """The expand of lora_expand, column-stationary: program (j, g) owns columns [j*BN, (j+1)*BN) and, of the row
-    tiles (BM rows from a segment's start, as lora_expand cuts them), those that start in the g-th of G equal runs
-    of rows (G = programs along axis 1, set by the launcher to fill the GPU about once). Within one segment its
-    tiles are consecutive: the slot's lora_b tile is loaded once, and the loop over them is pipelined with
-    tl.range(num_stages=NS), which (unlike the kernel's num_stages) also keeps y of the next tiles in flight.
+                     SEGS: tl.constexpr, EVEN: tl.constexpr = False, PDL: tl.constexpr = True):
+    """The expand of lora_expand, column-stationary: program (j, g) owns columns [j*BN, (j+1)*BN) and the g-th of G
+    equal shares (G = programs along axis 1, set by the launcher to fill the GPU about once) of the work items.
+    The items are numbered segment by segment: a segment's rows cut into runs of `size` rows from its first row
+    (size = T spread over the G programs, in whole row tiles of BM; a segment of n rows has ceil(n / size) items,
+    one with no slot none), so one prompt of all T rows gives each program one run, as a column-stationary kernel
+    wants, while a step's short segments (its decode rows, one each) are spread over the programs, not walked
+    one after another by the program whose rows they are (csrc/atmm/NOTES.md, a prefill graph's expand on mixed
+    steps: 30 of them took a call from 17-27 to 124-173 us). Within an item the slot's lora_b tile is loaded once
+    and the loop over its row tiles is pipelined with tl.range(num_stages=NS), which (unlike the kernel's
+    num_stages) also keeps y of the next tiles in flight.
 
-    Why (csrc/atmm/NOTES.md, 2026-11-25, column-stationary expand): Triton pipelines only the loads that feed a dot unless the loop
-    carries its own num_stages, so the row-tile expand never had y loads in flight ahead of use.
-    Launched as the shrink's programmatic dependent (PDL), it finds its rows and loads its first lora_b tile
-    before waiting for the shrink. Each segment costs a few scalar loads: this kernel is for few, long
-    segments (prefill); the row-tile expand is the one for many short ones (decode)."""
+    Why (csrc/atmm/NOTES.md, 2026-11-25, column-stationary expand): Triton pipelines only the loads that feed a dot
+    unless the loop carries its own num_stages, so the row-tile expand never had y loads in flight ahead of use.
+    Launched as the shrink's programmatic dependent (PDL), it finds its items and loads its first lora_b tile
+    before waiting for the shrink (PDL False: no wait, for Triton's interpreter)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rr = tl.arange(0, R)
     nm = tl.full((BN,), 1, tl.int1) if EVEN else rn < d_out  # EVEN: whole tiles of BN and r_max == R
     cm = tl.full((R,), 1, tl.int1) if EVEN else rr < r_max
-    rows_per = (num_tokens + tl.num_programs(1) * BM - 1) // (tl.num_programs(1) * BM) * BM
-    ra = tl.program_id(1) * rows_per  # this program owns the tiles that start in rows [ra, rb)
-    rb = ra + rows_per
-    seg = _first_segment_past(ra, seg_indptr, num_segments, SEGS)
-    lo = tl.load(seg_indptr + seg, mask=seg < num_segments, other=0)
-    while (seg < num_segments) & (lo < rb):
+    g = tl.num_programs(1)
+    size = (num_tokens + g * BM - 1) // (g * BM) * BM  # rows of an item: whole row tiles
+    total = _items(seg_indptr, seg_slot, num_segments, size, SEGS)
+    per = (total + g - 1) // g
+    it = tl.program_id(1) * per  # this program's items: [it, end)
+    end = tl.minimum(it + per, total)
+    seg, before = _row_tile(it, seg_indptr, seg_slot, num_segments, size, SEGS)
+    while (it < end) & (seg < num_segments):
+        lo = tl.load(seg_indptr + seg)
         hi = tl.load(seg_indptr + seg + 1)
         slot = tl.load(seg_slot + seg)
-        scale = tl.load(slot_scale + tl.maximum(slot, 0))
-        t0 = (tl.maximum(ra, lo) - lo + BM - 1) // BM  # the segment's tiles k start at lo + k * BM
-        t1 = (tl.minimum(rb, hi) - lo + BM - 1) // BM
-        if (slot >= 0) & (t0 < t1) & (scale != 0.0):  # scale 0: a slot of rank 0, its rows stay as they are
-            vcm = cm & _live_columns(rr, slot_rank, slot)  # v's columns within r_max and the slot's rank
-            bt = tl.load(lora_b + slot.to(tl.int64) * d_out * r_max + rr[:, None] + rn[None, :] * r_max,
-                         mask=cm[:, None] & nm[None, :], other=0.0)
-            gdc_wait()  # launched as the shrink's programmatic dependent: v is complete from here on
-            if splits == 0:  # v written by the shrink: the pipelined loop
-                _cols_tiles(v, y, lo, hi, t0, t1, rr, vcm, rn, nm, r_max, ld_y, bt, scale, BM, NS)
-            elif splits == 1:  # one fp32 partial (a split Triton shrink adds into it): the same loop, rounding v
-                _cols_tiles(partial, y, lo, hi, t0, t1, rr, vcm, rn, nm, r_max, ld_y, bt, scale, BM, NS)
-            else:  # v is the sum of `splits` fp32 partials, rounded to the dtype as the reference rounds it
-                for t in range(t0, t1):
-                    rows = lo + t * BM + tl.arange(0, BM)
-                    rows_c = _clamped(rows, hi)
-                    vo = rows_c.to(tl.int64)[:, None] * r_max + rr[None, :]
-                    acc = _partials_sum(partial, vo, vcm[None, :], splits, num_tokens, r_max, BM, R)
-                    _update_y(y, rows_c, rows < hi, rn, nm, ld_y, acc.to(y.dtype.element_ty), bt, scale)
+        n = tl.where(slot >= 0, (hi - lo + size - 1) // size, 0)
+        last = tl.minimum(end - before, n)  # this segment's items that are this program's: [it - before, last)
+        k = it - before
+        if k < last:
+            t0 = k * (size // BM)  # row tiles of BM rows from lo; an item is size // BM of them
+            t1 = tl.minimum(last * (size // BM), (hi - lo + BM - 1) // BM)
+            _cols_item(y, v, partial, lora_b, slot_scale, slot_rank, slot, lo, hi, t0, t1, rn, nm, rr, cm, num_tokens,
+                       d_out, r_max, ld_y, splits, BM, R, NS, PDL)
+            it = before + last
+        before += n
         seg += 1
-        lo = hi

@@ -56,3 +56,62 @@ def test_prefill_graphs_take_a_row_tile_expand_over_a_column_stationary_one():
     assert mixed_step_expand("tr_c_m64n128_r64_w4s4_g1", 256, compiled) == "tr_c_m64n128_r64_w4s4_g1"
     assert mixed_step_expand("ye_m64n256_r64_w1x8", 64, compiled) == "ye_m64n256_r64_w1x8"
     assert mixed_step_expand("tr_c_m64n128_r64_w4s4_g1", 64, compiled[:1]) == "tr_c_m64n128_r64_w4s4_g1"
+
+
+class _RecordingExt:
+    """Enough of vlora_atmm_ext for AtmmKernels.run_rows on CPU tensors: a table that always answers the
+    column-stationary expand, and forward() recording the expand it is given."""
+    NAMES = ("tr_s_m64k128_r64_w4s4", "tr_c_m64n128_r64_w4s4_g1", "tr_e_m64n128_r64_c1024_w4s3")
+
+    def __init__(self):
+        self.expands = []
+
+    def configs(self):
+        return [{"name": n, "kind": "triton"} for n in self.NAMES]
+
+    def TilingTable(self):  # noqa: N802 (the extension's class)
+        class Table:
+            def lookup(self, direction, dtype, tokens, width, rank, segments):
+                name = _RecordingExt.NAMES[0] if direction == "shrink" else _RecordingExt.NAMES[1]
+                return {"config": name, "split_k": 1, "exact": True, "default": False, "matched": None}
+        return Table()
+
+    def workspace_size(self, *args):
+        return 256
+
+    def forward(self, *args):
+        self.expands.append(self.NAMES[args[20]])
+
+
+def test_run_rows_picks_the_prefill_graph_expand():
+    """A prefill graph of several sequences takes the row-tile expand over the table's column-stationary one; a
+    graph of one sequence and a decode graph (bounds fixed) keep the table's; a named prefill_graph_expand
+    (atmm_tables --prefill-graph-expand) replaces both for prefill graphs."""
+    import torch
+
+    from vlora.atmm import AtmmKernels
+    from vlora.atmm.mapping import LoraBatchMapping
+
+    def mapping(indptr, slots, even):
+        m = LoraBatchMapping.from_segments(indptr, slots, "cpu")
+        return LoraBatchMapping(m.seg_indptr, m.seg_slot, m.seg_indptr_host, m.seg_slot_host, indptr[-1], True,
+                                even=even)
+
+    T, d, r, slots = 64, 128, 64, 4
+    y, x = torch.zeros(T, d, dtype=torch.bfloat16), torch.zeros(T, d, dtype=torch.bfloat16)
+    a, b = torch.zeros(slots, r, d, dtype=torch.bfloat16), torch.zeros(slots, d, r, dtype=torch.bfloat16)
+    graph = mapping([0, T] + [T] * 7, [0] + [-1] * 7, False)
+    one = mapping([0, T], [0], False)
+    decode = mapping(list(range(T + 1)), [i % slots for i in range(T)], True)
+    ext = _RecordingExt()
+    k = AtmmKernels(ext=ext, load_table=False)
+    assert k.prefill_graph_expand is None
+    for m in (graph, one, decode):
+        assert k.run_rows(y, x, a, b, m, 1.0, stream=0)
+    assert ext.expands == ["tr_e_m64n128_r64_c1024_w4s3", "tr_c_m64n128_r64_w4s4_g1", "tr_c_m64n128_r64_w4s4_g1"]
+    ext, k2 = _RecordingExt(), None
+    k2 = AtmmKernels(ext=ext, load_table=False)
+    k2.prefill_graph_expand = "tr_c_m64n128_r64_w4s4_g1"
+    for m in (graph, one, decode):
+        assert k2.run_rows(y, x, a, b, m, 1.0, stream=0)
+    assert ext.expands == ["tr_c_m64n128_r64_w4s4_g1"] * 3

@@ -67,6 +67,9 @@ class AtmmKernels:
         # Plans of the graph-safe per-row calls (run_rows), each with its own workspace, never freed:
         # a captured CUDA graph keeps the workspace's address.
         self._row_plans: dict[tuple, tuple] = {}
+        # A prefill graph's expand by name instead of the table's and mixed_step_expand's (benchmarks/atmm_tables.py
+        # --prefill-graph-expand times the candidates); set before the graphs' plans are made.
+        self.prefill_graph_expand: str | None = None
         # Call signatures the extension refused (RuntimeError): the PyTorch reference serves them.
         self._refused: dict[tuple, str] = {}
         self._warned: set[tuple] = set()
@@ -272,7 +275,9 @@ class AtmmKernels:
             hit = self.lookup("shrink", dtype, T, d_in, r_max, plan_s)
             shrink = (hit["config"], hit["split_k"])
             expand = self.lookup("expand", dtype, T, d_out, r_max, plan_s)["config"]
-            if not mapping.even and S > 1:  # a graph of one sequence never replays a mixed step
+            if not mapping.even and self.prefill_graph_expand is not None:
+                expand = self.prefill_graph_expand
+            elif not mapping.even and S > 1:  # a graph of one sequence never replays a mixed step
                 expand = mixed_step_expand(expand, r_max, self._names)
             split_k = int(shrink[1])
             need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
