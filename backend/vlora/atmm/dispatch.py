@@ -325,11 +325,14 @@ class AtmmKernels:
 
 
 # A prefill graph also replays steps that carry decode rows beside the prompts (one short segment each, first in
-# the step): the column-stationary expand (tr_c_*) walks the segments of its run of rows one after another, so 30
-# one-row segments took a call from 17-27 us to 124-173 us (H200, T = 1,024, rank 64, 8 slots; the q/o, gate/up
-# and down widths; benchmarks/atmm_tables.py's prefill-mixed calls), about 11 ms more per mixed 32-block step with
-# q/k/v/o adapters. The row-tile expand gives each segment its own tiles: 36-53 us on that mixed step, 28-35 us
-# on one prompt of all T rows. Under load nearly every prefill step is mixed, so prefill graphs take the row-tile one.
+# the step). The column-stationary expand (tr_c_*) as it was before 4591a80 walked the segments of its run of rows
+# one after another, so 30 one-row segments took a call from 17-27 us to 124-173 us (H200, T = 1,024, rank 64,
+# 8 slots, the q/o, gate/up and down widths, timed through run_rows on that layout, as benchmarks/atmm_tables.py's
+# prefill-mixed calls are), about 11 ms more per mixed 32-block step with q/k/v/o adapters. The row-tile expand
+# gives each segment its own tiles: 36-53 us on that mixed step, 28-35 us on one prompt of all T rows. Under load
+# nearly every prefill step is mixed, so prefill graphs take the row-tile one. Since 4591a80 tr_c shares its work
+# out by segments' runs of rows, which may serve both cases; until that is timed on a GPU (atmm_tables
+# --prefill-graph-expand), this choice stays.
 ROW_TILE_EXPANDS = ((64, "tr_e_m64n128_r64_c1024_w4s3"), (128, "tr_e_m64n128_r128_c1024_w4s2"))
 
 
