@@ -268,6 +268,10 @@ class AtmmConfig:
     eager steps of ``tune_segments`` sequences where more than one), the largest of ``tune_ranks`` first. It shares
     the GPU, so it is stopped while requests are in flight and goes on after a second of idleness
     (``tune_budget_s`` of its running time at most: the time it is stopped does not count).
+    ``prefill_graph_expand``: the expand kernel of the prefill graphs' LoRA calls; ``auto``: the table's, except a
+    column-stationary one (``tr_c_*``) in graphs of several sequences, which takes the row-tile one
+    (:func:`vlora.atmm.dispatch.mixed_step_expand`); a compiled expand config's name: that one for every prefill
+    graph (to compare them through the server; refused at load where the extension lacks it).
     """
 
     tune_at_load: str = "auto"
@@ -275,9 +279,12 @@ class AtmmConfig:
     tune_ranks: tuple[int, ...] = (8, 16, 32, 64, 128)  # those up to lora.max_rank are tuned
     tune_segments: tuple[int, ...] = (1, 4, 16, 64)
     tune_cache_dir: Optional[str] = None  # default ~/.cache/vlora/tiling
+    prefill_graph_expand: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.tune_at_load in TUNE_AT_LOAD, f"atmm.tune_at_load must be one of {TUNE_AT_LOAD}")
+        _require(isinstance(self.prefill_graph_expand, str) and bool(self.prefill_graph_expand),
+                 "atmm.prefill_graph_expand must be auto or an expand config's name")
         _require(self.tune_budget_s > 0, "atmm.tune_budget_s must be > 0")
         _require(all(isinstance(r, int) and r >= 1 for r in self.tune_ranks), "atmm.tune_ranks are positive ints")
         _require(all(isinstance(x, int) and x >= 1 for x in self.tune_segments), "atmm.tune_segments are positive ints")

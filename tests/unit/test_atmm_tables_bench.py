@@ -115,3 +115,39 @@ def test_run_rows_picks_the_prefill_graph_expand():
     for m in (graph, one, decode):
         assert k2.run_rows(y, x, a, b, m, 1.0, stream=0)
     assert ext.expands == ["tr_c_m64n128_r64_w4s4_g1"] * 3
+
+
+def test_the_prefill_graph_expand_setting_reaches_the_kernels():
+    """atmm.prefill_graph_expand: auto leaves run_rows' own choice; a compiled expand config is set on the runner's
+    kernels before the prefill graphs plan their calls; a name that is not a compiled expand is refused at load,
+    naming the setting; without the extension the setting is ignored."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from vlora.atmm import AtmmKernels
+    from vlora.config import ConfigError, EngineConfig
+    from vlora.engine.builder import set_prefill_graph_expand
+
+    class Ext(_RecordingExt):
+        def configs(self):
+            return [{"name": n, "kind": "triton", "expand": not n.startswith("tr_s_")} for n in self.NAMES]
+
+    def runner_with(kernels):
+        return SimpleNamespace(lora_ctx=SimpleNamespace(backend=SimpleNamespace(kernels=kernels)))
+
+    kernels = AtmmKernels(ext=Ext(), load_table=False)
+    assert kernels.expand_config_names == ["tr_c_m64n128_r64_w4s4_g1", "tr_e_m64n128_r64_c1024_w4s3"]
+    cfg = lambda v: EngineConfig().with_overrides({"atmm.prefill_graph_expand": v})  # noqa: E731
+    set_prefill_graph_expand(cfg("tr_c_m64n128_r64_w4s4_g1"), runner_with(kernels))
+    assert kernels.prefill_graph_expand == "tr_c_m64n128_r64_w4s4_g1"
+    set_prefill_graph_expand(cfg("auto"), runner_with(kernels))
+    assert kernels.prefill_graph_expand is None
+    with pytest.raises(ConfigError, match="atmm.prefill_graph_expand"):
+        set_prefill_graph_expand(cfg("tr_s_m64k128_r64_w4s4"), runner_with(kernels))  # a shrink
+    with pytest.raises(ConfigError, match="atmm.prefill_graph_expand"):
+        set_prefill_graph_expand(cfg("no_such_config"), runner_with(kernels))
+    absent = AtmmKernels(ext=None, load_table=False)
+    absent.unavailable_reason = "no extension"
+    set_prefill_graph_expand(cfg("tr_c_m64n128_r64_w4s4_g1"), runner_with(absent))  # ignored, with a warning
+    assert absent.prefill_graph_expand is None

@@ -92,6 +92,11 @@ class AtmmKernels:
     def config_names(self) -> list[str]:
         return list(self._names)
 
+    @property
+    def expand_config_names(self) -> list[str]:
+        """The compiled configs that serve the expand direction."""
+        return [c["name"] for c in self.ext.configs() if c.get("expand")] if self.ext is not None else []
+
     def load_table(self, path: Path, overlay: Path | None = None) -> int:
         """Load ``path`` into a fresh table and swap it in; with ``overlay``, its entries replace the
         ones of the same shape (a tuner run that covered part of the grid). Raises ValueError naming

@@ -182,6 +182,7 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int
     info["cuda_graphs"] = {"batch_sizes": list(runner.graphs.sizes), "capture_s": round(runner.graphs.capture_s, 2),
                                         "memory_mib": round(runner.graphs.memory_bytes / 2**20, 1)}
     max_tokens = min(config.engine.prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
+    set_prefill_graph_expand(config, runner)
     if prefill_buckets(max_tokens):
         runner.prefill_graphs = PrefillGraphs(runner, max_tokens, config.scheduler.max_batch_size, max_model_len,
                                               pool=runner.graphs.pool)
@@ -251,6 +252,26 @@ def tuner_shapes(config: EngineConfig) -> list[tuple[int, int]]:
     prefill = sorted({t for t in TUNE_PREFILL_TOKENS if t < budget} | {budget})
     eager = [(t, s) for t in sorted({min(1024, budget), budget}) for s in config.atmm.tune_segments if 1 < s <= t]
     return [(b, b) for b in decode] + [(t, 1) for t in prefill] + eager
+
+
+def set_prefill_graph_expand(config: EngineConfig, runner: ModelRunner) -> None:
+    """``atmm.prefill_graph_expand`` onto the runner's ATMM kernels, before the prefill graphs plan their calls.
+    A name the extension does not compile as an expand is refused (ConfigError); without the extension the
+    setting has nothing to act on."""
+    name = config.atmm.prefill_graph_expand
+    kernels = getattr(runner.lora_ctx.backend, "kernels", None)
+    if kernels is None or not kernels.available:
+        if name != "auto":
+            log.warning("atmm.prefill_graph_expand=%s: the ATMM extension is not in use here; the setting is ignored",
+                        name)
+        return
+    if name == "auto":
+        kernels.prefill_graph_expand = None
+        return
+    if name not in kernels.expand_config_names:
+        raise ConfigError(f"atmm.prefill_graph_expand: {name!r} is not an expand config of this build "
+                          f"(expands: {', '.join(kernels.expand_config_names)})")
+    kernels.prefill_graph_expand = name
 
 
 def start_tuner(config: EngineConfig, runner: ModelRunner, device: torch.device, dtype: torch.dtype):
