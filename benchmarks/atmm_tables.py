@@ -32,7 +32,6 @@ import yaml
 from benchmarks.common import ROOT, device_name, git_commit, record_result
 
 from vlora.atmm import AtmmKernels
-from vlora.atmm.dispatch import mixed_step_expand
 from vlora.atmm.mapping import LoraBatchMapping
 from vlora.atmm.tiling import TABLE_ENV, resolve_table
 from vlora.atmm.timing import copy_bandwidth_gbs, graph_time_us, sets_needed
@@ -95,20 +94,15 @@ def time_call(kernels: AtmmKernels, kind: str, T: int, d_in: int, d_out: int, ar
     ranks, scales = (args.rank,) * args.slots, (1.0,) * args.slots
     if kind == "eager":
         calls = [lambda s=s: kernels.run(s[0], s[1], s[2], s[3], ranks, scales, mapping) for s in sets]
-        plan_s = 2
+        hit = kernels.lookup("shrink", "bf16", T, d_in, args.rank, 2)
+        shrink, expand = (hit["config"], hit["split_k"]), kernels.lookup("expand", "bf16", T, d_out, args.rank, 2)["config"]
     else:
         calls = [lambda s=s: kernels.run_rows(s[0], s[1], s[2], s[3], mapping, 1.0) for s in sets]
-        plan_s = T if mapping.even else 1
-    shrink = kernels.lookup("shrink", "bf16", T, d_in, args.rank, plan_s)
-    expand = kernels.lookup("expand", "bf16", T, d_out, args.rank, plan_s)
-    if kind != "eager" and not mapping.even and kernels.prefill_graph_expand is not None:
-        expand = {**expand, "config": kernels.prefill_graph_expand}
-    elif kind != "eager" and not mapping.even and mapping.num_segments > 1:  # what run_rows uses for a prefill graph
-        expand = {**expand, "config": mixed_step_expand(expand["config"], args.rank, kernels.config_names)}
+        shrink, expand = kernels.row_kernels("bf16", T, d_in, d_out, args.rank, mapping.num_segments, mapping.even)
     us = graph_time_us(calls)
     del sets
     floor_bytes = 2 * (T * d_in + 2 * T * d_out + used * args.rank * (d_in + d_out))
-    return us, f"{shrink['config']}/{shrink['split_k']} + {expand['config']}", floor_bytes
+    return us, f"{shrink[0]}/{shrink[1]} + {expand}", floor_bytes
 
 
 def main(argv: list[str] | None = None) -> int:

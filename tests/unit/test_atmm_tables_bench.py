@@ -109,6 +109,8 @@ def test_run_rows_picks_the_prefill_graph_expand():
     for m in (graph, one, decode):
         assert k.run_rows(y, x, a, b, m, 1.0, stream=0)
     assert ext.expands == ["tr_e_m64n128_r64_c1024_w4s3", "tr_c_m64n128_r64_w4s4_g1", "tr_c_m64n128_r64_w4s4_g1"]
+    # row_kernels is that choice (atmm_tables reports it)
+    assert [k.row_kernels("bf16", T, d, d, r, m.num_segments, m.even)[1] for m in (graph, one, decode)] == ext.expands
     ext, k2 = _RecordingExt(), None
     k2 = AtmmKernels(ext=ext, load_table=False)
     k2.prefill_graph_expand = "tr_c_m64n128_r64_w4s4_g1"

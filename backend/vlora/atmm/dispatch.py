@@ -273,17 +273,7 @@ class AtmmKernels:
         key = (y.device, dtype, T, S, d_in, d_out, r_max, n_slots, float(sign))
         plan = self._row_plans.get(key)
         if plan is None:
-            # A prefill graph's segments (not even) change length every step, most of them empty: its kernels are
-            # the table's for one segment of all T rows, the usual prefill (every kernel finds each block's segment
-            # on the device, so any bounds are served; the grid covers T / BM + S row tiles).
-            plan_s = S if mapping.even else 1
-            hit = self.lookup("shrink", dtype, T, d_in, r_max, plan_s)
-            shrink = (hit["config"], hit["split_k"])
-            expand = self.lookup("expand", dtype, T, d_out, r_max, plan_s)["config"]
-            if not mapping.even and self.prefill_graph_expand is not None:
-                expand = self.prefill_graph_expand
-            elif not mapping.even and S > 1:  # a graph of one sequence never replays a mixed step
-                expand = mixed_step_expand(expand, r_max, self._names)
+            shrink, expand = self.row_kernels(dtype, T, d_in, d_out, r_max, S, mapping.even)
             split_k = int(shrink[1])
             need = self.ext.workspace_size(S, split_k, T, r_max, dtype)
             workspace = torch.empty(max(need, 256), dtype=torch.uint8, device=y.device)
@@ -307,6 +297,23 @@ class AtmmKernels:
             self._row_plans[key] = False
             return False
         return True
+
+    def row_kernels(self, dtype: str, T: int, d_in: int, d_out: int, r_max: int, S: int,
+                    even: bool) -> tuple[tuple[str, int], str]:
+        """((shrink config, split_k), expand config) of a :meth:`run_rows` call over ``S`` segments of T rows.
+        A prefill graph's segments (not ``even``) change length every step, most of them empty: its kernels are
+        the table's for one segment of all T rows, the usual prefill (every kernel finds each block's segment on
+        the device, so any bounds are served; the grid covers T / BM + S row tiles), except its expand:
+        ``prefill_graph_expand`` where set, else :func:`mixed_step_expand` of the table's where the graph holds
+        several sequences (a graph of one sequence never replays a mixed step)."""
+        plan_s = S if even else 1
+        hit = self.lookup("shrink", dtype, T, d_in, r_max, plan_s)
+        expand = self.lookup("expand", dtype, T, d_out, r_max, plan_s)["config"]
+        if not even and self.prefill_graph_expand is not None:
+            expand = self.prefill_graph_expand
+        elif not even and S > 1:
+            expand = mixed_step_expand(expand, r_max, self._names)
+        return (hit["config"], hit["split_k"]), expand
 
     def plan_call(self, dtype: str, T: int, d_in: int, d_out: int, r_max: int, ranks: tuple[int, ...], S: int,
                   seg_slot_host: tuple[int, ...], shrink: tuple[str, int] | None = None,
