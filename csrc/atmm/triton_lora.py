@@ -175,20 +175,6 @@ def _cols_tiles(src, y, lo, hi, t0, t1, rr, vcm, rn, nm, r_max, ld_y, bt, scale,
 
 
 @triton.jit
-def _items(seg_indptr, seg_slot, num_segments, size, SEGS: tl.constexpr):
-    """The work items of all segments: a segment of n rows (with a slot) has ceil(n / size) of them."""
-    total = 0
-    for c0 in range(0, num_segments, SEGS):
-        s = c0 + tl.arange(0, SEGS)
-        m = s < num_segments
-        lo = tl.load(seg_indptr + s, mask=m, other=0)
-        hi = tl.load(seg_indptr + s + 1, mask=m, other=0)
-        sl = tl.load(seg_slot + s, mask=m, other=-1)
-        total += tl.sum(tl.where(m & (sl >= 0), (hi - lo + size - 1) // size, 0), 0)
-    return total
-
-
-@triton.jit
 def _cols_item(y, v, partial, lora_b, slot_scale, slot_rank, slot, lo, hi, t0, t1, rn, nm, rr, cm, num_tokens, d_out,
                r_max, ld_y, splits, BM: tl.constexpr, R: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr):
     """y of one segment's row tiles t0..t1 (tiles of BM rows from its first row lo, up to hi) += its slot's scale *
@@ -238,7 +224,8 @@ def lora_expand_cols(y, v, partial, lora_b, slot_scale, slot_rank, seg_indptr, s
     cm = tl.full((R,), 1, tl.int1) if EVEN else rr < r_max
     g = tl.num_programs(1)
     size = (num_tokens + g * BM - 1) // (g * BM) * BM  # rows of an item: whole row tiles
-    total = _items(seg_indptr, seg_slot, num_segments, size, SEGS)
+    # every item: those before a pid past them all (a segment of n rows has at most n // size + 1 items)
+    _, total = _row_tile(num_tokens + num_segments, seg_indptr, seg_slot, num_segments, size, SEGS)
     per = (total + g - 1) // g
     it = tl.program_id(1) * per  # this program's items: [it, end)
     end = tl.minimum(it + per, total)
