@@ -61,19 +61,22 @@ def call_sets(T: int, d_in: int, d_out: int, slots: int, rank: int) -> list[tupl
     return out
 
 
+def _graph_mapping(indptr: list[int], slots: list[int]) -> LoraBatchMapping:
+    """Segments whose bounds a prefill graph reads on the device (even False)."""
+    m = LoraBatchMapping.from_segments(indptr, slots, "cuda")
+    return LoraBatchMapping(m.seg_indptr, m.seg_slot, m.seg_indptr_host, m.seg_slot_host, indptr[-1], True, even=False)
+
+
 def prefill_graph_mapping(T: int, max_batch: int) -> LoraBatchMapping:
     """A prefill graph's mapping: ``max_batch`` segments, the first of all T rows (slot 0), the rest empty."""
-    m = LoraBatchMapping.from_segments([0] + [T] * max_batch, [0] + [-1] * (max_batch - 1), "cuda")
-    return LoraBatchMapping(m.seg_indptr, m.seg_slot, m.seg_indptr_host, m.seg_slot_host, T, True, even=False)
+    return _graph_mapping([0] + [T] * max_batch, [0] + [-1] * (max_batch - 1))
 
 
 def mixed_graph_mapping(T: int, max_batch: int, slots: int) -> LoraBatchMapping:
     """A prefill graph replaying a mixed step: ``max_batch - 2`` decode rows first (one segment each, slots in
     turn), then two prompts sharing the rest of the T rows."""
     d = max_batch - 2
-    half = (T - d) // 2
-    m = LoraBatchMapping.from_segments(list(range(d + 1)) + [d + half, T], [i % slots for i in range(d + 2)], "cuda")
-    return LoraBatchMapping(m.seg_indptr, m.seg_slot, m.seg_indptr_host, m.seg_slot_host, T, True, even=False)
+    return _graph_mapping(list(range(d + 1)) + [d + (T - d) // 2, T], [i % slots for i in range(d + 2)])
 
 
 def time_call(kernels: AtmmKernels, kind: str, T: int, d_in: int, d_out: int, args) -> tuple[float, str, int]:
